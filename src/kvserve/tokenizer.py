@@ -1,0 +1,135 @@
+"""Loading a model's tokenizer and turning chat messages into prompt token ids.
+
+Both a GGUF file (the tokenizer is stored inside it; transformers rebuilds a fast
+tokenizer from the metadata) and a Hugging Face model folder (``tokenizer.json`` /
+``tokenizer_config.json``) are supported, always from local files only.
+
+Chat prompts use the tokenizer's own Jinja chat template: the template is rendered to
+text and then encoded with ``add_special_tokens=False`` (the template already writes
+the special tokens), which gives the same ids as transformers'
+``apply_chat_template(..., tokenize=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Files whose presence marks a folder as holding a Hugging Face tokenizer.
+_HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+)
+
+
+def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a model from local files.
+
+    Args:
+        model_path: a ``.gguf`` file, or a folder with a Hugging Face tokenizer
+            (``tokenizer.json`` / ``tokenizer_config.json`` ...), or a folder holding
+            exactly one ``.gguf`` file and no Hugging Face tokenizer files.
+
+    Returns:
+        A transformers tokenizer (fast, Rust-backed where available).
+
+    Raises:
+        FileNotFoundError: ``model_path`` does not exist.
+        ValueError: no tokenizer can be found or loaded at ``model_path`` (the message
+            names the path and the cause).
+
+    Loading a GGUF tokenizer takes a few seconds (the vocabulary is rebuilt from the
+    metadata): load it once per engine.
+    """
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no tokenizer: {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(
+                f"cannot load a tokenizer from {str(path)!r}: expected a .gguf file "
+                "or a Hugging Face model folder"
+            )
+        return _load_gguf(path)
+    if any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
+        try:
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # transformers raises many kinds; name the path
+            raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {e}") from e
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _load_gguf(ggufs[0])
+    found = f"{len(ggufs)} .gguf files" if ggufs else "no .gguf file"
+    raise ValueError(
+        f"no tokenizer found in {str(path)!r}: expected one of {', '.join(_HF_TOKENIZER_FILES)} "
+        f"or a single .gguf file ({found} there)"
+    )
+
+
+def _load_gguf(path: Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from the GGUF file {str(path)!r}: {e}") from e
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Render chat messages with the tokenizer's chat template and encode them.
+
+    Args:
+        tokenizer: a tokenizer with a ``chat_template``.
+        messages: OpenAI-style messages, each a mapping with ``role`` (str) and
+            ``content`` (str, or a list of content parts if the template accepts it);
+            other keys (``name``, ``tool_calls`` ...) are passed to the template.
+        add_generation_prompt: end with the header of an assistant turn (e.g.
+            ``<|im_start|>assistant\\n``), so the model answers.
+
+    Returns:
+        Prompt token ids (the template writes BOS / special tokens itself; no others
+        are added).
+
+    Raises:
+        ValueError: empty ``messages``, a message that is not a mapping or lacks
+            ``role`` / ``content``, a non-string role, or a tokenizer without a chat
+            template.
+    """
+    _check_messages(messages)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '?')!r}) "
+            "has no chat template; send a plain prompt instead"
+        )
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _check_messages(messages: list[dict]) -> None:
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    if len(messages) == 0:
+        raise ValueError("messages must not be empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        missing = [k for k in ("role", "content") if k not in m]
+        if missing:
+            raise ValueError(f"messages[{i}] lacks {' and '.join(repr(k) for k in missing)}")
+        if not isinstance(m["role"], str) or not m["role"]:
+            raise ValueError(f"messages[{i}]['role'] must be a non-empty string, got {m['role']!r}")
+        if not isinstance(m["content"], (str, list)):
+            raise ValueError(
+                f"messages[{i}]['content'] must be a string or a list of content parts, "
+                f"got {type(m['content']).__name__}"
+            )
