@@ -1,0 +1,222 @@
+"""Per-request sampling parameters, validated at construction.
+
+Field names follow vLLM (and OpenAI where OpenAI has one). Every invalid value
+raises ``ValueError`` naming the field and its allowed range, so that a bad
+request is rejected before it reaches the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to turn a prompt's logits into tokens.
+
+    Attributes:
+        max_tokens: Most tokens to generate (≥ 1). ``None`` means up to ``max_model_len``.
+        min_tokens: EOS, stop tokens and stop strings are suppressed until this many
+            tokens were generated (0 ≤ min_tokens ≤ max_tokens).
+        temperature: ≥ 0; 0 means greedy (argmax).
+        top_k: Keep the k most likely tokens; 0 or -1 disables.
+        top_p: Nucleus sampling, 0 < p ≤ 1.
+        min_p: Drop tokens whose probability is below ``min_p · p_max``; 0 ≤ min_p ≤ 1.
+        repetition_penalty: > 0, Hugging Face semantics over prompt and output tokens
+            (positive logits divided, negative multiplied); 1 disables.
+        presence_penalty: -2 ≤ x ≤ 2, OpenAI semantics over output tokens.
+        frequency_penalty: -2 ≤ x ≤ 2, OpenAI semantics over output tokens.
+        logit_bias: token id → additive bias in [-100, 100].
+        allowed_token_ids: if set, every other token is masked.
+        bad_words: token id sequences that must never be completed.
+        seed: makes the request's samples depend only on its own prompt and params.
+        stop: strings that end generation (matched across token boundaries).
+        stop_token_ids: token ids that end generation besides EOS.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        ignore_eos: keep generating past EOS.
+        skip_special_tokens: leave special tokens out of the text.
+        logprobs: number of top alternatives (0..20) to return per generated token;
+            ``None`` returns none.
+        prompt_logprobs: likewise for every prompt position after the first.
+        n: number of samples to return.
+        best_of: number of samples to draw; the ``n`` with the highest cumulative
+            logprob are returned (best_of ≥ n).
+        use_beam_search / beam_width / length_penalty: beam search; the score is
+            ``cum_logprob / output_len ** length_penalty``.
+    """
+
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[list[int]]] = None
+    seed: Optional[int] = None
+    stop: Optional[list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    n: int = 1
+    best_of: Optional[int] = None
+    use_beam_search: bool = False
+    beam_width: Optional[int] = None
+    length_penalty: float = 1.0
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.logit_bias is not None:
+            self.logit_bias = _bias_dict(self.logit_bias)
+        self._validate()
+
+    # ------------------------------------------------------------------ checks
+    def _validate(self) -> None:
+        _int("max_tokens", self.max_tokens, lo=1, allow_none=True)
+        _int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        _float("temperature", self.temperature, lo=0.0)
+        _int("top_k", self.top_k, lo=-1)
+        _float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _float("min_p", self.min_p, lo=0.0, hi=1.0)
+        _float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _float("length_penalty", self.length_penalty)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "use_beam_search"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("allowed_token_ids", "bad_words", "stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {value!r}")
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                _int("logit_bias key", tok, lo=0)
+                _float(f"logit_bias[{tok}]", bias, lo=-100.0, hi=100.0)
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                raise ValueError("allowed_token_ids must not be empty")
+            for tok in self.allowed_token_ids:
+                _int("allowed_token_ids entry", tok, lo=0)
+        if self.bad_words is not None:
+            for word in self.bad_words:
+                if not isinstance(word, (list, tuple)) or len(word) == 0:
+                    raise ValueError("bad_words must be a list of non-empty token id lists")
+                for tok in word:
+                    _int("bad_words entry", tok, lo=0)
+        _int("seed", self.seed, allow_none=True)
+        if self.stop is not None:
+            for s in self.stop:
+                if not isinstance(s, str) or s == "":
+                    raise ValueError("stop must be a list of non-empty strings")
+        if self.stop_token_ids is not None:
+            for tok in self.stop_token_ids:
+                _int("stop_token_ids entry", tok, lo=0)
+        _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, allow_none=True)
+        _int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS, allow_none=True)
+        _int("n", self.n, lo=1, hi=128)
+        _int("best_of", self.best_of, lo=1, hi=128, allow_none=True)
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be at least n ({self.n}), got {self.best_of}")
+        if self.use_beam_search:
+            _int("beam_width", self.beam_width, lo=1, hi=64, allow_none=True)
+            if self.beam_width is None:
+                self.beam_width = max(self.n, self.best_of or 1)
+            if self.beam_width < self.n:
+                raise ValueError(f"beam_width must be at least n ({self.n}), got {self.beam_width}")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Check that every token id the params name is inside the vocabulary.
+
+        Call at request admission; the sampler raises the same error later otherwise.
+
+        Raises:
+            ValueError: an id in logit_bias, allowed_token_ids, bad_words or
+                stop_token_ids is ≥ ``vocab_size`` (the message names the field).
+        """
+        groups = {
+            "logit_bias": list(self.logit_bias or ()),
+            "allowed_token_ids": list(self.allowed_token_ids or ()),
+            "bad_words": [t for w in self.bad_words or () for t in w],
+            "stop_token_ids": list(self.stop_token_ids or ()),
+        }
+        for name, ids in groups.items():
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+    # --------------------------------------------------------------- derived
+    @property
+    def greedy(self) -> bool:
+        """True when the sampler may take the argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def num_samples(self) -> int:
+        """Number of sequences drawn for the request (best_of, else n)."""
+        return self.best_of if self.best_of is not None else self.n
+
+
+def _bias_dict(bias) -> dict[int, float]:
+    """logit_bias as {int: float}; JSON gives string keys ("50256": -100)."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        try:
+            tok = int(k) if not isinstance(k, (bool, float)) else None
+        except (TypeError, ValueError):
+            tok = None
+        if tok is None:
+            raise ValueError(f"logit_bias keys must be integer token ids, got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"logit_bias[{tok}] must be a number, got {v!r}")
+        out[tok] = float(v)
+    return out
+
+
+def _int(name: str, value, lo: Optional[int] = None, hi: Optional[int] = None, allow_none: bool = False) -> None:
+    if value is None:
+        if allow_none:
+            return
+        raise ValueError(f"{name} must be an integer, got None")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    _range(name, value, lo, hi, False, False)
+
+
+def _float(
+    name: str, value, lo: Optional[float] = None, hi: Optional[float] = None, lo_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    _range(name, value, lo, hi, lo_open, False)
+
+
+def _range(name, value, lo, hi, lo_open, hi_open) -> None:
+    bad = (lo is not None and (value < lo or (lo_open and value == lo))) or (
+        hi is not None and (value > hi or (hi_open and value == hi))
+    )
+    if bad:
+        lo_s = "" if lo is None else (f"{lo} < " if lo_open else f"{lo} ≤ ")
+        hi_s = "" if hi is None else f" ≤ {hi}"
+        raise ValueError(f"{name} must satisfy {lo_s}{name}{hi_s}, got {value!r}")
