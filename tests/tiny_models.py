@@ -1,0 +1,85 @@
+"""Tiny random-weight Llama-family models built with transformers, saved as HF folders.
+
+Each folder has config.json, model.safetensors and a small byte-level BPE tokenizer, so
+kvserve loads it exactly as it would a real checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 384
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Once upon a time there was a little girl who loved to play.",
+    "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10",
+] * 20
+
+
+def make_tokenizer(path: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def _config(arch: str):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return tf.LlamaConfig(**common, rope_theta=10000.0)
+    if arch == "llama3":  # tied embeddings + llama3 RoPE scaling
+        common["tie_word_embeddings"] = True
+        return tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    if arch == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=32)
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+
+
+def make_model(path: Path, arch: str, seed: int = 0):
+    """Build, save and return a tiny random transformers model (float32, eval mode)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = _config(arch)
+    model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    # Larger-than-default init so logits are far from uniform (greedy ties are unlikely).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+    model.eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    make_tokenizer(path)
+    return model
