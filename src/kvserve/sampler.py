@@ -31,7 +31,9 @@ that needs a next token) and a :class:`SamplingMetadata` built from the rows'
    exponentiated in place into unnormalized probabilities whose maximum is exactly 1
    (no normalization pass is needed by anything below).
 6. **min-p** — drop tokens with ``p < min_p · p_max`` (``p_max`` is 1 here).
-7. **top-k** — keep tokens whose probability is ≥ the k-th largest.
+7. **top-k** — keep tokens whose probability is ≥ the k-th largest. (Min-p and top-k
+   are applied as one cut at the larger of their two thresholds, which is the same
+   thing: both keep a prefix of the sorted order.)
 8. **top-p** — keep the shortest prefix of the sorted distribution (renormalized over
    what survived 6-7) whose mass reaches ``top_p`` (a token is kept when the mass of
    the strictly higher-ranked tokens is < ``top_p``), so the top token always stays
@@ -53,7 +55,8 @@ Ties: every filter is a *value* threshold, so tokens tied with the last kept val
 all kept (top-k may keep more than k tokens; transformers does the same for top-k).
 The result never depends on the order in which a sort returns tied tokens.
 
-If steps 1-2 leave a row with no finite logit (e.g. ``allowed_token_ids`` all banned
+Logits must be finite or ``-inf`` (``+inf``/NaN are not supported). If steps 1-2
+leave a row with no finite logit (e.g. ``allowed_token_ids`` all banned
 by ``bad_words`` or ``min_tokens``), that row falls back to its raw logits rather than
 producing garbage; the engine should reject such requests at admission.
 
@@ -70,8 +73,10 @@ token depends only on its own processed probabilities, its seed and its step —
 on its batch-mates, their order, the device, or how many other requests were
 seeded. Zero-probability tokens can never be drawn. The draw is fully vectorized
 (no Python loop over rows or over the vocabulary anywhere in ``Sampler.__call__``),
-costs one read of the probabilities, and needs no per-row ``torch.Generator``. The engine draws a random seed for unseeded requests and must
-give each of a request's ``n``/``best_of`` samples its own seed (:func:`sample_seed`).
+costs one read of the probabilities, and needs no per-row ``torch.Generator``. The
+engine draws a random seed for unseeded requests and should give each of a
+request's ``n``/``best_of`` samples its own seed with :func:`sample_seed` (with
+``seed + i``, requests seeded s and s + 1 would share samples).
 
 Logprobs
 --------
@@ -84,13 +89,16 @@ JSON-safe.
 Cost
 ----
 Each stage runs only if some row of the batch uses it, and then only on the rows that
-use it (gather rows → stage → scatter rows). Bias, bans and penalties touch only the
+use it (gather rows → stage → scatter rows); a batch where no row uses any feature
+costs max, subtract, exp, one block sum and log_softmax over [B, V]. Bias, bans and penalties touch only the
 listed tokens (O(history length), not O(V)); their (row, token) lists are built once
 per step by :meth:`SamplingMetadata.build`. Top-p finds its threshold among the top 64
 candidates of ``topk`` and retries with 1024, then with a full sort, only the rows whose
 nucleus is wider, so the usual narrow nucleus never pays for a sort of the
 vocabulary. Ranks and top-K alternatives are computed only for rows that asked for
 ``logprobs``. Steps 1-3 copy the logits once (the caller's tensor is never modified).
+Masks are applied as a float 0/1 tensor and a multiply, which on CPU is several times
+faster than ``masked_fill_`` with a bool mask.
 """
 
 from __future__ import annotations
@@ -202,7 +210,7 @@ class SamplingMetadata:
     allowed_rows: Optional[torch.Tensor]  # rows with allowed_token_ids (None: all)
     allowed: Optional[_TokenEdit]  # rows index into allowed_rows' sub-batch
     bans: Optional[_TokenEdit]  # bad_words + min_tokens, values None
-    masked_rows: Optional[torch.Tensor]  # rows with allowed ids or bans (None: no row)
+    any_masked: bool  # some row has allowed ids or bans
     repetition: Optional[_TokenEdit]  # unique (row, tok) of prompt+output; values = penalty
     freq_presence: Optional[_TokenEdit]  # unique (row, tok) of output; values = -delta
     # step 4
@@ -210,10 +218,10 @@ class SamplingMetadata:
     sample_idx: Optional[torch.Tensor]  # non-greedy rows (None: all rows sample)
     # steps 5-9 (sampled sub-batch)
     temperature: Optional[torch.Tensor]  # [S, 1] float32; None when all are 1
-    min_p_rows: Optional[torch.Tensor]
-    min_p: Optional[torch.Tensor]  # [Sm, 1] float32
-    top_k_rows: Optional[torch.Tensor]
-    top_k: Optional[torch.Tensor]  # [Sk] int64 in [2, V-1]
+    cut_rows: Optional[torch.Tensor]  # rows with min-p or top-k (None: all S)
+    min_p: Optional[torch.Tensor]  # [U, 1] float32 over cut_rows (0: off); None: no row
+    top_k_rows: Optional[torch.Tensor]  # rows of the cut_rows sub-batch with top-k
+    top_k: Optional[torch.Tensor]  # [Uk] int64 in [2, V-1]; None: no row
     max_top_k: int
     top_p_rows: Optional[torch.Tensor]
     top_p: Optional[torch.Tensor]  # [Sp, 1] float64
@@ -252,7 +260,8 @@ class SamplingMetadata:
         sample_idx: list[int] = []
         temps: list[float] = []
         uniforms: list[float] = []
-        min_p = ([], [])
+        cut_rows: list[int] = []
+        cut_min_p: list[float] = []
         top_k = ([], [])
         top_p = ([], [])
         max_k = 0
@@ -303,20 +312,19 @@ class SamplingMetadata:
                 pen_freq.append(p.frequency_penalty)
                 pen_pres.append(p.presence_penalty)
                 pen_seqs.append(out)
-            if p.greedy:
-                pass
-            else:
+            if not p.greedy:
                 j = len(sample_idx)
                 sample_idx.append(i)
                 temps.append(p.temperature)
                 uniforms.append(row_uniform(row.seed, n_out))
-                if p.min_p > 0.0:
-                    min_p[0].append(j)
-                    min_p[1].append(p.min_p)
-                if 0 < p.top_k < V:
-                    top_k[0].append(j)
-                    top_k[1].append(p.top_k)
-                    max_k = max(max_k, p.top_k)
+                use_top_k = 0 < p.top_k < V
+                if p.min_p > 0.0 or use_top_k:
+                    if use_top_k:
+                        top_k[0].append(len(cut_rows))
+                        top_k[1].append(p.top_k)
+                        max_k = max(max_k, p.top_k)
+                    cut_rows.append(j)
+                    cut_min_p.append(p.min_p)
                 if p.top_p < 1.0:
                     top_p[0].append(j)
                     top_p[1].append(p.top_p)
@@ -366,17 +374,15 @@ class SamplingMetadata:
             if allowed_rows
             else None,
             bans=_TokenEdit(torch.tensor(bans[0], **i64), torch.tensor(bans[1], **i64)) if bans[0] else None,
-            masked_rows=torch.tensor(sorted(set(allowed_rows) | set(bans[0])), **i64)
-            if allowed_rows or bans[0]
-            else None,
+            any_masked=bool(allowed_rows or bans[0]),
             repetition=repetition,
             freq_presence=freq_presence,
             num_greedy=B - S,
             sample_idx=rows_or_none(sample_idx, B),
             temperature=torch.tensor(temps, **f32).unsqueeze(1) if any(t != 1.0 for t in temps) else None,
-            min_p_rows=rows_or_none(min_p[0], S),
-            min_p=torch.tensor(min_p[1], **f32).unsqueeze(1) if min_p[0] else None,
-            top_k_rows=rows_or_none(top_k[0], S),
+            cut_rows=rows_or_none(cut_rows, S),
+            min_p=torch.tensor(cut_min_p, **f32).unsqueeze(1) if any(cut_min_p) else None,
+            top_k_rows=rows_or_none(top_k[0], len(cut_rows)),
             top_k=torch.tensor(top_k[1], **i64) if top_k[0] else None,
             max_top_k=max_k,
             top_p_rows=rows_or_none(top_p[0], S),
@@ -469,12 +475,10 @@ def process_logits(raw: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if meta.freq_presence is not None:
         e = meta.freq_presence
         x.index_put_((e.rows, e.toks), e.values, accumulate=True)
-    if meta.masked_rows is not None:  # rows where steps 1-2 may have masked everything
-        rows = meta.masked_rows
-        dead = torch.isneginf(x[rows].amax(dim=-1))
+    if meta.any_masked:  # steps 1-2 may have masked a whole row
+        dead = torch.isneginf(x.amax(dim=-1))
         if bool(dead.any()):  # every token masked: fall back to the raw logits
-            dead_rows = rows[dead]
-            x[dead_rows] = raw[dead_rows]
+            x[dead] = raw[dead]
     return x
 
 
@@ -486,15 +490,14 @@ def _keep_only(sub: torch.Tensor, allowed: _TokenEdit) -> torch.Tensor:
 
 def _choose(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Steps 4-9: greedy rows take the argmax, the others are drawn."""
-    B = meta.batch_size
     if meta.sample_idx is None:  # no greedy row
         xs = x - x.amax(dim=-1, keepdim=True)
         return _draw_rows(xs, meta)
-    tokens = x.argmax(dim=-1)
-    if meta.num_greedy == B:
+    mx, tokens = x.max(dim=-1)  # first index on ties (faster than argmax on CPU)
+    if meta.num_greedy == meta.batch_size:
         return tokens
     xs = x[meta.sample_idx]
-    xs -= xs.amax(dim=-1, keepdim=True)
+    xs -= mx[meta.sample_idx].unsqueeze(1)
     tokens[meta.sample_idx] = _draw_rows(xs, meta)
     return tokens
 
@@ -505,26 +508,42 @@ def _draw_rows(xs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     After temperature the rows are exponentiated in place into unnormalized
     probabilities with maximum exactly 1; min-p, top-k and top-p then zero entries
     (value thresholds on probabilities are the same as on logits, exp being monotone).
+    Min-p and top-k are both "keep p ≥ threshold" with thresholds that do not depend
+    on each other (min-p's is ``min_p · 1``; the k-th largest of the min-p survivors is
+    the k-th largest overall, or 0 if fewer survive), so they are applied as one cut at
+    the larger of the two thresholds.
     """
     if meta.temperature is not None:
         xs.div_(meta.temperature)
     probs = xs.exp_()
-    if meta.min_p is not None:
-        thr = meta.min_p  # p < min_p · p_max with p_max = 1
-        probs = _on_rows(probs, meta.min_p_rows, lambda sub: sub.masked_fill_(sub < thr, 0.0))
-    if meta.top_k is not None:
-        k, kmax = meta.top_k, meta.max_top_k
-        probs = _on_rows(probs, meta.top_k_rows, lambda sub: _top_k(sub, k, kmax))
+    if meta.min_p is not None or meta.top_k is not None:
+        probs = _on_rows(probs, meta.cut_rows, lambda sub: _min_p_top_k(sub, meta))
     if meta.top_p is not None:
         p = meta.top_p
         probs = _on_rows(probs, meta.top_p_rows, lambda sub: _top_p(sub, p))
     return _inverse_cdf(probs, meta.uniforms)
 
 
-def _top_k(probs: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
-    """Keep entries ≥ the k-th largest of their row (ties kept). probs [R, V], k [R]."""
-    kth = probs.topk(kmax, dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-    return probs.masked_fill_(probs < kth, 0.0)
+def _min_p_top_k(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Zero entries below max(min_p, k-th largest) (ties with the k-th kept). probs [U, V]."""
+    thr = meta.min_p if meta.min_p is not None else probs.new_zeros(probs.shape[0], 1)
+    if meta.top_k is not None:
+        rows = meta.top_k_rows
+        src = probs if rows is None else probs[rows]
+        kth = src.topk(meta.max_top_k, dim=-1).values.gather(1, (meta.top_k - 1).unsqueeze(1))
+        if rows is None:
+            thr = torch.maximum(thr, kth)
+        else:
+            thr = thr.clone()
+            thr[rows] = torch.maximum(thr[rows], kth)
+    return _zero_below(probs, thr)
+
+
+def _zero_below(probs: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
+    """probs[i, j] = 0 where probs[i, j] < thr[i] (in place). A float 0/1 mask and a
+    multiply: on CPU several times faster than ``masked_fill_`` with a bool mask."""
+    keep = torch.ge(probs, thr, out=torch.empty_like(probs))
+    return probs.mul_(keep)
 
 
 def _top_p(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -561,7 +580,7 @@ def _top_p(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         if bool(done.all()):
             break
         pending = (~done).nonzero().squeeze(1) if pending is None else pending[~done]
-    return probs.masked_fill_(probs < thr, 0.0)
+    return _zero_below(probs, thr)
 
 
 def _top_p_widths(V: int) -> list[int]:
@@ -659,7 +678,8 @@ def _logprobs(
     if not any_rows:
         return token_lp, ranks, top_ids, top_lp
     sub_raw, sub_lsm, sub_tok = (raw, lsm, tok) if rows is None else (raw[rows], lsm[rows], tok[rows])
-    sub_ranks = (sub_raw > sub_raw.gather(1, sub_tok)).sum(dim=-1) + 1
+    larger = torch.gt(sub_raw, sub_raw.gather(1, sub_tok), out=torch.empty_like(sub_raw))
+    sub_ranks = larger.sum(dim=-1).to(torch.int64) + 1  # exact: counts < 2^24
     if num_top > 0:
         sub_top_lp, sub_top_ids = sub_lsm.topk(min(num_top, raw.shape[1]), dim=-1)
     if rows is None:
