@@ -66,3 +66,14 @@ def tiny_model_dir(tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' SmolLM2 from the same GGUF, float32 (the reference implementation)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()

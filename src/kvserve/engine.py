@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvserve.attention import TorchSDPABackend
+from kvserve.beam_search import BeamSearchState
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.kv_cache import KVCacheManager, allocate_kv_cache, plan_kv_cache
@@ -35,6 +36,7 @@ from kvserve.request import (
     RequestStatus,
     TokenLogprob,
 )
+from kvserve.sampler import sample_seed
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.tokenizer import load_tokenizer
@@ -93,13 +95,16 @@ class EngineArgs:
 
 
 class RequestGroup:
-    """The sequences of one user request (n / best_of samples)."""
+    """The sequences of one user request (n / best_of samples, or the live beams)."""
 
-    def __init__(self, request_id: str, params: SamplingParams, seqs: list[Request]) -> None:
+    def __init__(self, request_id: str, params: SamplingParams, seqs: list[Request],
+                 beam: Optional[BeamSearchState] = None) -> None:
         self.request_id = request_id
         self.params = params
         self.seqs = seqs
         self.pending_forks: list[Request] = seqs[1:]
+        self.beam = beam
+        self.beam_rows: dict[str, tuple[list[int], list[float]]] = {}
 
     @property
     def finished(self) -> bool:
@@ -144,7 +149,8 @@ class LLMEngine:
         self.kv_spec = plan_kv_cache(cfg, self.dtype, args.kv_cache_memory, args.block_size, max_len, args.num_blocks)
         logger.info(self.kv_spec.describe())
         self.kv_caches = allocate_kv_cache(cfg, self.kv_spec, self.dtype, self.device)
-        self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size)
+        self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, args.enable_prefix_caching,
+                                 self.kv_caches, namespace_model=str(path))
         self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv.block_tables, args.block_size, self.device)
@@ -182,6 +188,7 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
+        params.check_token_ids(vocab)
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt is {n} tokens, but max_model_len is {self.max_model_len}: it must be at most "
@@ -240,10 +247,10 @@ class LLMEngine:
             raise ValueError(f"request_id {rid!r} is already in use")
         arrival = next(self._arrivals)
         seqs = []
-        for i in range(params.num_samples):
-            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+        for i in range(1 if params.use_beam_search else params.num_samples):
+            seed = sample_seed(params.seed, i) if params.seed is not None else self._rng.getrandbits(63)
             seq = Request(
-                request_id=rid if params.num_samples == 1 else f"{rid}#{i}",
+                request_id=rid if params.num_samples == 1 or params.use_beam_search else f"{rid}#{i}",
                 prompt_token_ids=ids,
                 sampling_params=params,
                 seed=seed,
@@ -257,7 +264,11 @@ class LLMEngine:
             )
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
             seqs.append(seq)
-        group = RequestGroup(rid, params, seqs)
+        beam = None
+        if params.use_beam_search:
+            beam = BeamSearchState(params.beam_width, max_tokens, params.length_penalty,
+                                   () if params.ignore_eos else self.eos_token_ids)
+        group = RequestGroup(rid, params, seqs, beam)
         self.groups[rid] = group
         for s in seqs:
             self._seq_to_group[s.request_id] = group
@@ -294,6 +305,7 @@ class LLMEngine:
         result = self.runner.execute(sched)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
+            self.kv.cache_computed(req)  # before _fork_pending: forks share the cached prompt
         self._fork_pending(sched)
         for rid, lps in result.prompt_logprobs.items():
             req = next(r for r, _ in sched.scheduled if r.request_id == rid)
@@ -310,6 +322,12 @@ class LLMEngine:
             top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
             now = time.perf_counter()
             for i, req in enumerate(result.sample_requests):
+                group = self._seq_to_group[req.request_id]
+                if group.beam is not None:
+                    group.beam_rows[req.request_id] = result.beam_topk[req.request_id]
+                    if self._advance_beams(group):
+                        changed[req.parent_id] = group
+                    continue
                 k = req.sampling_params.logprobs
                 top = list(zip(top_ids[i][:k], top_lps[i][:k])) if (k and top_ids is not None) else []
                 self._append_token(req, toks[i], TokenLogprob(toks[i], lps[i], ranks[i], top), now)
@@ -352,6 +370,64 @@ class LLMEngine:
             m.finished_time = now
             self.scheduler.finish_request(req, status)
 
+    def _advance_beams(self, group: RequestGroup) -> bool:
+        """Run one beam-search step once every live beam has its next-token logprobs.
+
+        The new beams' KV is rearranged copy-on-write: a parent's first child takes over its
+        blocks, further children share its full blocks and copy the partial last one
+        (:meth:`KVCacheManager.clone`); parents with no child release theirs.
+
+        Returns:
+            True when the search finished.
+        """
+        live = group.seqs
+        if any(s.request_id not in group.beam_rows or s.num_computed_tokens != s.num_tokens for s in live):
+            return False
+        rows = [group.beam_rows.pop(s.request_id) for s in live]
+        outs = [list(s.output_token_ids) for s in live]
+        lengths = [s.num_tokens for s in live]
+        cands = group.beam.step(outs, [s.cumulative_logprob for s in live],
+                                [r[0] for r in rows], [r[1] for r in rows])
+        handles = [self.kv.detach(s) for s in live]
+        new_handles, used = [], set()
+        for c in cands:
+            if c.parent not in used:
+                used.add(c.parent)
+                new_handles.append(handles[c.parent])
+            else:  # no free block to copy into: this beam recomputes its tokens
+                new_handles.append(self.kv.clone(handles[c.parent], lengths[c.parent]) or ([], None))
+        for p, h in enumerate(handles):
+            if p not in used:
+                self.kv.release(h)
+        now = time.perf_counter()
+        if live[0].metrics.first_token_time is None:
+            live[0].metrics.first_token_time = now
+        while len(live) < len(cands):
+            lead = live[0]
+            beam = Request(
+                request_id=f"{group.request_id}#beam{len(live)}", prompt_token_ids=lead.prompt_token_ids,
+                sampling_params=lead.sampling_params, seed=lead.seed, eos_token_ids=lead.eos_token_ids,
+                prompt=lead.prompt, priority=lead.priority, cache_salt=lead.cache_salt,
+                arrival_index=lead.arrival_index, parent_id=group.request_id, sample_index=len(live),
+                status=RequestStatus.RUNNING,
+            )
+            live.append(beam)
+            self._seq_to_group[beam.request_id] = group
+            self.scheduler.running.append(beam)
+        for j, c in enumerate(cands):
+            s = live[j]
+            s.output_token_ids = outs[c.parent] + [c.token]
+            s.cumulative_logprob = c.cum_logprob
+            self.kv.attach(s, new_handles[j])
+            s.num_computed_tokens = lengths[c.parent] if new_handles[j][0] else 0
+        self.num_generated_tokens += len(cands)
+        if group.beam.done:
+            for s in live:
+                s.metrics.finished_time = now
+                self.scheduler.finish_request(s, RequestStatus.FINISHED_STOPPED)
+            return True
+        return False
+
     def _fork_pending(self, sched) -> None:
         """Start the other samples of groups whose first sequence just computed its prompt."""
         for req, _ in sched.scheduled:
@@ -368,34 +444,30 @@ class LLMEngine:
     def fork_prompt(self, src: Request, dst: Request) -> None:
         """Give ``dst`` the KV of ``src``'s prompt except its last token.
 
-        Full blocks are shared (reference counted); the block holding the last prompt
-        position is copied (copy-on-write), so ``dst`` computes one token before sampling.
+        Full blocks are shared (through the prefix cache when it is on, else by reference
+        count); the block holding the last prompt position is copied (copy-on-write), so
+        ``dst`` computes one token before sampling. See :meth:`KVCacheManager.fork`; when no
+        block is free ``dst`` is admitted normally (hitting the prefix cache if it is on).
         """
-        bs = self.kv.block_size
-        n = src.num_prompt_tokens - 1
-        src_table = self.kv.block_tables[src.request_id]
-        num_full, rem = divmod(n, bs)
-        shared = src_table[:num_full]
-        self.kv.pool.incref(shared)
-        table = list(shared)
-        if rem:
-            new = self.kv.pool.allocate(1) if self.kv.num_free_blocks else None
-            if new is None:
-                # No block free right now: fall back to recomputing the prompt.
-                self.kv.pool.decref(shared)
-                dst.num_computed_tokens = 0
-                return
-            for k_cache, v_cache in self.kv_caches:
-                k_cache[new[0], :rem] = k_cache[src_table[num_full], :rem]
-                v_cache[new[0], :rem] = v_cache[src_table[num_full], :rem]
-            table.extend(new)
-        self.kv.block_tables[dst.request_id] = table
-        dst.num_computed_tokens = n
-        dst.num_cached_tokens = n
+        if not self.kv.fork(src, dst):
+            dst.num_computed_tokens = 0
 
     def _make_output(self, group: RequestGroup) -> RequestOutput:
         seqs, params = group.seqs, group.params
         lead = seqs[0]
+        if group.beam is not None:
+            outs = [
+                CompletionOutput(
+                    index=i,
+                    text=self.tokenizer.decode(list(h.token_ids), skip_special_tokens=params.skip_special_tokens),
+                    token_ids=list(h.token_ids),
+                    finish_reason="stop" if h.finished_by_eos else "length",
+                    cumulative_logprob=h.cum_logprob,
+                )
+                for i, h in enumerate(group.beam.best(params.n))
+            ]
+            return RequestOutput(group.request_id, lead.prompt, lead.prompt_token_ids, outs,
+                                 group.finished, lead.metrics, num_cached_tokens=lead.num_cached_tokens)
         if params.num_samples == params.n:
             chosen = seqs
         elif group.finished:  # best_of: the n samples with the highest cumulative logprob
@@ -439,6 +511,7 @@ class LLMEngine:
             "num_chunked_prefills": self.scheduler.num_chunked_prefills,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "generated_tokens": self.num_generated_tokens,
+            **self.kv.stats(),  # prefix-cache queries/hits/hit rates/evictions, blocks free/cached/in use
         }
 
 

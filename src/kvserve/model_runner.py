@@ -59,6 +59,7 @@ class ModelRunnerOutput:
     sample_requests: list[Request]
     sampler_output: Optional[SamplerOutput]
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    beam_topk: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -176,13 +177,25 @@ class ModelRunner:
                     prompt_token_ids=r.prompt_token_ids,
                     output_token_ids=r.output_token_ids,
                     seed=r.seed,
-                    eos_token_id=r.eos_token_ids[0] if r.eos_token_ids else None,
+                    eos_token_id=list(r.eos_token_ids),
                 )
                 for r in batch.sample_requests
             ]
             meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
             out.sampler_output = self.sampler(sample_logits, meta)
+            beam_rows = [i for i, r in enumerate(batch.sample_requests) if r.sampling_params.use_beam_search]
+            if beam_rows:
+                out.beam_topk = self._beam_topk(sample_logits, batch.sample_requests, beam_rows)
         return out
+
+    @staticmethod
+    def _beam_topk(logits, reqs, rows) -> dict[str, tuple[list[int], list[float]]]:
+        """Per beam row, the 2·beam_width most likely next tokens and their raw logprobs."""
+        k = 2 * max(reqs[i].sampling_params.beam_width for i in rows)
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        top_lp, top_ids = torch.topk(torch.log_softmax(logits[idx].float(), dim=-1), k, dim=-1)
+        ids, lps = top_ids.tolist(), top_lp.tolist()
+        return {reqs[i].request_id: (ids[j], lps[j]) for j, i in enumerate(rows)}
 
     def _prompt_logprobs(self, logits: torch.Tensor, batch: BatchInputs) -> dict[str, list[TokenLogprob]]:
         res: dict[str, list[TokenLogprob]] = {}

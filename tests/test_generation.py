@@ -1,0 +1,152 @@
+"""Generation features on SmolLM2 (float32): logprobs against transformers, stop strings,
+streaming, UTF-8 safety, seeds, n > 1."""
+
+import math
+
+import pytest
+import torch
+
+from kvserve import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def _hf_logprobs(hf, ids):
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_generated_logprobs_match_reference(llm_fp32, reference):
+    """The reference ran with EOS masked (min_new_tokens) and reports logprobs of that
+    processed distribution; kvserve reports raw logprobs. Renormalizing kvserve's raw
+    values without EOS must give the reference's within 1e-4."""
+    case = reference["cases"][0]
+    eos = 2
+    others = [c["prompt_ids"] for c in reference["cases"][1:4]]
+    params = [SamplingParams(max_tokens=4, min_tokens=4, temperature=0, logprobs=20)] + [
+        SamplingParams(max_tokens=6, temperature=0)
+    ] * len(others)
+    out = llm_fp32.generate([case["prompt_ids"]] + others, params)[0]
+    assert len(out.outputs[0].logprobs) == 4
+    for step, (lp, ref_top) in enumerate(zip(out.outputs[0].logprobs, case["top5_logprobs_first4"])):
+        assert lp.token_id == case["greedy_ids"][step] and lp.rank == 1
+        p_eos = math.exp(dict(lp.top).get(eos, float("-inf")))
+        renorm = [(t, v - math.log1p(-p_eos)) for t, v in lp.top if t != eos][:5]
+        assert [t for t, _ in renorm] == [t for t, _ in ref_top]
+        for (_, a), (_, b) in zip(renorm, ref_top):
+            assert abs(a - b) < 1e-4
+
+
+def test_logprobs_match_transformers_in_a_batch(llm_fp32, hf_smollm2):
+    prompt = llm_fp32.engine.encode("The quick brown fox jumps over the lazy dog because")
+    others = [llm_fp32.engine.encode("Once upon a time"), llm_fp32.engine.encode("1, 2, 3,")]
+    p = SamplingParams(max_tokens=8, temperature=0, logprobs=3, prompt_logprobs=3, ignore_eos=True)
+    outs = llm_fp32.generate([others[0], prompt, others[1]], [SamplingParams(max_tokens=5), p, SamplingParams(max_tokens=3)])
+    out = outs[1]
+    full = prompt + out.outputs[0].token_ids
+    ref = _hf_logprobs(hf_smollm2, full)
+    # prompt logprobs: position 0 has none, position i scores prompt[i] given prompt[:i]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        lp = out.prompt_logprobs[i]
+        assert lp.token_id == prompt[i]
+        assert abs(lp.logprob - ref[i - 1, prompt[i]].item()) < 1e-4
+        assert lp.rank == 1 + int((ref[i - 1] > ref[i - 1, prompt[i]]).sum())
+        top = torch.topk(ref[i - 1], 3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+    for j, lp in enumerate(out.outputs[0].logprobs):
+        pos = len(prompt) + j - 1
+        assert abs(lp.logprob - ref[pos, lp.token_id].item()) < 1e-4
+    assert math.isclose(out.outputs[0].cumulative_logprob, sum(l.logprob for l in out.outputs[0].logprobs), abs_tol=1e-4)
+
+
+def _stream(llm, prompt, params):
+    deltas, last = [], None
+    for out in llm.generate([prompt], params, stream=True):
+        deltas.append(out.outputs[0].delta_text)
+        last = out
+    return deltas, last.outputs[0]
+
+
+def test_stop_string_spanning_tokens(llm_fp32):
+    # greedy continuation is " 6, 7, 8, 9, 10, ..." with " 7", ",", " 8" separate tokens
+    out = llm_fp32.generate(["1, 2, 3, 4, 5,"], SamplingParams(max_tokens=20, temperature=0, stop=["7, 8"]))[0]
+    o = out.outputs[0]
+    assert o.text == " 6, " and o.finish_reason == "stop" and o.stop_reason == "7, 8"
+    out = llm_fp32.generate(["1, 2, 3, 4, 5,"], SamplingParams(
+        max_tokens=20, temperature=0, stop=["7, 8"], include_stop_str_in_output=True))[0]
+    assert out.outputs[0].text == " 6, 7, 8"
+
+
+def test_stop_string_inside_a_token(llm_fp32):
+    # " Paris" is one token; "ari" is inside it
+    assert llm_fp32.tokenizer.encode(" Paris") == [7042]
+    o = llm_fp32.generate(["The capital of France is"], SamplingParams(max_tokens=10, temperature=0, stop=["ari"]))[0].outputs[0]
+    assert o.text == " P" and o.stop_reason == "ari" and o.finish_reason == "stop"
+
+
+def test_streamed_deltas_never_show_the_stop_string(llm_fp32):
+    deltas, o = _stream(llm_fp32, "1, 2, 3, 4, 5,", SamplingParams(max_tokens=30, temperature=0, stop=[" 9,"]))
+    assert "".join(deltas) == o.text == " 6, 7, 8,"
+    assert not any("9" in d for d in deltas)
+
+
+def test_min_tokens_delays_stop_string(llm_fp32):
+    o = llm_fp32.generate(["1, 2, 3, 4, 5,"], SamplingParams(max_tokens=40, min_tokens=20, temperature=0, stop=[","]))[0].outputs[0]
+    assert len(o.token_ids) >= 20 and o.finish_reason == "stop"
+    assert o.text == " 6, 7, 8, 9, 10, 11"  # the 20th token is "," and may stop it
+    assert len(o.token_ids) == 20
+    without = llm_fp32.generate(["1, 2, 3, 4, 5,"], SamplingParams(max_tokens=40, temperature=0, stop=[","]))[0].outputs[0]
+    assert without.text == " 6"
+
+
+@pytest.mark.parametrize("prompt, max_tokens", [("你好，世界！我喜欢吃", 20), ("Emoji story: 🌍🚀🌍🚀🌍🚀", 18)])
+def test_utf8_streaming(llm_fp32, prompt, max_tokens):
+    deltas, o = _stream(llm_fp32, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    assert "".join(deltas) == o.text
+    assert o.text == llm_fp32.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+    assert not any("\ufffd" in d for d in deltas)
+    assert any(ord(c) > 0x2000 for c in o.text)  # really produced CJK / emoji
+
+
+def test_streaming_concatenation_equals_final_text(llm_fp32):
+    deltas, o = _stream(llm_fp32, "Once upon a time, there was a little", SamplingParams(max_tokens=24, temperature=0))
+    assert "".join(deltas) == o.text and len(o.token_ids) == 24
+    assert o.text.startswith(" girl")  # the leading space of the first token survives
+
+
+def test_seeded_request_independent_of_batch(llm_fp32):
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    prompt = "Write a short poem about the sea:"
+    alone = llm_fp32.generate([prompt], seeded)[0].token_ids
+    others = [f"Story number {i}:" for i in range(8)]
+    unseeded = SamplingParams(max_tokens=12, temperature=1.0)
+    batch = llm_fp32.generate(others[:4] + [prompt] + others[4:], [unseeded] * 4 + [seeded] + [unseeded] * 4)
+    assert batch[4].token_ids == alone
+    rev = llm_fp32.generate(list(reversed(others)) + [prompt], [unseeded] * 8 + [seeded])
+    assert rev[8].token_ids == alone
+
+
+def test_n_samples_share_the_prompt(llm_fp32):
+    prompt = llm_fp32.engine.encode("Here is a list of fruit names: apple, banana, cherry, grape, mango, and")
+    params = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=7)
+    before = llm_fp32.engine.num_prompt_tokens_computed
+    out = llm_fp32.generate([prompt], params)[0]
+    computed = llm_fp32.engine.num_prompt_tokens_computed - before
+    samples = [tuple(o.token_ids) for o in out.outputs]
+    assert len(samples) == 4 and len(set(samples)) == 4
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    # the prompt is computed once; each other sample recomputes only the last prompt token
+    assert computed == len(prompt) + 3
+    again = llm_fp32.generate([prompt], params)[0]
+    assert [tuple(o.token_ids) for o in again.outputs] == samples
+
+
+def test_best_of_returns_highest_cumulative_logprob(llm_fp32):
+    params = SamplingParams(n=2, best_of=5, max_tokens=6, temperature=1.0, seed=3)
+    out = llm_fp32.generate(["The weather today is"], params)[0]
+    assert len(out.outputs) == 2
+    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
+    all5 = llm_fp32.generate(["The weather today is"], SamplingParams(n=5, max_tokens=6, temperature=1.0, seed=3))[0]
+    best = sorted((o.cumulative_logprob for o in all5.outputs), reverse=True)[:2]
+    assert [o.cumulative_logprob for o in out.outputs] == pytest.approx(best)
