@@ -3,15 +3,30 @@
 There are no prefill and decode phases. Each step, every request is owed
 ``num_tokens - num_computed_tokens`` tokens of computation; the scheduler hands out new
 tokens under a budget of ``max_num_batched_tokens`` per step and at most ``max_num_seqs``
-running requests:
+running requests. Requests are ordered by ``(priority, arrival)``: a lower priority value
+runs first, first come first served within a level.
 
-1. Running requests first — decodes (one token owed) before prefill chunks, so decodes keep
-   flowing while a long prompt is chunked. If the pool has no block for a running request,
-   the most recently admitted running request is preempted (its blocks freed, its
-   ``num_computed_tokens`` reset; it is recomputed later from prompt + output so far, which
-   leaves its output unchanged).
-2. Then waiting requests in (priority, arrival) order, as long as budget, sequence slots and
-   blocks allow; none is admitted in a step that had to preempt.
+1. Running requests first — decodes (one token owed) before prefill chunks, each in
+   priority order, so decodes keep flowing while a long prompt is chunked. When the pool is
+   short of blocks the KV manager first evicts unused prefix-cache blocks (LRU); only if
+   that is not enough does the scheduler free the blocks of forked samples still waiting,
+   then preempt the running request that comes last in ``(priority, arrival)`` order (its
+   computed full blocks go to the prefix cache, its blocks are released and its
+   ``num_computed_tokens`` reset; when it comes back it is recomputed from prompt + output
+   so far — hitting the cache it left behind where that is still there — which leaves its
+   output unchanged).
+2. Then waiting requests in ``(priority, arrival)`` order, as long as budget, sequence
+   slots and blocks allow; admission looks up the prefix cache (a hit simply advances
+   ``num_computed_tokens``). None is admitted in a step whose running requests had to be
+   preempted. A waiting request that does not fit may preempt running requests of strictly
+   lower priority (higher value), never requests of its own level.
+
+Admission watermark: while any request is running, a new request is admitted only if
+``watermark_blocks = ceil(watermark · num_blocks)`` blocks (default 1 %) stay available
+(free or evictable) after its first chunk's blocks are taken, so that a flood of long
+prompts cannot take the last blocks that running decodes need to grow (which would turn
+into preemption thrash). With nothing running the watermark does not apply, so a request
+as large as the whole pool can still run.
 
 A prompt longer than the budget is simply chunked over several steps.
 """
@@ -19,6 +34,7 @@ A prompt longer than the budget is simply chunked over several steps.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
@@ -53,15 +69,25 @@ class Scheduler:
 
     Args:
         config: budget and limits.
-        kv: the KV cache manager (block tables and the pool).
+        kv: the KV cache manager (block tables, pool and prefix cache).
+        watermark: fraction of the pool's blocks kept available when admitting new
+            requests while others run (see the module docstring); 0 disables it.
+
+    Raises:
+        ValueError: if ``watermark`` is not in ``[0, 1)``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, watermark: float = 0.01) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.config = config
         self.kv = kv
+        self.watermark = watermark
+        self.watermark_blocks = math.ceil(watermark * kv.num_blocks)
         self.waiting: list[Request] = []  # sorted by (priority, arrival_index)
         self.running: list[Request] = []  # in admission order
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # all preemptions (out of blocks or by priority)
+        self.num_priority_preemptions = 0  # of those, to admit a higher-priority request
         self.num_chunked_prefills = 0
 
     # ------------------------------------------------------------------ queue
@@ -78,66 +104,112 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
-        """Retire a request (finished, aborted or failed) and free its blocks."""
+        """Retire a request (finished, aborted or failed) and free its blocks.
+
+        Its computed full blocks stay in the prefix cache, except after an error.
+        """
         req.status = status
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, cache=status is not RequestStatus.FINISHED_ERROR)
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempt a running request; returns the tokens it had been given in this step."""
         self.running.remove(victim)
-        self.kv.free(victim)
+        taken = 0
+        for j, (r, n) in enumerate(out.scheduled):
+            if r is victim:  # already planned this step: take its tokens back
+                taken = n
+                del out.scheduled[j]
+                break
+        self.kv.free(victim)  # computed full blocks are cached first: resumption may hit them
         victim.num_computed_tokens = 0
-        victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
         self.add_request(victim)
         victim.status = RequestStatus.PREEMPTED
+        return taken
+
+    def _release_waiting_blocks(self, keep: Request | None = None) -> bool:
+        """Free the blocks of waiting requests that hold some (forked samples); they will be
+        admitted again through the prefix cache. Returns whether any were freed."""
+        freed = False
+        for r in self.waiting:
+            if r is not keep and self.kv.has_blocks(r):
+                self.kv.free(r)
+                r.num_computed_tokens = 0
+                freed = True
+        return freed
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        ordered = sorted(self.running, key=self._order)
+        decodes = [r for r in ordered if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in ordered if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
             if budget <= 0:
                 break
-            if req not in self.running:  # preempted earlier in this loop
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_new):
-                victim = self.running[-1]
-                for j, (r, n) in enumerate(out.scheduled):
-                    if r is victim:  # already planned this step: take its tokens back
-                        budget += n
-                        del out.scheduled[j]
-                        break
-                self._preempt(victim, out)
+            while not self.kv.allocate_slots(req, num_new):  # (evicts cached blocks first)
+                if self._release_waiting_blocks():
+                    continue
+                victim = max(self.running, key=self._order)
+                budget += self._preempt(victim, out)
                 if victim is req:
                     num_new = 0
                     break
             if num_new == 0:
                 continue
-            if num_new < req.num_tokens - req.num_computed_tokens:
-                self.num_chunked_prefills += 1
-            out.scheduled.append((req, num_new))
+            self._plan(req, num_new, out)
             budget -= num_new
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, num_new):
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_lower_priority(req, out):
+                    budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+                    continue
+                break
+            headroom = self.watermark_blocks if self.running else 0
+            num_new = self.kv.admit(req, budget, headroom)
+            if num_new == 0:
+                if self._preempt_lower_priority(req, out):
+                    budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+                    continue
+                if not self.running and self._release_waiting_blocks(keep=req):
+                    continue
                 break
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if num_new < req.num_tokens - req.num_computed_tokens:
-                self.num_chunked_prefills += 1
-            out.scheduled.append((req, num_new))
+            if req.sampling_params.prompt_logprobs is not None and req.prompt_logprobs:
+                # keep the logprobs of positions < num_computed_tokens (the first entry is
+                # None); a resumed request recomputes the rest and must not repeat them
+                del req.prompt_logprobs[req.num_computed_tokens + 1 :]
+            self._plan(req, num_new, out)
             budget -= num_new
         return out
+
+    def _plan(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        if num_new < req.num_tokens - req.num_computed_tokens:
+            self.num_chunked_prefills += 1
+        out.scheduled.append((req, num_new))
+
+    def _preempt_lower_priority(self, req: Request, out: SchedulerOutput) -> bool:
+        """Preempt the last running request if its priority is strictly lower than ``req``'s."""
+        if not self.running:
+            return False
+        victim = max(self.running, key=self._order)
+        if victim.priority <= req.priority:
+            return False
+        self._preempt(victim, out)
+        self.num_priority_preemptions += 1
+        return True
