@@ -323,6 +323,24 @@ def test_insert_from_start_node_and_move_lock() -> None:
     cache.check_invariants()
 
 
+def test_ancestor_at_splits_the_spanning_node() -> None:
+    pool, cache = _cache(num_blocks=16, block_size=2)
+    node, blocks = _put(pool, cache, [1, 1, 2, 2, 3, 3, 4, 4])
+    cache.lock(node)
+    top = cache.ancestor_at(node, 4)
+    assert top.depth == 4 and top.blocks == blocks[:2] and node.parent is top and top.lock_ref == 1
+    assert cache.ancestor_at(node, 4) is top and cache.ancestor_at(node, 8) is node
+    assert cache.ancestor_at(node, 0) is cache.root.children[NS]
+    assert cache.ancestor_at(cache.root, 0) is cache.root
+    for bad in (3, 10, -2):
+        with pytest.raises(ValueError):
+            cache.ancestor_at(node, bad)
+    cache.lock(top)
+    cache.unlock(node)
+    assert cache.evict(10) == 2 and cache.protected_blocks == 2  # node's own blocks went
+    cache.check_invariants()
+
+
 def test_many_leaves_evict_fast() -> None:
     pool, cache = _cache(num_blocks=4096, block_size=1)
     for i in range(4000):

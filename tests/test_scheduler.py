@@ -123,7 +123,7 @@ from kvserve.request import RequestStatus
 def _value(req: Request, pos: int) -> float:
     """What the fake model writes as the K of ``pos``: it depends on the namespace and on
     every token up to ``pos`` (as real K/V do)."""
-    key = (getattr(req, "adapter_id", None), req.cache_salt, tuple(req.all_token_ids[: pos + 1]))
+    key = (getattr(req, "adapter_id", None), req.cache_salt, tuple(int(t) for t in req.all_token_ids[: pos + 1]))
     return float(hash(key) % (1 << 40))
 
 
@@ -252,6 +252,31 @@ def test_two_requests_in_one_step_sharing_an_uncomputed_prefix():
     _step(s, model)
     assert c.num_cached_tokens == 0 and d.num_cached_tokens == 0
     _run_all(s, model)
+
+
+class CollidingInt(int):
+    """A token id whose hash collides with every other token id."""
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def test_forced_key_collision_is_told_apart_by_tokens():
+    kv, model = _caching(64, 4)
+    s = _sched(kv)
+    x = [CollidingInt(t) for t in range(10, 30)]
+    y = [CollidingInt(t) for t in range(50, 70)]
+    assert hash(tuple(x[:4])) == hash(tuple(y[:4]))  # the radix children keys collide
+    a, b = _preq(0, x), _preq(1, y)
+    s.add_request(a)
+    _run_all(s, model)
+    s.add_request(b)
+    _run_all(s, model)  # the fake model checks every K/V b relies on
+    assert b.num_cached_tokens == 0
+    c = _preq(2, y)
+    s.add_request(c)
+    _run_all(s, model)
+    assert c.num_cached_tokens == 19 and c.output_token_ids == b.output_token_ids
 
 
 def test_salts_and_adapters_isolate():
@@ -457,3 +482,50 @@ def test_random_workloads_with_prefix_caching(seed):
             assert len(r.output_token_ids) == r.sampling_params.max_tokens
     assert kv.num_used_blocks == 0 and kv.num_empty_blocks + kv.num_cached_blocks == kv.num_free_blocks == nb
     assert model.computed >= 0
+
+
+def test_flood_of_long_prompts_does_not_starve_running_decodes():
+    kv, model = _caching(40, 4)
+    s = _sched(kv, budget=64)
+    dec = _preq(0, list(range(8)), max_tokens=30)  # grows to 10 blocks
+    s.add_request(dec)
+    _step(s, model)
+    for i in range(1, 11):  # 10 long, distinct prompts of 100 tokens (25 blocks each)
+        s.add_request(_preq(i, [1000 * i + t for t in range(100)], max_tokens=4))
+    steps = 0
+    while not dec.is_finished:
+        out = _step(s, model)
+        assert dec in [r for r, _ in out.scheduled]  # a token every step
+        steps += 1
+    assert steps == 29 and dec.num_preemptions == 0
+    _run_all(s, model)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_beam_handles_clone_keeps_the_tree_rule(caching):
+    """detach/clone/attach/release (beam search): a clone shares the full blocks and copies
+    the partial one; every reference and lock is accounted for."""
+    model = FakeModel(32, 4)
+    kv = KVCacheManager(32, 4, caching, model.kv_caches)
+    s = _sched(kv)
+    a = _preq(0, list(range(10)), max_tokens=8)
+    s.add_request(a)
+    for _ in range(3):
+        _step(s, model)
+    n = a.num_computed_tokens  # 12: three full blocks (cached when caching), then a's next token
+    assert n == 12 and a.num_tokens == 13
+    h = kv.detach(a)
+    h2 = kv.clone(h, n - 1)  # a clone that ends inside the third block
+    kv.attach(a, h)
+    b = _preq(1, a.all_token_ids[: n - 1] + [4], max_tokens=8)
+    b.status = RequestStatus.RUNNING
+    s.running.append(b)
+    kv.attach(b, h2)
+    b.num_computed_tokens = n - 1
+    kv.check_invariants()
+    _run_all(s, model)
+    kv.check_invariants()
+    h3 = kv.clone(([], None), 0)
+    assert h3 == ([], None)
+    kv.release(h3)
+    assert kv.num_used_blocks == 0

@@ -517,6 +517,8 @@ class KVCacheManager:
         self.pool.incref(shared)
         if node is not None:
             assert self.cache is not None
+            if node.depth > num_full * self.block_size:  # keep only the path the clone shares
+                node = self.cache.ancestor_at(node, num_full * self.block_size)
             self.cache.lock(node)
         return list(shared) + new, node
 

@@ -384,6 +384,28 @@ class RadixCache:
         self._lock_path(new, a)
         self._unlock_path(old, a)
 
+    def ancestor_at(self, node: RadixNode, depth: int) -> RadixNode:
+        """The node on the path root..``node`` that ends exactly at ``depth`` tokens, splitting
+        the node that spans it (locks are kept). For a request that keeps only a prefix of
+        its locked path (a beam cloned at fewer tokens).
+
+        Args:
+            depth: a multiple of ``block_size``, ``0 ≤ depth ≤ node.depth``.
+
+        Raises:
+            ValueError: if ``node`` was evicted, or ``depth`` is not block-aligned or not in
+                ``[0, node.depth]``.
+        """
+        self._check_attached(node)
+        if depth % self.block_size or not 0 <= depth <= max(node.depth, 0):
+            raise ValueError(f"depth {depth} is not a block boundary in [0, {max(node.depth, 0)}]")
+        cur = node
+        while cur.parent is not None and cur.parent is not self.root and cur.parent.depth >= depth:
+            cur = cur.parent
+        if cur.depth == depth or cur is self.root:
+            return cur
+        return self._split(cur, (depth - (cur.depth - len(cur.tokens))) // self.block_size)
+
     def _lock_path(self, node: RadixNode, stop: Optional[RadixNode]) -> None:
         cur: Optional[RadixNode] = node
         while cur is not stop:

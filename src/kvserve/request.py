@@ -89,6 +89,9 @@ class Request:
         num_computed_tokens: tokens (prompt + output) whose K/V are in the cache.
         priority: lower runs first; FCFS within a level.
         cache_salt: isolates prefix-cache entries per tenant.
+        token_history: the sampler's incremental record of this sequence's tokens
+            (:class:`kvserve.sampler.TokenHistory`, created on first use), which makes the
+            repetition/frequency/presence penalties cheap to build every step.
     """
 
     request_id: str
@@ -116,6 +119,7 @@ class Request:
     parent_id: Optional[str] = None
     sample_index: int = 0
     last_delta: str = ""
+    token_history: Any = field(default=None, repr=False, compare=False)  # sampler.TokenHistory, for penalties
 
     @property
     def num_prompt_tokens(self) -> int:
