@@ -1,0 +1,85 @@
+"""Roofline numbers of the machine we run on: memory bandwidth and peak matmul rate.
+
+A decoder step is bounded by two ceilings (Williams, Waterman & Patterson 2009, "Roofline"):
+
+* **bandwidth**: every weight is read once per step, so one sequence cannot decode faster
+  than ``memory_bandwidth / bytes_of_weights`` tokens/s;
+* **compute**: a token costs ``2 · params`` FLOPs in the linears, so a large batch cannot go
+  faster than ``matmul_flops / (2 · params)`` tokens/s.
+
+The benchmark scripts print measured throughput against both. Both measurements here are
+best-of-N (a ceiling, not a typical value) and take about 1-3 s each on the 2-core
+development machine; they use the current ``torch.get_num_threads()``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+def _best_time(fn: Callable[[], object], *, min_reps: int, budget_s: float) -> float:
+    """Smallest wall time of ``fn()`` over at least ``min_reps`` runs or ``budget_s`` seconds."""
+    fn()  # warm-up: page faults, kernel selection, caches of primitives
+    best, reps, start = float("inf"), 0, time.perf_counter()
+    while reps < min_reps or time.perf_counter() - start < budget_s:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        reps += 1
+        if reps >= 10 * min_reps and time.perf_counter() - start >= budget_s:
+            break
+    return best
+
+
+def measure_memory_bandwidth(size_bytes: int = 512 << 20, budget_s: float = 1.5) -> float:
+    """Sustained read bandwidth from main memory, in bytes/s.
+
+    Streams a ``size_bytes`` float32 matrix ``[size / 16 KiB, 4096]`` through a matrix-vector
+    product (MKL ``sgemv``): every byte is read once, almost no compute, the same access
+    pattern as a decode step reading its weights. Keep ``size_bytes`` well above the last-level
+    cache (the development machine reports a shared 300 MiB L3; the default is 512 MiB).
+
+    Returns:
+        Best observed bytes/s (a ceiling for "bytes of weights per second").
+    """
+    cols = 4096
+    rows = max(1, size_bytes // (4 * cols))
+    w = torch.empty(rows, cols, dtype=torch.float32).uniform_(-1.0, 1.0)
+    x = torch.ones(cols, dtype=torch.float32)
+    y = torch.empty(rows, dtype=torch.float32)
+    t = _best_time(lambda: torch.mv(w, x, out=y), min_reps=3, budget_s=budget_s)
+    return w.numel() * w.element_size() / t
+
+
+def measure_matmul_flops(dtype: torch.dtype = torch.bfloat16, n: int = 2048, budget_s: float = 1.5) -> float:
+    """Peak dense matmul rate of ``torch.matmul`` on ``[n, n] @ [n, n]`` in ``dtype``, in FLOP/s.
+
+    On the development CPU bf16 goes through oneDNN (AMX tiles) and float32 through MKL
+    ``sgemm``. ``n = 2048`` was the fastest of 1024/2048/4096 there.
+
+    Args:
+        dtype: ``torch.bfloat16``, ``torch.float32`` (or ``torch.float16`` where supported).
+        n: matrix side.
+        budget_s: roughly how long to keep measuring.
+
+    Returns:
+        Best observed ``2 · n³ / seconds``.
+    """
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    t = _best_time(lambda: torch.matmul(a, b, out=out), min_reps=3, budget_s=budget_s)
+    return 2.0 * n**3 / t
+
+
+def decode_roofline_tokens_per_s(weight_bytes: float, bandwidth: float) -> float:
+    """Upper bound on single-sequence decode speed: ``bandwidth / weight_bytes`` (tokens/s)."""
+    return bandwidth / weight_bytes
+
+
+def compute_roofline_tokens_per_s(params: float, flops: float) -> float:
+    """Upper bound on batched throughput: ``flops / (2 · params)`` (tokens/s)."""
+    return flops / (2.0 * params)

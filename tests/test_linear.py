@@ -1,0 +1,135 @@
+"""kvserve.layers.linear: every backend agrees with F.linear; int8 is opt-in and close."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.layers import linear as L
+from kvserve.layers.linear import Linear, cpu_kernels, quantize_int8
+
+KERNELS = cpu_kernels()
+HAS_BF16 = KERNELS is not None and KERNELS.has_bf16
+HAS_F32 = KERNELS is not None and KERNELS.has_f32
+
+# (M, K, N): decode-sized and odd shapes (K tails that are not a multiple of the vector width,
+# N not a multiple of the 4-row block), plus M above the gemv threshold (eager path).
+SHAPES = [(1, 576, 960), (1, 1536, 576), (3, 64, 5), (8, 33, 7), (5, 1, 3), (2, 100, 1), (1, 576, 192),
+          (L.GEMV_MAX_M, 80, 12), (L.GEMV_MAX_M + 1, 80, 12), (40, 96, 33)]
+
+
+def _data(M, K, N, dtype, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / math.sqrt(K)).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def _check(y, ref):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    if ref.dtype == torch.bfloat16:
+        torch.testing.assert_close(y, ref, rtol=1.6e-2, atol=1e-2)  # ~2 bf16 ulps
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["auto", "eager", "gemv"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(dtype, backend, bias):
+    for i, (M, K, N) in enumerate(SHAPES):
+        x, w, b = _data(M, K, N, dtype, bias, seed=i)
+        layer = Linear(w, b, backend=backend)
+        _check(layer(x), F.linear(x, w, b))
+
+
+def test_resolved_backend():
+    w = torch.randn(8, 16)
+    assert Linear(w, backend="eager").backend == "eager"
+    assert Linear(w).backend == ("gemv" if HAS_F32 else "eager")
+    assert Linear(w.bfloat16()).backend == ("gemv" if HAS_BF16 else "eager")
+    assert Linear(w.double()).backend == "eager"  # no kernel for float64: plain F.linear
+    assert Linear(w).quantization is None  # int8 only on request
+
+
+def test_falls_back_off_cpu():
+    w = torch.empty(8, 16, device="meta")
+    layer = Linear(w)
+    assert layer.backend == "eager"
+    assert layer(torch.empty(2, 16, device="meta")).shape == (2, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_leading_dims_and_strided_input(dtype):
+    x, w, b = _data(6, 48, 20, dtype, True)
+    layer = Linear(w, b)
+    x3 = x.view(2, 3, 48)
+    _check(layer(x3), F.linear(x3, w, b))
+    wide = torch.randn(4, 96).to(dtype)
+    xs = wide[:, ::2]  # last-dim stride 2
+    _check(layer(xs), F.linear(xs, w, b))
+    xr = wide[:, :48]  # row stride 96, unit last-dim stride
+    _check(layer(xr), F.linear(xr, w, b))
+    assert layer(x[:0]).shape == (0, 20)
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="no AVX512_BF16 gemv kernel on this CPU")
+def test_gemv_bf16_mostly_bitwise_equal():
+    x, w, b = _data(1, 576, 3072, torch.bfloat16, False)
+    y, ref = L.gemv(x, w), F.linear(x, w)
+    assert (y == ref).float().mean() > 0.99
+
+
+def test_autograd_falls_back():
+    x, w, _ = _data(2, 16, 8, torch.float32, False)
+    x.requires_grad_(True)
+    Linear(w)(x).sum().backward()
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, L.INT8_GEMV_MAX_M + 1])
+def test_int8_close_to_f_linear(dtype, M):
+    x, w, b = _data(M, 576, 200, dtype, True)
+    layer = Linear(w, b, quantization="int8")
+    assert layer.weight is None and layer.qweight.dtype == torch.int8
+    y = layer(x)
+    assert y.shape == (M, 200) and y.dtype == dtype
+    ref = F.linear(x.double(), w.double(), b.double())
+    err = (y.double() - ref).norm() / ref.norm()
+    assert err < 0.02, err
+    # kernel path and dequantized path compute the same quantized product
+    deq = F.linear(x.double(), layer.qweight.double() * layer.scale.double()[:, None], b.double())
+    torch.testing.assert_close(y.double(), deq, rtol=2e-2, atol=2e-2)
+
+
+def test_quantize_int8_roundtrip():
+    w = torch.randn(32, 64)
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (32,) and q.abs().max() <= 127
+    assert ((q.float() * s[:, None] - w).abs() <= s[:, None] / 2 + 1e-6).all()
+
+
+def test_rejects_bad_arguments():
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError):
+        Linear(w, quantization="int4")
+    with pytest.raises(ValueError):
+        Linear(w, backend="fast")
+    with pytest.raises(ValueError):
+        Linear(w[0])
+    with pytest.raises(ValueError):
+        Linear(w, torch.randn(5))
+
+
+@pytest.mark.skipif(not HAS_F32, reason="no AVX-512 gemv kernel on this CPU")
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_custom_op_under_torch_compile(quantization):
+    x, w, b = _data(1, 64, 24, torch.float32, True)
+    layer = Linear(w, b, quantization=quantization)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), layer(x))
