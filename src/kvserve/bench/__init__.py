@@ -1,0 +1,1 @@
+"""Benchmarks: ``kvserve bench serve`` (a load generator for any OpenAI-compatible server)."""

@@ -1,0 +1,613 @@
+"""The OpenAI-compatible HTTP API on FastAPI.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+
+A handler parses and checks the request (strict types, value ranges, prompt size) on the
+event loop, tokenizes in a worker thread, hands the token ids to the :class:`AsyncEngine`
+and turns the engine's :class:`RequestOutput` updates into OpenAI's JSON shapes, or into
+server-sent events ending in ``data: [DONE]``. A client that disconnects has its request
+aborted at once (its KV blocks are freed before the engine's next step).
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for an
+invalid parameter (``param`` names it) or a prompt beyond the context window, 401 for a
+missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 503 when the
+waiting queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.engine import LLMEngine, QueueFullError
+from kvserve.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.request import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.async_engine import AsyncEngine, EngineStoppedError
+from kvserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_messages,
+    parse_request,
+    to_sampling_params,
+)
+from kvserve.server.tokens import TokenTexts, safe_logprob
+from kvserve.tokenizer import apply_chat_template
+
+logger = logging.getLogger("kvserve.server")
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+MAX_BATCH_PROMPTS = 256
+_DISCONNECTED = object()
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {_dumps(obj)}\n\n"
+
+
+class _AbortOnClose(StreamingResponse):
+    """A streaming response that always runs ``on_close`` when it ends, however it ends
+    (finished, client disconnected, cancelled)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+@dataclasses.dataclass
+class _Submitted:
+    """The engine requests of one HTTP request (one per prompt) and their shared queue."""
+
+    request_ids: list[str]
+    prompt_ids: list[list[int]]
+    queue: asyncio.Queue
+    engine: AsyncEngine
+    finished: set = dataclasses.field(default_factory=set)
+
+    def abort_unfinished(self) -> None:
+        for i, rid in enumerate(self.request_ids):
+            if i not in self.finished:
+                self.engine.abort(rid)
+                self.finished.add(i)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.request_ids)
+
+
+class OpenAIServer:
+    """The API's state and handlers around one engine.
+
+    Args:
+        engine: the engine (from :meth:`start` on owned by the engine thread).
+        served_model_names: names clients may use in ``model``; the first is reported.
+        api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``.
+        max_body_bytes: larger request bodies get 413 before they are read.
+    """
+
+    def __init__(self, engine: LLMEngine, served_model_names: Sequence[str], api_key: Optional[str] = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        if not served_model_names:
+            raise ValueError("served_model_names must not be empty")
+        self.engine = engine
+        self.model_names = list(served_model_names)
+        self.model_name = self.model_names[0]
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.metrics = ServerMetrics(self.model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics)
+        self.texts = TokenTexts(self.tokenizer)
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=16)
+        # No prompt longer than this many characters can fit in max_model_len tokens.
+        self.max_prompt_chars = self.max_model_len * max(longest, 16)
+        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+        self.created = int(time.time())
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------ app
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI):
+            self.async_engine.start(asyncio.get_running_loop())
+            try:
+                yield
+            finally:
+                await asyncio.to_thread(self.async_engine.shutdown)
+                self._tok_pool.shutdown(wait=False)
+
+        app = FastAPI(title="kvserve", version=_version(), lifespan=lifespan)
+
+        @app.exception_handler(APIError)
+        async def api_error(_: Request, e: APIError):
+            return JSONResponse(e.to_dict(), status_code=e.status)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_: Request, e: StarletteHTTPException):
+            err = APIError(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500 else "server_error")
+            return JSONResponse(err.to_dict(), status_code=e.status_code)
+
+        @app.exception_handler(Exception)
+        async def internal_error(_: Request, e: Exception):
+            logger.exception("internal error")
+            err = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error", code="internal_error")
+            return JSONResponse(err.to_dict(), status_code=500)
+
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.get("/v1/models")(self.models)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.metrics_endpoint)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        app.get("/version")(self.version)
+        return app
+
+    # -------------------------------------------------------------- helpers
+    def _auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != self.api_key:
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves {self.model_names}",
+                           param="model", code="model_not_found")
+
+    async def _body(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise APIError(413, f"the request body is {length} bytes; the limit is {self.max_body_bytes}",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise APIError(413, f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _parse(self, cls, request: Request):
+        self._auth(request)
+        body = await self._body(request)
+        if len(body) > (1 << 20):  # big bodies are parsed off the event loop
+            return await asyncio.to_thread(parse_request, cls, body)
+        return parse_request(cls, body)
+
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        if n_chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"the prompt is {n_chars} characters long, but the model's context window is "
+                f"max_model_len = {self.max_model_len} tokens, which no prompt of more than "
+                f"{self.max_prompt_chars} characters fits; shorten the prompt",
+                param=param, code="context_length_exceeded",
+            )
+
+    def _check_length(self, ids: Sequence[int], param: str) -> None:
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise APIError(
+                400,
+                f"the prompt is {n} tokens, but the model's context window is max_model_len = "
+                f"{self.max_model_len} tokens (a prompt may have at most {self.max_model_len - 1} tokens, "
+                "to leave room for one generated token)",
+                param=param, code="context_length_exceeded",
+            )
+
+    async def _in_tokenizer_thread(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
+
+    def _engine_error(self, e: Exception, prompt_param: str) -> APIError:
+        if isinstance(e, QueueFullError):
+            return APIError(503, f"the server is overloaded: {e}; retry later", type="server_error",
+                            code="queue_full")
+        if isinstance(e, EngineStoppedError):
+            return APIError(503, str(e), type="server_error", code="engine_unavailable")
+        msg = str(e)
+        if "max_tokens" in msg and msg.startswith("prompt ("):
+            return APIError(400, msg, param="max_tokens", code="context_length_exceeded")
+        if "max_model_len" in msg or "KV" in msg:
+            return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
+        if msg.startswith("min_tokens"):
+            return APIError(400, msg, param="min_tokens", code="invalid_value")
+        if msg.startswith("prompt"):
+            return APIError(400, msg, param=prompt_param, code="invalid_value")
+        return APIError(400, msg, code="invalid_value")
+
+    async def _submit(self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+                      cache_salt: Optional[str], arrival: float, prompt_param: str) -> _Submitted:
+        q: asyncio.Queue = asyncio.Queue()
+        rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        sub = _Submitted(rids, prompts, q, self.async_engine)
+        for i, (rid, ids) in enumerate(zip(rids, prompts)):
+            try:
+                await self.async_engine.add_request(rid, ids, params, q, tag=i, priority=priority,
+                                                    cache_salt=cache_salt, arrival=arrival)
+            except (ValueError, TypeError, QueueFullError, EngineStoppedError) as e:
+                for j in range(i):
+                    self.async_engine.abort(rids[j])
+                raise self._engine_error(e, prompt_param) from None
+            except BaseException:
+                for j in range(i + 1):
+                    self.async_engine.abort(rids[j])
+                raise
+        return sub
+
+    async def _collect(self, sub: _Submitted, request: Request) -> list[RequestOutput]:
+        """Wait for every prompt's final output; abort all if the client goes away."""
+        watcher = asyncio.create_task(_watch_disconnect(request, sub.queue))
+        finals: list[Optional[RequestOutput]] = [None] * len(sub.request_ids)
+        try:
+            while not sub.done:
+                tag, out = await sub.queue.get()
+                if out is _DISCONNECTED:
+                    sub.abort_unfinished()
+                    raise APIError(499, "client disconnected")
+                if isinstance(out, Exception):
+                    raise self._engine_error(out, "prompt")
+                if out.finished:
+                    finals[tag] = out
+                    sub.finished.add(tag)
+        finally:
+            watcher.cancel()
+            sub.abort_unfinished()
+        return finals  # type: ignore[return-value]
+
+    def _usage(self, sub: _Submitted, finals: Sequence[Optional[RequestOutput]]) -> dict:
+        prompt = sum(len(p) for p in sub.prompt_ids)
+        completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
+        cached = sum(f.num_cached_tokens for f in finals if f is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    @staticmethod
+    def _running_usage(sub: _Submitted, counts: dict, continuous: bool) -> dict:
+        """``{"usage": ...}`` so far for ``stream_options.continuous_usage_stats``, else ``{}``."""
+        if not continuous:
+            return {}
+        prompt = sum(len(p) for p in sub.prompt_ids)
+        completion = sum(counts.values())
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}
+
+    def _prompt_logprobs_field(self, out: RequestOutput) -> Optional[list]:
+        """vLLM's ``prompt_logprobs``: per prompt position, {token_id: {logprob, rank, decoded_token}}."""
+        if out.prompt_logprobs is None:
+            return None
+        res: list = []
+        for tid, e in zip(out.prompt_token_ids, out.prompt_logprobs):
+            if e is None:
+                res.append(None)
+                continue
+            d = {str(tid): {"logprob": safe_logprob(e.logprob), "rank": e.rank, "decoded_token": self.texts.token_str(tid)}}
+            for rank, (t, lp) in enumerate(e.top, start=1):
+                d.setdefault(str(t), {"logprob": safe_logprob(lp), "rank": rank, "decoded_token": self.texts.token_str(t)})
+            res.append(d)
+        return res
+
+    # ------------------------------------------------------------ endpoints
+    async def models(self, request: Request):
+        self._auth(request)
+        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "kvserve",
+                 "root": str(self.engine.model_path), "max_model_len": self.max_model_len}
+                for name in self.model_names]
+        return {"object": "list", "data": data}
+
+    async def health(self):
+        if not self.async_engine.is_running:
+            err = APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+            return JSONResponse(err.to_dict(), status_code=503)
+        return Response(status_code=200)
+
+    async def metrics_endpoint(self):
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def version(self):
+        return {"version": _version()}
+
+    async def tokenize(self, request: Request):
+        req: TokenizeRequest = await self._parse(TokenizeRequest, request)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.prompt is not None:
+            self._check_chars(len(req.prompt), "prompt")
+            add = req.add_special_tokens
+            ids = await self._in_tokenizer_thread(lambda: list(self.tokenizer.encode(req.prompt, add_special_tokens=add)))
+        else:
+            msgs = chat_messages(req.messages)
+            self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
+            ids = await self._in_tokenizer_thread(self._render_chat, msgs, req.add_generation_prompt, False)
+        res = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            res["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return res
+
+    async def detokenize(self, request: Request):
+        req: DetokenizeRequest = await self._parse(DetokenizeRequest, request)
+        self._check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        text = await self._in_tokenizer_thread(self.tokenizer.decode, req.tokens)
+        return {"prompt": text}
+
+    # -------------------------------------------------------- completions
+    async def completions(self, request: Request):
+        arrival = time.perf_counter()
+        req: CompletionRequest = await self._parse(CompletionRequest, request)
+        self._check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompts = _prompt_list(req.prompt)
+        for p in prompts:
+            if isinstance(p, str):
+                self._check_chars(len(p), "prompt")
+        params = to_sampling_params(req, req.max_tokens, req.logprobs, self.tokenizer)
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        if any(t is not None for t in texts):
+            ids_list = await self._in_tokenizer_thread(
+                lambda: [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts])
+        else:
+            ids_list = [list(p) for p in prompts]
+        for ids in ids_list:
+            self._check_length(ids, "prompt")
+        base = f"cmpl-{uuid.uuid4().hex}"
+        sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt")
+        created = int(time.time())
+        if req.echo:
+            texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list)]
+        if req.stream:
+            gen = self._stream_completion(sub, req, params, base, created, texts)
+            return _AbortOnClose(gen, sub.abort_unfinished)
+        finals = await self._collect(sub, request)
+        choices = []
+        for p, out in enumerate(finals):
+            for o in out.outputs:
+                text = o.text
+                logprobs = None
+                if req.logprobs is not None:
+                    entries, token_ids = list(o.logprobs or []), list(o.token_ids)
+                    if req.echo:
+                        entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+                        token_ids = list(out.prompt_token_ids) + token_ids
+                    logprobs = self.texts.completion_logprobs(entries, token_ids, req.logprobs)
+                if req.echo:
+                    text = texts[p] + text
+                choice = {"index": p * params.n + o.index, "text": text, "logprobs": logprobs,
+                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs_field(out)
+                choices.append(choice)
+        return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": self.model_name,
+                             "choices": choices, "usage": self._usage(sub, finals)})
+
+    async def _stream_completion(self, sub: _Submitted, req: CompletionRequest, params: SamplingParams,
+                                 base: str, created: int, texts: list) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        n = params.n
+        head = {"id": base, "object": "text_completion", "created": created, "model": self.model_name}
+        if include_usage:
+            head["usage"] = None
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+        counts: dict[tuple[int, int], int] = {}
+        sent_lp: dict[tuple[int, int], int] = {}
+        offsets: dict[tuple[int, int], int] = {}
+        finals: list[Optional[RequestOutput]] = [None] * len(sub.request_ids)
+        try:
+            if req.echo:
+                for p, text in enumerate(texts):
+                    for i in range(n):
+                        choice = {"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None}
+                        yield _sse({**head, "choices": [choice]})
+                        offsets[(p, i)] = len(text)
+            while not sub.done:
+                tag, out = await sub.queue.get()
+                if isinstance(out, Exception):
+                    err = self._engine_error(out, "prompt")
+                    yield _sse(err.to_dict())
+                    break
+                if out.finished:
+                    finals[tag] = out
+                    sub.finished.add(tag)
+                for o in out.outputs:
+                    counts[(tag, o.index)] = len(o.token_ids)
+                    if not o.delta_text and o.finish_reason is None:
+                        continue
+                    key = (tag, o.index)
+                    logprobs = None
+                    if req.logprobs is not None:
+                        start = sent_lp.get(key, 0)
+                        entries = (o.logprobs or [])[start:]
+                        sent_lp[key] = start + len(entries)
+                        logprobs = self.texts.completion_logprobs(
+                            entries, [e.token_id for e in entries], req.logprobs, offsets.get(key, 0))
+                    offsets[key] = offsets.get(key, 0) + len(o.delta_text)
+                    choice = {"index": tag * n + o.index, "text": o.delta_text, "logprobs": logprobs,
+                              "finish_reason": o.finish_reason}
+                    if o.finish_reason is not None:
+                        choice["stop_reason"] = o.stop_reason
+                    yield _sse({**head, "choices": [choice], **self._running_usage(sub, counts, continuous)})
+            if include_usage and sub.done:
+                yield _sse({**head, "choices": [], "usage": self._usage(sub, finals)})
+            yield "data: [DONE]\n\n"
+        finally:
+            sub.abort_unfinished()
+
+    # --------------------------------------------------------------- chat
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, continue_final: bool) -> list[int]:
+        try:
+            if continue_final:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                          continue_final_message=True)
+                return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as e:  # template errors (jinja raise_exception, unknown roles...) are the client's
+            raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from None
+
+    async def chat_completions(self, request: Request):
+        arrival = time.perf_counter()
+        req: ChatCompletionRequest = await self._parse(ChatCompletionRequest, request)
+        self._check_model(req.model)
+        msgs = chat_messages(req.messages, req.continue_final_message)
+        self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = to_sampling_params(req, max_tokens, k, self.tokenizer)
+        add_gen = req.add_generation_prompt and not req.continue_final_message
+        ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message)
+        self._check_length(ids, "messages")
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages")
+        created = int(time.time())
+        echo = ""
+        if req.echo and msgs[-1]["role"] == ("assistant" if add_gen else msgs[-1]["role"]):
+            echo = msgs[-1]["content"]
+        if req.stream:
+            gen = self._stream_chat(sub, req, params, base, created, echo)
+            return _AbortOnClose(gen, sub.abort_unfinished)
+        finals = await self._collect(sub, request)
+        out = finals[0]
+        choices = []
+        for o in out.outputs:
+            logprobs = None
+            if req.logprobs:
+                logprobs = {"content": self.texts.chat_logprobs(o.logprobs or [], k or 0)}
+            choices.append({"index": o.index, "message": {"role": "assistant", "content": echo + o.text},
+                            "logprobs": logprobs, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        body = {"id": base, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": self._usage(sub, finals)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs_field(out)
+        return JSONResponse(body)
+
+    async def _stream_chat(self, sub: _Submitted, req: ChatCompletionRequest, params: SamplingParams,
+                           base: str, created: int, echo: str) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        if include_usage:
+            head["usage"] = None
+        k = req.top_logprobs or 0
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+        counts: dict[tuple[int, int], int] = {}
+        sent_lp: dict[int, int] = {}
+        finals: list[Optional[RequestOutput]] = [None]
+        try:
+            for i in range(params.n):
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                yield _sse({**head, "choices": [first]})
+                if echo:
+                    yield _sse({**head, "choices": [{"index": i, "delta": {"content": echo}, "logprobs": None,
+                                                     "finish_reason": None}]})
+            while not sub.done:
+                tag, out = await sub.queue.get()
+                if isinstance(out, Exception):
+                    yield _sse(self._engine_error(out, "messages").to_dict())
+                    break
+                if out.finished:
+                    finals[tag] = out
+                    sub.finished.add(tag)
+                for o in out.outputs:
+                    counts[(tag, o.index)] = len(o.token_ids)
+                    if not o.delta_text and o.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if req.logprobs:
+                        start = sent_lp.get(o.index, 0)
+                        entries = (o.logprobs or [])[start:]
+                        sent_lp[o.index] = start + len(entries)
+                        logprobs = {"content": self.texts.chat_logprobs(entries, k)}
+                    delta = {"content": o.delta_text} if o.delta_text else {}
+                    choice = {"index": o.index, "delta": delta, "logprobs": logprobs, "finish_reason": o.finish_reason}
+                    if o.finish_reason is not None:
+                        choice["stop_reason"] = o.stop_reason
+                    yield _sse({**head, "choices": [choice], **self._running_usage(sub, counts, continuous)})
+            if include_usage and sub.done:
+                yield _sse({**head, "choices": [], "usage": self._usage(sub, finals)})
+            yield "data: [DONE]\n\n"
+        finally:
+            sub.abort_unfinished()
+
+
+def _prompt_list(prompt) -> list:
+    """Normalize OpenAI's prompt forms (str, [str], [int], [[int]]) into a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise APIError(400, f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+    return list(prompt)
+
+
+async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
+    """Put ``_DISCONNECTED`` on ``q`` when the client closes the connection."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            q.put_nowait((None, _DISCONNECTED))
+            return
+
+
+def _version() -> str:
+    from kvserve import __version__
+
+    return __version__
+
+
+def build_app(engine: LLMEngine, served_model_names: Sequence[str] | str | None = None,
+              api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving ``engine`` (the engine thread starts with the app's lifespan).
+
+    The :class:`OpenAIServer` is at ``app.state.server``.
+    """
+    if served_model_names is None:
+        served_model_names = [engine.model_config.name]
+    elif isinstance(served_model_names, str):
+        served_model_names = [served_model_names]
+    server = OpenAIServer(engine, served_model_names, api_key, max_body_bytes)
+    server.app.state.server = server
+    return server.app

@@ -1,0 +1,55 @@
+"""``kvserve serve``: the OpenAI-compatible server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Callable
+
+
+def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None],
+                engine_kwargs: Callable[[argparse.Namespace], dict]) -> None:
+    """Register ``serve`` on the ``kvserve`` command's subparsers."""
+    p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat, metrics) over HTTP")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the model file's name); the first is reported")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    p.add_argument("--max-waiting", type=int, default=0,
+                   help="most requests waiting for a slot before new ones get 503 (default 0: unbounded)")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (default 32 MiB)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level (uvicorn and kvserve.server)")
+    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    p.set_defaults(func=lambda a: run_server(a, engine_kwargs))
+
+
+def default_served_name(model: str | None, engine) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return Path(model).name.removesuffix(".gguf") or engine.model_config.name
+
+
+def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict]) -> int:
+    import uvicorn
+
+    from kvserve.engine import EngineArgs, LLMEngine
+    from kvserve.server.api import build_app
+
+    level = getattr(logging, a.log_level.upper())
+    logging.getLogger("kvserve").setLevel(logging.INFO if a.verbose else level)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvserve.server").setLevel(level)
+    engine = LLMEngine(EngineArgs(model=a.model, dtype=a.dtype, max_waiting=a.max_waiting, **engine_kwargs(a)))
+    names = a.served_model_name or [default_served_name(a.model, engine)]
+    app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes)
+    print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}) "
+          f"on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,290 @@
+"""OpenAI-compatible request schemas and their mapping to :class:`SamplingParams`.
+
+Field names follow OpenAI where OpenAI has one and vLLM for the rest. Types are strict
+(``"temperature": "hot"`` or ``"n": 1.5`` are rejected, never coerced); value ranges are
+checked by :class:`SamplingParams`, whose ``ValueError`` names the field. Unknown fields
+are accepted and ignored with a warning in the log, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.server")
+
+Number = float  # strict mode: JSON ints and floats only, never strings or bools
+
+
+class APIError(Exception):
+    """An error returned to the client as OpenAI's error JSON.
+
+    Attributes:
+        status: HTTP status code.
+        message: what went wrong, for a human.
+        type: OpenAI error type (``invalid_request_error``, ``authentication_error``...).
+        param: the request field at fault, if any.
+        code: a machine-readable code, if any.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: Optional[StrictBool] = False
+    continuous_usage_stats: Optional[StrictBool] = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: Optional[StrictStr] = None
+    # OpenAI
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    seed: Optional[StrictInt] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[StrictStr, Number]] = None
+    user: Optional[StrictStr] = None
+    # vLLM
+    best_of: Optional[StrictInt] = None
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    min_tokens: StrictInt = 0
+    stop_token_ids: Optional[list[StrictInt]] = None
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    prompt_logprobs: Optional[StrictInt] = None
+    allowed_token_ids: Optional[list[StrictInt]] = None
+    bad_words: Optional[list[StrictStr]] = None
+    use_beam_search: StrictBool = False
+    beam_width: Optional[StrictInt] = None
+    length_penalty: Optional[Number] = None
+    echo: StrictBool = False
+    cache_salt: Optional[StrictStr] = None
+    priority: StrictInt = 0
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    max_tokens: Optional[StrictInt] = 16  # OpenAI's default for completions
+    logprobs: Optional[StrictInt] = None
+    suffix: Optional[StrictStr] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[Any] = Field(...)
+    max_completion_tokens: Optional[StrictInt] = None
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[StrictInt] = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: either ``prompt`` or ``messages``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[Any]] = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_request(cls: type[BaseModel], body: bytes) -> BaseModel:
+    """Validate a JSON body against ``cls``; log unknown fields.
+
+    Raises:
+        APIError: 400 for malformed JSON, a body that is not an object, a missing field or a
+            wrong type (``param`` names the field).
+    """
+    try:
+        req = cls.model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    if req.model_extra:
+        logger.warning("%s: ignoring unknown field(s) %s", cls.__name__, sorted(req.model_extra))
+    return req
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    kind, loc = err.get("type", ""), err.get("loc", ())
+    if kind == "json_invalid":
+        return APIError(400, f"malformed JSON in the request body: {err.get('msg')}", code="invalid_json")
+    if not loc:
+        return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    param = str(loc[0])
+    where = param + "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in loc[1:]
+                            if p not in ("str", "int", "float", "list[str]", "list[int]", "list[list[int]]"))
+    if kind == "missing":
+        return APIError(400, f"'{where}' is a required field", param=param, code="missing_required_parameter")
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, (str, bytes)) or len(got) < 80 else f"{type(got).__name__} of length {len(got)}"
+    return APIError(400, f"invalid value for '{where}': {err.get('msg')} (got {shown})", param=param,
+                    code="invalid_type")
+
+
+_FIELD_RE = re.compile(r"^([a-z_]+)")
+
+
+def sampling_error(e: ValueError) -> APIError:
+    """A :class:`SamplingParams` ``ValueError`` → 400 naming the field."""
+    msg = str(e)
+    m = _FIELD_RE.match(msg)
+    param = m.group(1) if m and m.group(1) in SamplingParams.__dataclass_fields__ else None
+    return APIError(400, msg, param=param, code="invalid_value")
+
+
+def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
+                       tokenizer: Any = None) -> SamplingParams:
+    """Build validated :class:`SamplingParams` from a request.
+
+    Args:
+        req: the parsed request.
+        max_tokens: the resolved max_tokens (None: up to max_model_len).
+        logprobs: number of top alternatives per generated token, or None.
+        tokenizer: to turn ``bad_words`` strings into token id sequences.
+
+    Raises:
+        APIError: 400 naming the parameter for any invalid value.
+    """
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if req.best_of is not None and req.stream and req.best_of > req.n:
+        raise APIError(400, "best_of > n is not supported with stream (the best samples are only known at the end)",
+                       param="best_of")
+    if req.use_beam_search and req.stream:
+        raise APIError(400, "use_beam_search is not supported with stream (the best beams are only known at the end)",
+                       param="use_beam_search")
+    kw: dict[str, Any] = dict(
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        n=req.n,
+        best_of=req.best_of,
+        seed=req.seed,
+        stop=[req.stop] if isinstance(req.stop, str) else req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        logit_bias=req.logit_bias,
+        allowed_token_ids=req.allowed_token_ids,
+    )
+    if req.use_beam_search:
+        kw.update(use_beam_search=True, beam_width=req.beam_width)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "length_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    if kw.get("stop") == []:
+        kw["stop"] = None
+    if req.bad_words:
+        kw["bad_words"] = _bad_words(req.bad_words, tokenizer)
+    try:
+        params = SamplingParams(**kw)
+        if tokenizer is not None:
+            params.check_token_ids(len(tokenizer))
+    except ValueError as e:
+        raise sampling_error(e) from None
+    return params
+
+
+def _bad_words(words: list[str], tokenizer: Any) -> list[list[int]]:
+    """Each word as token ids, with and without a leading space (vLLM's rule)."""
+    if tokenizer is None:
+        raise APIError(400, "bad_words needs a tokenizer", param="bad_words")
+    out: list[list[int]] = []
+    for w in words:
+        if not w:
+            raise APIError(400, "bad_words must be non-empty strings", param="bad_words")
+        for variant in (w, " " + w.lstrip(" ")):
+            ids = list(tokenizer.encode(variant, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def chat_messages(messages: list[Any], continue_final_message: bool = False) -> list[dict]:
+    """Check chat messages and flatten content parts to text.
+
+    Raises:
+        APIError: 400 for an empty list, a message that is not an object, an unknown role, or
+            a message with no content.
+    """
+    if not messages:
+        raise APIError(400, "'messages' must contain at least one message", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}", param="messages")
+        content = m.get("content")
+        if content is None:
+            raise APIError(400, f"messages[{i}] has no content", param="messages")
+        if isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{j}] must be a text part "
+                                        "({'type': 'text', 'text': ...}); other parts are not supported",
+                                   param="messages")
+                parts.append(p["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        msg = {k: v for k, v in m.items() if k not in ("role", "content")}
+        msg.update(role="system" if role == "developer" else role, content=content)
+        out.append(msg)
+    if continue_final_message and out[-1]["role"] != "assistant":
+        raise APIError(400, "continue_final_message needs the last message to be from the assistant",
+                       param="continue_final_message")
+    return out

@@ -1,0 +1,541 @@
+"""The OpenAI-compatible server, driven by the official openai client, on a tiny random model.
+
+Protocol shapes, streaming, errors, auth, queue limits, disconnects and metrics; the
+greedy-equals-offline checks on the real model are in test_server_smollm2.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_server_helpers import ServerThread
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine import EngineArgs, LLMEngine
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+PROMPT = "The quick brown fox"
+
+
+def _engine(folder, **kw) -> LLMEngine:
+    args = dict(model=str(folder), dtype="float32", num_blocks=512, block_size=4, max_model_len=512)
+    args.update(kw)
+    engine = LLMEngine(EngineArgs(**args))
+    engine.tokenizer.chat_template = CHAT_TEMPLATE
+    return engine
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tiny_model_dir):
+    return tiny_model_dir("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder):
+    with ServerThread(_engine(tiny_folder), names=["tiny", "tiny-alias"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_folder):
+    llm = LLM(model=str(tiny_folder), dtype="float32", num_blocks=512, block_size=4, max_model_len=512)
+    llm.engine.tokenizer.chat_template = CHAT_TEMPLATE
+    return llm
+
+
+def _greedy(max_tokens=8, **kw):
+    return dict(max_tokens=max_tokens, temperature=0, **kw)
+
+
+def _metrics(server) -> dict:
+    """name → value of every sample (labels folded in as name{k=v,...} for labelled ones)."""
+    text = httpx.get(server.base_url + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = {k: v for k, v in s.labels.items() if k not in ("model_name", "le")}
+            if "le" in s.labels:
+                continue
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
+            out[key] = s.value
+    return out
+
+
+# ------------------------------------------------------------------ basics
+def test_models_health_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny", "tiny-alias"]
+    assert models.data[0].owned_by == "kvserve"
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/version").json()["version"]
+
+
+def test_completion_shape_and_greedy_equals_offline(client, offline):
+    r = client.completions.create(model="tiny", prompt=PROMPT, **_greedy(8, extra_body={"ignore_eos": True}))
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and isinstance(r.created, int)
+    assert r.model == "tiny"
+    assert len(r.choices) == 1 and r.choices[0].index == 0
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_alias_and_token_prompts(client, offline):
+    ids = offline.tokenizer.encode(PROMPT)
+    a = client.completions.create(model="tiny-alias", prompt=ids, **_greedy(6))
+    b = client.completions.create(model="tiny", prompt=PROMPT, **_greedy(6))
+    assert a.model == "tiny" and a.choices[0].text == b.choices[0].text
+    batch = client.completions.create(model="tiny", prompt=[PROMPT, "Once upon a time"], n=2, **_greedy(6))
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in batch.choices}
+    assert by_index[0] == by_index[1] == b.choices[0].text
+    single = client.completions.create(model="tiny", prompt="Once upon a time", **_greedy(6))
+    assert by_index[2] == by_index[3] == single.choices[0].text
+
+
+def test_completion_stream_matches_and_ends_with_done(server, client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, **_greedy(12))
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True, **_greedy(12)))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)
+    # include_usage: one more chunk with empty choices and the usage
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **_greedy(12)))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    with httpx.stream("POST", server.base_url + "/v1/completions",
+                      json={"prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_chat_roles_multi_turn_and_stream(client, offline):
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "The quick brown"},
+        {"role": "assistant", "content": "fox jumps"},
+        {"role": "user", "content": [{"type": "text", "text": "Once upon "}, {"type": "text", "text": "a time"}]},
+    ]
+    r = client.chat.completions.create(model="tiny", messages=msgs, **_greedy(8, extra_body={"ignore_eos": True}))
+    flat = msgs[:3] + [{"role": "user", "content": "Once upon a time"}]
+    ref = offline.chat(flat, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    stream = list(client.chat.completions.create(model="tiny", messages=msgs, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 **_greedy(8, extra_body={"ignore_eos": True})))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert stream[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref.text
+    assert stream[-2].choices[0].finish_reason == "length"
+    assert stream[-1].choices == [] and stream[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_n2_and_seeds(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0, n=2)
+    a = client.completions.create(seed=1234, **kw)
+    b = client.completions.create(seed=1234, **kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert 2 <= a.usage.completion_tokens <= 20
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       n=2, max_tokens=6, temperature=1.0, seed=7, stream=True)
+    texts = {0: "", 1: ""}
+    roles = set()
+    for ch in c:
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.delta.role:
+                roles.add(choice.index)
+    assert roles == {0, 1}
+
+
+def test_logprobs_shapes(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       logprobs=True, top_logprobs=3, **_greedy(5))
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert isinstance(e.token, str) and isinstance(e.bytes, list) and e.logprob <= 0
+        assert len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)  # greedy: the chosen token is the top one
+    assert all(0 <= b < 256 for e in content for b in e.bytes)
+    c = client.completions.create(model="tiny", prompt=PROMPT, logprobs=2, echo=True, **_greedy(4))
+    lp = c.choices[0].logprobs
+    n_prompt = c.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) for x in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert c.choices[0].text.startswith(PROMPT)
+    s = list(client.completions.create(model="tiny", prompt=PROMPT, logprobs=1, stream=True, **_greedy(4)))
+    assert sum(len(ch.choices[0].logprobs.tokens) for ch in s) == 4
+
+
+def test_infinite_logprobs_are_json_safe():
+    from kvserve.request import TokenLogprob
+    from kvserve.server.tokens import TokenTexts
+
+    class Tok:
+        def convert_ids_to_tokens(self, i):
+            return "a"
+
+        def decode(self, ids):
+            return "a"
+
+    texts = TokenTexts(Tok())
+    entries = [TokenLogprob(1, -math.inf, 5, [(2, -math.inf), (3, float("nan"))])]
+    body = {"chat": texts.chat_logprobs(entries, 2), "cmpl": texts.completion_logprobs(entries, [1], 2)}
+    s = json.dumps(body, allow_nan=False)
+    assert "-9999.0" in s
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, **_greedy(16, extra_body={"ignore_eos": True}))
+    text = full.choices[0].text
+    i = next(i for i in range(2, len(text) - 2) if text[i:i + 2].isascii() and text[i:i + 2].isalnum())
+    stop = text[i:i + 2]
+    r = client.completions.create(model="tiny", prompt=PROMPT, stop=[stop], **_greedy(16))
+    cut = text[: text.find(stop)]
+    assert r.choices[0].text == cut
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    s = list(client.completions.create(model="tiny", prompt=PROMPT, stop=stop, stream=True, **_greedy(16)))
+    assert "".join(c.choices[0].text for c in s) == cut and s[-1].choices[0].finish_reason == "stop"
+    inc = client.completions.create(model="tiny", prompt=PROMPT, stop=[stop], **_greedy(16),
+                                    extra_body={"include_stop_str_in_output": True})
+    assert inc.choices[0].text == cut + stop
+
+
+def test_vllm_parameters_accepted(client, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvserve.server"):
+        r = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=6, temperature=0.7, top_p=0.9, presence_penalty=0.5,
+            frequency_penalty=0.2, logit_bias={"5": -100}, user="u1", seed=3,
+            extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2,
+                        "stop_token_ids": [2], "ignore_eos": False, "skip_special_tokens": True,
+                        "prompt_logprobs": 1, "cache_salt": "tenant-a", "priority": 1,
+                        "bad_words": ["fox"], "allowed_token_ids": None, "some_future_field": 1},
+        )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert len(r.choices[0].model_extra["prompt_logprobs"]) == r.usage.prompt_tokens
+    assert "some_future_field" in caplog.text
+    m = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_completion_tokens=3, temperature=0)
+    assert m.usage.completion_tokens <= 3
+
+
+def test_tokenize_detokenize(server, offline):
+    r = httpx.post(server.base_url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert r["tokens"] == offline.tokenizer.encode(PROMPT) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 512
+    d = httpx.post(server.base_url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert d["prompt"] == offline.tokenizer.decode(r["tokens"])
+    c = httpx.post(server.base_url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert c["count"] > 3
+    bad = httpx.post(server.base_url + "/detokenize", json={"tokens": [10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+# ------------------------------------------------------------------ errors
+BAD_REQUESTS = [
+    # (endpoint, raw body, status, param, words in the message)
+    ("completions", b'{"prompt": "hi", "max_tokens": ', 400, None, "malformed JSON"),
+    ("completions", b'[1, 2]', 400, None, "JSON object"),
+    ("completions", {"prompt": "a" * 10_000_000}, 400, "prompt", "10000000 characters"),
+    ("completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "temperature"),
+    ("completions", {"prompt": "hi", "n": 1000}, 400, "n", "n must"),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "top_p"),
+    ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids", "outside the vocabulary"),
+    ("completions", {"max_tokens": 3}, 400, "prompt", "required"),
+    ("completions", {"prompt": []}, 400, "prompt", "empty"),
+    ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "gpt-4"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "stream"),
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a" * 10_000_000}]}, 400, "messages",
+     "characters"),
+    ("chat/completions", {"messages": []}, 400, "messages", "at least one message"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", "no content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages", "no content"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", "role"),
+    ("chat/completions", {"messages": "hello"}, 400, "messages", "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, 400, "logprobs", "bool"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, status, param, words", BAD_REQUESTS)
+def test_bad_input_gets_4xx_while_a_normal_request_completes(server, endpoint, body, status, param, words):
+    result = {}
+
+    def normal():
+        r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                       json={"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True})
+        result["events"] = [e for e in r.text.split("\n\n") if e]
+
+    t = threading.Thread(target=normal)
+    t.start()
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.base_url}/v1/{endpoint}", timeout=60, headers={"content-type": "application/json"}, **kw)
+    t.join(60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    assert words.lower() in err["message"].lower()
+    assert result["events"][-1] == "data: [DONE]"
+    tokens = sum(1 for e in result["events"][:-1] if json.loads(e[6:])["choices"])
+    assert tokens >= 1
+
+
+def test_prompt_beyond_context_window(client, server):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="tiny", prompt=[5] * 600, max_tokens=4)
+    msg = ei.value.body["message"]
+    assert "600 tokens" in msg and "512" in msg and ei.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="tiny", prompt=[5] * 500, max_tokens=100)
+    assert "500 tokens" in ei.value.body["message"] and "512" in ei.value.body["message"]
+    assert ei.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "fox " * 700}])
+    assert "512" in ei.value.body["message"] and "tokens" in ei.value.body["message"]
+
+
+def test_unknown_model_404(client):
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert ei.value.body["code"] == "model_not_found"
+
+
+def test_unknown_route_is_openai_error(server):
+    r = httpx.get(server.base_url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_api_key(tiny_folder):
+    with ServerThread(_engine(tiny_folder, num_blocks=64), names=["tiny"], api_key="sekret") as s:
+        bad = openai.OpenAI(base_url=s.base_url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as ei:
+            bad.completions.create(model="tiny", prompt="x", max_tokens=1)
+        assert ei.value.status_code == 401 and ei.value.body["type"] == "authentication_error"
+        assert httpx.post(s.base_url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        assert httpx.get(s.base_url + "/v1/models").status_code == 401
+        good = openai.OpenAI(base_url=s.base_url + "/v1", api_key="sekret", max_retries=0)
+        assert good.completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
+        assert httpx.get(s.base_url + "/health").status_code == 200
+
+
+def test_queue_full_503(tiny_folder):
+    with ServerThread(_engine(tiny_folder, num_blocks=64, max_waiting=1), names=["tiny"]) as s:
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0)
+        s.api.async_engine.pause()
+        first = {}
+        t = threading.Thread(target=lambda: first.update(r=client.completions.create(
+            model="tiny", prompt="x", max_tokens=2)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while s.engine_call(lambda e: len(e.scheduler.waiting)) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(openai.InternalServerError) as ei:
+            client.completions.create(model="tiny", prompt="y", max_tokens=2)
+        assert ei.value.status_code == 503 and ei.value.body["code"] == "queue_full"
+        s.api.async_engine.resume()
+        t.join(30)
+        assert first["r"].usage.completion_tokens == 2
+
+
+# -------------------------------------------------------------- disconnects
+def test_disconnects_free_kv_blocks(server):
+    free_before = server.engine_call(lambda e: e.kv.num_free_blocks)
+    metrics_before = _metrics(server)
+    body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def client_that_leaves(i):
+        with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "seed": i}, timeout=60) as r:
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == 3:
+                        break  # leaving the block closes the connection mid-stream
+
+    threads = [threading.Thread(target=client_that_leaves, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    server.wait_idle(timeout=30)
+    assert server.engine_call(lambda e: e.kv.num_free_blocks) == free_before
+    assert server.engine_call(lambda e: len(e.scheduler.running) + len(e.scheduler.waiting)) == 0
+    after = _metrics(server)
+    aborted = after["kvserve:request_success_total{finished_reason=abort}"] - \
+        metrics_before["kvserve:request_success_total{finished_reason=abort}"]
+    assert aborted == 16
+    generated = after["kvserve:generation_tokens_total"] - metrics_before["kvserve:generation_tokens_total"]
+    assert generated < 16 * 400 / 2  # cancelled long before the end
+
+
+def test_non_streaming_disconnect_aborts(server):
+    free_before = server.engine_call(lambda e: e.kv.num_free_blocks)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", timeout=0.3,
+                   json={"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "n": 4})
+    server.wait_idle(timeout=30)
+    assert server.engine_call(lambda e: e.kv.num_free_blocks) == free_before
+
+
+# ------------------------------------------------------------------ metrics
+def test_metrics_tell_the_truth(server, client):
+    server.wait_idle()
+    before = _metrics(server)
+    usages = []
+    for i in range(3):
+        usages.append(client.completions.create(model="tiny", prompt=f"{PROMPT} {i}", **_greedy(5 + i)).usage)
+    usages.append(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 n=2, max_tokens=4, temperature=0.5, seed=1,
+                                                 extra_body={"ignore_eos": True}).usage)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **_greedy(7)))
+    usages.append(chunks[-1].usage)
+    after = _metrics(server)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("kvserve:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("kvserve:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("kvserve:time_to_first_token_seconds_count") == 5
+    assert delta("kvserve:e2e_request_latency_seconds_count") == 5
+    assert delta("kvserve:request_queue_time_seconds_count") == 5
+    assert delta("kvserve:time_per_output_token_seconds_count") == 5
+    assert delta("kvserve:inter_token_latency_seconds_count") > 0
+    finished = sum(delta(f"kvserve:request_success_total{{finished_reason={r}}}") for r in ("stop", "length"))
+    assert finished == 6  # one per returned sequence (the chat request has n=2)
+    for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate"):
+        assert f"kvserve:{g}" in after
+    assert after["kvserve:num_requests_running"] == 0
+    assert 0.0 <= after["kvserve:prefix_cache_hit_rate"] <= 1.0
+    assert "kvserve:num_preemptions_total" in after
+
+
+# ------------------------------------------------------------ CLI and bench
+def test_cli_has_serve_and_bench():
+    from kvserve.cli import build_parser
+
+    a = build_parser().parse_args(["serve", "--port", "8123", "--served-model-name", "a", "b", "--api-key", "k"])
+    assert a.host == "127.0.0.1" and a.port == 8123 and a.served_model_name == ["a", "b"] and a.api_key == "k"
+    b = build_parser().parse_args(["bench", "serve", "--max-concurrency", "8", "--request-rate", "4"])
+    assert b.max_concurrency == 8 and b.request_rate == 4.0 and b.dataset == "random"
+
+
+def test_bench_serve_measures_the_server(server, tiny_folder, tmp_path, capsys):
+    from kvserve.bench.report import markdown
+    from kvserve.cli import main
+
+    out = tmp_path / "r.json"
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--tokenizer", str(tiny_folder),
+               "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "8",
+               "--max-concurrency", "3", "--label", "kvserve c=3", "--save-json", str(out)])
+    assert rc == 0
+    assert "Output token throughput" in capsys.readouterr().out
+    s = json.loads(out.read_text())
+    assert s["completed"] == 6 and s["failed"] == 0
+    assert s["total_input_tokens"] == 6 * 16 and s["total_output_tokens"] == 6 * 8
+    assert 0 < s["median_ttft_ms"] <= s["p99_ttft_ms"] and s["mean_tpot_ms"] > 0 and s["mean_itl_ms"] > 0
+    assert s["output_throughput"] == pytest.approx(48 / s["duration_s"])
+    table = markdown([s, {**s, "label": "peer c=3"}])
+    assert "| kvserve | 3 | 6 / 0 |" in table and "1.00x" in table
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--tokenizer", str(tiny_folder),
+               "--endpoint", "chat", "--dataset", "shared-prefix", "--shared-prefix-len", "12", "--num-prefixes", "2",
+               "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "4", "--request-rate", "50",
+               "--save-json", str(out)])
+    s = json.loads(out.read_text())
+    assert rc == 0 and s["completed"] == 4 and s["total_output_tokens"] == 16
+
+
+def test_bench_counts_failures(server):
+    import asyncio
+
+    from kvserve.bench.serve import BenchConfig, run_benchmark
+
+    cfg = BenchConfig(base_url=server.base_url, model="no-such-model", num_prompts=2, input_len=4, output_len=2,
+                      warmup=0)
+    s = asyncio.run(run_benchmark(cfg, [[5, 6, 7, 8]] * 2))
+    assert s["completed"] == 0 and s["failed"] == 2 and "HTTP 404" in s["errors"][0]
+
+
+def test_beam_search(server, client):
+    before = _metrics(server)
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=2, temperature=0,
+                                  extra_body={"use_beam_search": True, "beam_width": 3, "ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 10
+    after = _metrics(server)
+    assert after["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"] == 10
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, stream=True,
+                                  extra_body={"use_beam_search": True})
+    assert ei.value.body["param"] == "use_beam_search"
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, stream=True, **_greedy(6),
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_body_size_limit(server):
+    old = server.api.max_body_bytes
+    server.api.max_body_bytes = 1000
+    try:
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "x" * 2000})
+    finally:
+        server.api.max_body_bytes = old
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_engine_failure_fails_live_requests_only(server, client):
+    def break_step(engine):
+        def boom():
+            del engine.step  # fail once, then the class's step again
+            raise RuntimeError("boom")
+        engine.step = boom
+
+    server.engine_call(break_step)
+    with pytest.raises(openai.InternalServerError) as ei:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    assert ei.value.status_code == 503 and "boom" in ei.value.body["message"]
+    server.wait_idle()
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+    assert httpx.get(server.base_url + "/health").status_code == 200
