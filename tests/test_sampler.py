@@ -569,3 +569,262 @@ def test_token_histories_may_be_tensors():
     as_tensors = _process(logits, [SamplingRow(params, torch.tensor([1, 2, 39]), torch.tensor([5, 3]), 0, (6, 7))])
     assert torch.equal(as_lists, as_tensors)
     assert torch.isneginf(as_lists[0, [4, 6, 7]]).all()
+
+
+# ------------------------------------------------- fast paths (large vocabularies)
+from kvserve import sampler as sampler_mod  # noqa: E402
+from kvserve.sampler import TokenHistory  # noqa: E402
+
+
+def _bf16_logits(B, V, seed, scale=3.0):
+    """Logits rounded to bfloat16 like a bf16 model's: many exact ties."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, V, generator=g) * scale).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("V", [4096, 4096 + 17, 2000])
+@pytest.mark.parametrize("m", [1, 5, 8, 32])
+def test_top_m_values_match_topk(V, m):
+    """The block pre-selection returns exactly topk's values (ties, -inf, a partial last
+    block, a row subset, given block maxima), and indices that hold them."""
+    x = _bf16_logits(12, V, seed=V + m)
+    x[3, : V // 2] = float("-inf")
+    x[4] = 1.0  # every entry tied
+    x[5, 100:140] = 50.0  # a tie group wider than m
+    ref = x.topk(m, dim=1).values
+    for rows in (None, torch.tensor([0, 3, 4, 5, 11])):
+        sub = x if rows is None else x[rows]
+        for bm in (None, sampler_mod._block_max(x, sampler_mod._SEL_BLOCK)):
+            vals, idx = sampler_mod._top_m(x, m, rows, bm)
+            assert torch.equal(vals, ref if rows is None else ref[rows])
+            assert torch.equal(sub.gather(1, idx), vals)
+            assert all(len(set(r)) == m for r in idx.tolist() if r)  # distinct columns
+
+
+@pytest.mark.parametrize("V", [4096, 1000, 20])
+def test_first_argmax_is_first_index_of_the_max(V):
+    x = torch.round(_bf16_logits(40, V, seed=V, scale=1.0))  # many ties for the max
+    x[7] = 0.0
+    x[8, -1] = 100.0  # the max in the (possibly partial) last block
+    x[9, :] = float("-inf")
+    x[9, V // 3] = 2.0
+    ref = torch.from_numpy(np.argmax(x.numpy(), axis=1))  # numpy: first occurrence
+    for bs in (sampler_mod._SEL_BLOCK, sampler_mod._ARGMAX_BLOCK):
+        bm = sampler_mod._block_max(x, bs)
+        assert torch.equal(sampler_mod._first_argmax(x, bm.amax(1), bm, bs, None), ref)
+        rows = torch.tensor([1, 8, 9, 30])
+        assert torch.equal(sampler_mod._first_argmax(x, bm.amax(1), bm, bs, rows), ref[rows])
+
+
+def test_candidate_path_distribution_with_ties_across_the_cut():
+    """V = 4096 (block pre-selection), bf16-like ties: the top-k cut falls inside a group
+    of 30 tied logits that reaches past the first 32 candidates (so those rows are
+    retried with more), and min-p/top-p/temperature act on what survives."""
+    V, n = 4096, 6000
+    rng = np.random.default_rng(21)
+    base = rng.normal(0, 1, V)
+    top = rng.choice(V, 45, replace=False)
+    base[top[:15]] = 6.0 + np.arange(15) * 0.25
+    base[top[15:]] = 5.5  # ranks 16-45 tied
+    logits = torch.tensor(base, dtype=torch.float32)
+    for kwargs in [dict(top_k=20), dict(top_k=20, temperature=0.7, top_p=0.9), dict(top_k=40, min_p=0.05)]:
+        out = _sample(logits.repeat(n, 1), _rows(SamplingParams(**kwargs), n, seed0=5)).sampled_token_ids
+        counts = np.bincount(out.numpy(), minlength=V)
+        target = reference_probs(base.astype(np.float32), **kwargs)
+        assert (target > 0).sum() >= 45 or kwargs.get("top_p", 1) < 1 or kwargs.get("min_p", 0) > 0
+        assert chi2_pvalue(counts, target) > ALPHA, kwargs
+
+
+def _vocab_order_draw(x: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """Reference of the documented pipeline for one row (top-k set, no greedy): float32
+    probabilities as the sampler computes them, value cuts, nucleus in float64, and the
+    first token in vocabulary order whose float64 cumulative probability exceeds u · total."""
+    probs = (x - x.max()) / params.temperature if params.temperature != 1.0 else x - x.max()
+    probs = probs.exp().numpy().astype(np.float64)
+    s = np.sort(probs)[::-1]
+    thr = max(s[params.top_k - 1], np.float32(params.min_p))
+    probs[probs < thr] = 0.0
+    if params.top_p < 1.0:
+        s = np.sort(probs)[::-1]
+        c = np.cumsum(s)
+        kept = int(((c - s) < params.top_p * c[-1]).sum())
+        probs[probs < s[kept - 1]] = 0.0
+    cdf = np.cumsum(probs)
+    target = min(u * cdf[-1], cdf[-1] * (1.0 - 2.0**-52))
+    return int(np.searchsorted(cdf, target, side="right"))
+
+
+def test_candidate_draw_is_the_vocab_order_inverse_cdf():
+    """The candidate path draws the same token, seed for seed, as the inverse CDF over
+    the whole vocabulary in vocabulary order (float64 cumulative sums of the same
+    float32 probabilities), whatever the batch's largest k. (V = 16384: k = 50 uses the
+    block pre-selection, the mate's k = 300 a plain topk.)"""
+    V = 16384
+    x = _bf16_logits(1, V, seed=3, scale=1.5)[0]
+    for params in [SamplingParams(top_k=50, temperature=0.8, top_p=0.95), SamplingParams(top_k=7, min_p=0.2)]:
+        rows = _rows(params, 300, seed0=900)
+        mate = SamplingRow(SamplingParams(top_k=300), [], [], 0, None)  # more candidates for everyone
+        for batch in (rows, rows + [mate]):
+            out = _sample(x.repeat(len(batch), 1), batch).sampled_token_ids[:300].tolist()
+            ref = [_vocab_order_draw(x, params, row_uniform(r.seed, 0)) for r in rows]
+            assert out == ref
+
+
+def test_candidate_path_agrees_with_the_full_vocabulary_path():
+    """Seed for seed, the candidate path (rows with top-k) draws what the full-vocabulary
+    path draws for the same rows (their only differences are float rounding: float32
+    block sums in the full path's draw and nucleus total)."""
+    V, n = 16384, 400
+    x = _bf16_logits(n, V, seed=12, scale=2.0)
+    params = [
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+        SamplingParams(top_k=20, min_p=0.05),
+        SamplingParams(temperature=1.3, top_k=100, top_p=0.7),
+    ]
+    rows = [SamplingRow(params[i % 3], [], [], 1000 + i, None) for i in range(n)]
+    meta = SamplingMetadata.build(rows, V, CPU)
+    bm = sampler_mod._block_max(x, sampler_mod._SEL_BLOCK)
+    candidate = sampler_mod._draw(x, bm, meta)
+    full = sampler_mod._draw_full(x, bm, meta, list(range(n)))
+    assert torch.equal(candidate, full)
+    assert len(set(candidate.tolist())) > 50  # it really samples
+
+
+def test_non_contiguous_logits():
+    x = _bf16_logits(5000, 6, seed=13).t()  # [6, 5000], a transposed view
+    for params in [SamplingParams(top_k=5, repetition_penalty=1.3), SamplingParams(temperature=0.0, presence_penalty=1.0),
+                   SamplingParams(top_p=0.9, allowed_token_ids=list(range(300))), SamplingParams(top_k=40, logprobs=3)]:
+        rows = _rows(params, 6, prompt=[1, 2, 3], output=[4, 4])
+        a, b = _sample(x, rows), _sample(x.contiguous(), rows)
+        assert torch.equal(a.sampled_token_ids, b.sampled_token_ids)
+        _assert_close(a.logprobs, b.logprobs)
+
+
+def test_seeded_rows_independent_of_batch_on_the_candidate_path():
+    V = 16384
+    x = _bf16_logits(6, V, seed=8)
+    rows = [
+        SamplingRow(SamplingParams(top_k=50, temperature=0.8, top_p=0.95, repetition_penalty=1.1), [1, 2, 3], [4, 5], 7, None),
+        SamplingRow(SamplingParams(top_k=3), [1], [], 8, None),
+        SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=0.5), [2], [9, 9], 9, None),
+        SamplingRow(SamplingParams(top_k=500, logprobs=2), [], [], 10, None),
+        SamplingRow(SamplingParams(top_p=0.5), [], [], 11, None),
+        SamplingRow(SamplingParams(top_k=64, min_p=0.1, logit_bias={5: 3.0}), [], [6], 12, None),
+    ]
+    together = _sample(x, rows).sampled_token_ids.tolist()
+    alone = [_sample(x[i : i + 1], [r]).sampled_token_ids.item() for i, r in enumerate(rows)]
+    assert together == alone
+    perm = [5, 2, 0, 4, 1, 3]
+    shuffled = _sample(x[perm], [rows[i] for i in perm]).sampled_token_ids.tolist()
+    assert shuffled == [together[i] for i in perm]
+
+
+def test_in_place_penalties_leave_logits_intact_and_match_process_logits():
+    """Penalties and bias without masks are applied to the caller's tensor in place and
+    undone: the tokens are those of the processed copy, the logits come back bitwise."""
+    V = 4096
+    x = _bf16_logits(8, V, seed=4)
+    before = x.clone()
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias={7: 2.0}),
+        SamplingParams(top_k=20, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(temperature=0.0, frequency_penalty=-2.0, logit_bias={3: 50.0, 4: -1.0}),
+        SamplingParams(top_p=0.5, repetition_penalty=0.7),
+    ] * 2
+    hist = [(list(range(i, 300, 7)), [3, 3, 4, 9, i]) for i in range(8)]
+    rows = [SamplingRow(p, h[0], h[1], i, None) for i, (p, h) in enumerate(zip(params, hist))]
+    out = _sample(x, rows)
+    assert torch.equal(x, before)
+    processed = _process(x, rows)
+    meta = SamplingMetadata.build(rows, V, CPU)
+    expected, _ = sampler_mod._choose(processed.clone(), meta)
+    assert torch.equal(out.sampled_token_ids, expected)
+    greedy = [0, 2, 4, 6]
+    assert torch.equal(out.sampled_token_ids[greedy], processed[greedy].argmax(-1))
+    _assert_close(out.logprobs, torch.log_softmax(x, -1).gather(1, out.sampled_token_ids[:, None]).squeeze(1))
+    # penalties that only lower logits: the raw maxima come from the edited ones
+    x[1, 5] = 300.0  # a penalized row maximum, far above the others (a wrong shift overflows)
+    before = x.clone()
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, top_k=20, repetition_penalty=1.5, presence_penalty=0.5)
+        rows = [SamplingRow(params, [5, 6], [7, 8, 5], i, None) for i in range(8)]
+        out = _sample(x, rows)
+        assert torch.equal(x, before)
+        ref = torch.log_softmax(x, -1).gather(1, out.sampled_token_ids[:, None]).squeeze(1)
+        _assert_close(out.logprobs, ref)
+
+
+def test_logprobs_top_alternatives_on_a_large_vocab():
+    V = 8192
+    x = _bf16_logits(10, V, seed=6)
+    tokens = torch.arange(10) * 7
+    lp, ranks, top_ids, top_lp = compute_logprobs(x, tokens, 6)
+    ref = torch.log_softmax(x, -1)
+    _assert_close(lp, ref.gather(1, tokens[:, None]).squeeze(1))
+    _assert_close(top_lp, ref.topk(6, -1).values)
+    _assert_close(ref.gather(1, top_ids), top_lp)
+    assert ranks.tolist() == [1 + int((x[i] > x[i, tokens[i]]).sum()) for i in range(10)]
+
+
+# ------------------------------------------------------------------ token history
+def _penalty_edits(rows, V):
+    meta = SamplingMetadata.build(rows, V, CPU)
+    out = {}
+    for name in ("repetition", "freq_presence"):
+        e = getattr(meta, name)
+        out[name] = None if e is None else sorted(zip(e.rows.tolist(), e.toks.tolist(), e.values.tolist()))
+    return out
+
+
+def test_token_history_incremental_equals_fresh():
+    """A history synced step by step gives the same penalty edits as a fresh one, also
+    when the output list is replaced, truncated or edited at its end, or holds ids
+    outside the vocabulary."""
+    V = 50
+    rng = np.random.default_rng(0)
+    params = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.4, presence_penalty=-0.3)
+    prompt = [int(t) for t in rng.integers(0, V, 30)] + [V + 3]  # one id outside the vocabulary
+    output: list[int] = []
+    hist = TokenHistory()
+    for step in range(60):
+        if step == 20:
+            output = list(output)  # a new list object
+        if step == 30:
+            del output[-5:]  # truncated
+        if step == 40:
+            output[-1] = (output[-1] + 1) % V  # last token changed
+        output.extend(int(t) for t in rng.integers(0, V + 2, rng.integers(0, 3)))
+        with_hist = _penalty_edits([SamplingRow(params, prompt, output, 0, None, history=hist)], V)
+        fresh = _penalty_edits([SamplingRow(params, prompt, output, 0, None)], V)
+        assert with_hist == fresh, step
+
+
+def test_token_history_attach_and_tensors():
+    class Owner:
+        token_history = None
+
+    o = Owner()
+    h = TokenHistory.attach(o)
+    assert isinstance(h, TokenHistory) and TokenHistory.attach(o) is h
+    prompt, output = torch.tensor([1, 2, 2, 5]), torch.tensor([5, 7, 7])
+    h.sync(prompt, output)
+    assert sorted(h.seen_ids().tolist()) == [1, 2, 5, 7]
+    assert dict(zip(h.output_ids().tolist(), h.output_counts().tolist())) == {5: 1.0, 7: 2.0}
+
+
+def test_engine_penalties_same_with_and_without_history(tiny_model_dir, monkeypatch):
+    """End to end through the model runner: the per-request histories change nothing."""
+    from kvserve import LLM
+
+    folder, _ = tiny_model_dir("llama")
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3, seed=1),
+        SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, frequency_penalty=0.7, presence_penalty=0.2),
+        SamplingParams(max_tokens=9, ignore_eos=True, repetition_penalty=0.8, seed=2),
+    ]
+    prompts = [[5, 6, 7, 8, 5, 6], [9, 10, 9, 10, 9], [11, 12, 13]]
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4, max_model_len=64)
+    with_hist = [o.token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(TokenHistory, "attach", staticmethod(lambda owner: None))
+    without = [o.token_ids for o in llm.generate(prompts, params)]
+    assert with_hist == without

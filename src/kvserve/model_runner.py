@@ -17,7 +17,7 @@ import torch
 
 from kvserve.attention import AttentionMetadata, PrefillSegment
 from kvserve.request import Request, TokenLogprob
-from kvserve.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, compute_logprobs
+from kvserve.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenHistory, compute_logprobs
 from kvserve.scheduler import SchedulerOutput
 
 
@@ -178,6 +178,7 @@ class ModelRunner:
                     output_token_ids=r.output_token_ids,
                     seed=r.seed,
                     eos_token_id=list(r.eos_token_ids),
+                    history=TokenHistory.attach(r),
                 )
                 for r in batch.sample_requests
             ]

@@ -1,0 +1,166 @@
+"""Offline throughput: kvserve against transformers' generate(), in one process and one run.
+
+Workload (issue #2): 64 requests, prompt lengths uniform in [64, 512] (random token ids),
+output lengths uniform in [64, 256] with EOS ignored, seed 0, on SmolLM2-135M-Instruct.
+transformers runs it the way its users batch: left-padded static batches of 32 in arrival
+order, each batch generating its longest request's length; only each request's own tokens
+count. Also: single-stream decode tokens/s and TTFT for a 128-token prompt, the memory-
+bandwidth roofline for decode and the compute roofline for the workload.
+
+Usage:
+    python benchmarks/throughput.py [--dtype bfloat16 float32] [--sampling] [--json out.json]
+
+Prints a markdown table. ``--sampling`` reruns kvserve with temperature=0.8, top_p=0.95,
+top_k=50, repetition_penalty=1.1 and reports its cost against greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.default_model import default_model_path
+from kvserve.roofline import measure_matmul_flops, measure_memory_bandwidth
+
+
+def workload(n: int, vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(n):
+        plen = rng.randint(64, 512)
+        prompts.append([rng.randrange(100, vocab) for _ in range(plen)])
+        outs.append(rng.randint(64, 256))
+    return prompts, outs
+
+
+def run_kvserve(llm: LLM, prompts, outs, sampling: bool) -> dict:
+    extra = dict(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1, seed=0) if sampling else dict(temperature=0.0)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **extra) for m in outs]
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(r.token_ids) for r in res)
+    assert n_out == sum(outs)
+    return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt,
+            "total_tok_s": (n_out + sum(map(len, prompts))) / dt}
+
+
+def run_transformers(model, prompts, outs, batch_size: int = 32) -> dict:
+    pad = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        ps, os_ = prompts[i : i + batch_size], outs[i : i + batch_size]
+        L = max(map(len, ps))
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps])
+        n = max(os_)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=pad)
+    dt = time.perf_counter() - t0
+    n_out = sum(outs)
+    return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt}
+
+
+def single_stream_kvserve(llm: LLM, vocab: int, n_out: int = 128) -> dict:
+    rng = random.Random(1)
+    prompt = [rng.randrange(100, vocab) for _ in range(128)]
+    llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))  # warm-up
+    r = llm.generate([prompt], SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0))[0]
+    return {"ttft_s": r.metrics.ttft, "decode_tok_s": r.metrics.decode_tokens_per_s}
+
+
+def single_stream_transformers(model, vocab: int, n_out: int = 128) -> dict:
+    rng = random.Random(1)
+    ids = torch.tensor([[rng.randrange(100, vocab) for _ in range(128)]])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)  # warm-up
+        t0 = time.perf_counter()
+        model(ids)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=0)
+        total = time.perf_counter() - t0
+    return {"ttft_s": ttft, "decode_tok_s": (n_out - 1) / max(total - ttft, 1e-9)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--sampling", action="store_true", help="also run kvserve with the sampling parameters of issue #3")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(torch.get_num_threads())
+    path = default_model_path()
+    bw = measure_memory_bandwidth()
+    results = {"bandwidth_GBps": bw / 1e9, "runs": {}}
+    rows = []
+    for dtype in a.dtype:
+        tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+        peak = measure_matmul_flops(tdt)
+        llm = LLM(dtype=dtype, max_model_len=1024, max_num_seqs=64)
+        cfg = llm.engine.model_config
+        vocab = cfg.vocab_size
+        prompts, outs = workload(a.num_requests, vocab)
+        params = cfg.num_parameters()
+        weight_bytes = params * torch.empty((), dtype=tdt).element_size()
+        flops = 2 * params * (sum(map(len, prompts)) + sum(outs))
+        r = {"matmul_peak_GFLOPs": peak / 1e9, "weight_bytes": weight_bytes,
+             "decode_roofline_tok_s": bw / weight_bytes, "compute_roofline_s": flops / peak}
+        r["kvserve"] = run_kvserve(llm, prompts, outs, sampling=False)
+        r["kvserve_single"] = single_stream_kvserve(llm, vocab)
+        if a.sampling:
+            r["kvserve_sampling"] = run_kvserve(llm, prompts, outs, sampling=True)
+        del llm
+        if not a.skip_transformers:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=tdt).eval()
+            r["transformers_single"] = single_stream_transformers(hf, vocab)
+            r["transformers"] = run_transformers(hf, prompts, outs)
+            del hf
+        results["runs"][dtype] = r
+        k, ks = r["kvserve"], r["kvserve_single"]
+        share = r["compute_roofline_s"] / k["seconds"]
+        row = {
+            "dtype": dtype,
+            "kvserve out tok/s": f"{k['output_tok_s']:.1f}",
+            "transformers out tok/s": f"{r['transformers']['output_tok_s']:.1f}" if "transformers" in r else "-",
+            "ratio": f"{k['output_tok_s'] / r['transformers']['output_tok_s']:.2f}x" if "transformers" in r else "-",
+            "compute roofline share": f"{share * 100:.1f}%",
+            "kvserve 1-stream decode tok/s": f"{ks['decode_tok_s']:.1f}",
+            "transformers 1-stream decode tok/s": f"{r['transformers_single']['decode_tok_s']:.1f}" if "transformers_single" in r else "-",
+            "decode ratio": f"{ks['decode_tok_s'] / r['transformers_single']['decode_tok_s']:.2f}x" if "transformers_single" in r else "-",
+            "bandwidth roofline tok/s": f"{r['decode_roofline_tok_s']:.1f}",
+            "kvserve TTFT 128 (ms)": f"{ks['ttft_s'] * 1000:.0f}",
+            "transformers TTFT 128 (ms)": f"{r['transformers_single']['ttft_s'] * 1000:.0f}" if "transformers_single" in r else "-",
+        }
+        if a.sampling:
+            s = r["kvserve_sampling"]
+            row["sampling out tok/s"] = f"{s['output_tok_s']:.1f}"
+            row["sampling cost"] = f"{(1 - s['output_tok_s'] / k['output_tok_s']) * 100:.1f}%"
+        rows.append(row)
+        print(json.dumps(r, indent=1), file=sys.stderr, flush=True)
+    print(f"\nmachine: {torch.get_num_threads()} threads, memory bandwidth {bw / 1e9:.1f} GB/s; "
+          + ", ".join(f"{d} matmul peak {results['runs'][d]['matmul_peak_GFLOPs']:.0f} GFLOP/s" for d in a.dtype))
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(row.get(k, "-") for k in keys) + " |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
