@@ -18,7 +18,7 @@ decode step; rows are repeated to fill the batch).
 ``kvserve.sampler``) and times them interleaved, so a before/after comparison sees the
 same machine load, e.g.::
 
-    git show HEAD:src/kvserve/sampler.py > /tmp/sampler_before.py
+    git show 00a02ae~1:src/kvserve/sampler.py > /tmp/sampler_before.py  # before the speed-ups
     python benchmarks/sampler_speed.py --impl /tmp/sampler_before.py src/kvserve/sampler.py
 
 Usage:

@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     for dtype in a.dtype:
         tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
         peak = measure_matmul_flops(tdt)
-        llm = LLM(dtype=dtype, max_model_len=1024, max_num_seqs=64)
+        # Prefix caching off: the greedy and sampling runs reuse the same prompts.
+        llm = LLM(dtype=dtype, max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False)
         cfg = llm.engine.model_config
         vocab = cfg.vocab_size
         prompts, outs = workload(a.num_requests, vocab)
