@@ -122,3 +122,21 @@ def test_bad_engine_args(tiny_model_dir):
         LLM(model=str(folder), dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_memory must be > 0"):
         LLM(model=str(folder), kv_cache_memory=0)
+
+
+def test_bad_device_and_max_model_len(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
+        LLM(model=str(folder), device="tpu")
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            LLM(model=str(folder), device="cuda")
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 512\]"):
+        LLM(model=str(folder), max_model_len=999999)
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 512\]"):
+        LLM(model=str(folder), max_model_len=0)
+
+
+def test_prompt_of_wrong_type(tiny_llm):
+    with pytest.raises(GenerationError, match="prompt must be a string or a list of token ids, got NoneType"):
+        tiny_llm.generate([None], GOOD)

@@ -46,6 +46,25 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def parse_device(device: Optional[str]) -> torch.device:
+    """``None`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` → device.
+
+    Raises:
+        ValueError: an unknown device string, or CUDA asked for where it is not available.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} is not available: this PyTorch build or machine has no CUDA GPU")
+    return dev
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32"``/``"bfloat16"``/``"float16"`` or a torch dtype → torch dtype.
 
@@ -124,19 +143,22 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.dtype = parse_dtype(args.dtype)
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = parse_device(args.device)
         path = resolve_model_path(args.model)
         t0 = time.perf_counter()
         cfg, state = load_weights(path)
         self.model_config: ModelConfig = cfg
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
+        if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the model's context length), "
+                f"got {args.max_model_len}"
+            )
         max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
         if cfg.sliding_window is not None and max_len > cfg.sliding_window:
             logger.warning("max_model_len capped at the sliding window (%d tokens)", cfg.sliding_window)
             max_len = cfg.sliding_window
-        if max_len < 2:
-            raise ValueError(f"max_model_len must be ≥ 2, got {max_len}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(args, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(args, name)}")
@@ -234,6 +256,8 @@ class LLMEngine:
                 and every other request are unaffected.
         """
         params = params if params is not None else SamplingParams()
+        if not isinstance(prompt, (str, list, tuple)):
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if isinstance(prompt, str):
             text: Optional[str] = prompt
             ids = self.encode(prompt)
@@ -307,8 +331,9 @@ class LLMEngine:
             req.num_computed_tokens += n
             self.kv.cache_computed(req)  # before _fork_pending: forks share the cached prompt
         self._fork_pending(sched)
+        by_id = {r.request_id: r for r, _ in sched.scheduled}
         for rid, lps in result.prompt_logprobs.items():
-            req = next(r for r, _ in sched.scheduled if r.request_id == rid)
+            req = by_id[rid]
             if not req.prompt_logprobs:
                 req.prompt_logprobs.append(None)
             req.prompt_logprobs.extend(lps)
@@ -331,7 +356,7 @@ class LLMEngine:
                 k = req.sampling_params.logprobs
                 top = list(zip(top_ids[i][:k], top_lps[i][:k])) if (k and top_ids is not None) else []
                 self._append_token(req, toks[i], TokenLogprob(toks[i], lps[i], ranks[i], top), now)
-                changed[req.parent_id] = self._seq_to_group[req.request_id]
+                changed[req.parent_id] = group
         outputs = []
         for rid, group in changed.items():
             outputs.append(self._make_output(group))
@@ -505,9 +530,9 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": self.kv.num_blocks,
-            "kv_blocks_free": self.kv.num_free_blocks,
             "kv_usage": self.kv.usage(),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_priority_preemptions": self.scheduler.num_priority_preemptions,
             "num_chunked_prefills": self.scheduler.num_chunked_prefills,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "generated_tokens": self.num_generated_tokens,
