@@ -7,16 +7,17 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.layers import linear as L
-from kvserve.layers.linear import Linear, cpu_kernels, quantize_int8
+from kvserve.layers.linear import Linear, cpu_kernels, onednn_available, quantize_int8
 
 KERNELS = cpu_kernels()
 HAS_BF16 = KERNELS is not None and KERNELS.has_bf16
 HAS_F32 = KERNELS is not None and KERNELS.has_f32
+HAS_ONEDNN = onednn_available()
 
 # (M, K, N): decode-sized and odd shapes (K tails that are not a multiple of the vector width,
 # N not a multiple of the 4-row block), plus M above the gemv threshold (eager path).
 SHAPES = [(1, 576, 960), (1, 1536, 576), (3, 64, 5), (8, 33, 7), (5, 1, 3), (2, 100, 1), (1, 576, 192),
-          (L.GEMV_MAX_M, 80, 12), (L.GEMV_MAX_M + 1, 80, 12), (40, 96, 33)]
+          (L.GEMV_MAX_M_BF16, 80, 12), (L.GEMV_MAX_M_F32 + 1, 80, 12), (40, 96, 33)]
 
 
 def _data(M, K, N, dtype, bias, seed=0):
@@ -36,7 +37,7 @@ def _check(y, ref):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["auto", "eager", "gemv"])
+@pytest.mark.parametrize("backend", ["auto", "eager", "gemv", "onednn"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear(dtype, backend, bias):
     for i, (M, K, N) in enumerate(SHAPES):
@@ -48,8 +49,10 @@ def test_matches_f_linear(dtype, backend, bias):
 def test_resolved_backend():
     w = torch.randn(8, 16)
     assert Linear(w, backend="eager").backend == "eager"
-    assert Linear(w).backend == ("gemv" if HAS_F32 else "eager")
-    assert Linear(w.bfloat16()).backend == ("gemv" if HAS_BF16 else "eager")
+    assert Linear(w).backend == ("gemv" if HAS_F32 else "eager")  # fp32: MKL above gemv sizes
+    want = "+".join((["gemv"] if HAS_BF16 else []) + (["onednn"] if HAS_ONEDNN else [])) or "eager"
+    assert Linear(w.bfloat16()).backend == want
+    assert Linear(w.bfloat16(), backend="gemv").backend == ("gemv" if HAS_BF16 else "eager")
     assert Linear(w.double()).backend == "eager"  # no kernel for float64: plain F.linear
     assert Linear(w).quantization is None  # int8 only on request
 
@@ -90,7 +93,7 @@ def test_autograd_falls_back():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 3, L.INT8_GEMV_MAX_M + 1])
+@pytest.mark.parametrize("M", [1, 3, L.GEMV_MAX_M_INT8 + 1])
 def test_int8_close_to_f_linear(dtype, M):
     x, w, b = _data(M, 576, 200, dtype, True)
     layer = Linear(w, b, quantization="int8")
