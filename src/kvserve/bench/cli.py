@@ -32,7 +32,8 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     p.add_argument("--shared-prefix-len", type=int, default=512, help="shared-prefix workload: prefix tokens")
     p.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix workload: distinct prefixes")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals, requests/s (default inf)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--max-concurrency", "--concurrency", dest="max_concurrency", type=int, default=None,
+                   help="most requests in flight (default: unbounded)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--tokenizer", default=None,
