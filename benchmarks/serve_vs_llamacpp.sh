@@ -77,17 +77,18 @@ bench() {
   # Both servers are up at once (an idle server uses no CPU) and each concurrency level is
   # measured on one and then the other, so that the two numbers of a level are taken minutes
   # apart at most, under the same conditions.
-  # llama-server: BF16 GGUF, 32 parallel slots (-np 32), context for 32 x 512 tokens, 2 threads.
-  "$BUILD/bin/llama-server" -m "$BF16" --host 127.0.0.1 --port "$LLAMA_PORT" -np 32 -c $((32 * 512)) \
-    -t 2 --alias smollm2 >"$OUT/llama-server.log" 2>&1 &
-  local lpid=$!
   # kvserve: the same model (its Q4_1 file dequantized to bf16 on load), bfloat16.
   "$PY" -m kvserve.cli serve --host 127.0.0.1 --port "$KV_PORT" --dtype bfloat16 \
     --served-model-name smollm2 --no-access-log >"$OUT/kvserve.log" 2>&1 &
   local kpid=$!
+  trap 'kill $kpid 2>/dev/null || true' EXIT
+  wait_health "http://127.0.0.1:$KV_PORT/health"  # loaded before the peer starts
+  # llama-server: BF16 GGUF, 32 parallel slots (-np 32), context for 32 x 512 tokens, 2 threads.
+  "$BUILD/bin/llama-server" -m "$BF16" --host 127.0.0.1 --port "$LLAMA_PORT" -np 32 -c $((32 * 512)) \
+    -t 2 --alias smollm2 >"$OUT/llama-server.log" 2>&1 &
+  local lpid=$!
   trap 'kill $lpid $kpid 2>/dev/null || true' EXIT
   wait_health "http://127.0.0.1:$LLAMA_PORT/health"
-  wait_health "http://127.0.0.1:$KV_PORT/health"
   for c in $CONCURRENCIES; do
     echo "load before c=$c: $(cut -d' ' -f1-3 /proc/loadavg)"
     bench_level llama-server "http://127.0.0.1:$LLAMA_PORT" smollm2 "$c"

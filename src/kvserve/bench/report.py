@@ -18,8 +18,8 @@ def _name(s: dict) -> str:
 
 def markdown(results: list[dict]) -> str:
     head = ("| server | concurrency | ok / failed | req/s | output tok/s | TTFT mean / median / P99 (ms) "
-            "| TPOT mean / median / P99 (ms) | ITL mean / median / P99 (ms) | E2E mean / median / P99 (s) |")
-    lines = [head, "|" + "---|" * 9]
+            "| TPOT mean / median / P99 (ms) | ITL mean / median / P99 (ms) | E2E mean / median / P99 (s) | load avg |")
+    lines = [head, "|" + "---|" * 10]
     results = sorted(results, key=lambda s: (_name(s), s["config"].get("max_concurrency") or 1 << 30))
     for s in results:
         c = s["config"].get("max_concurrency") or "∞"
@@ -30,7 +30,8 @@ def markdown(results: list[dict]) -> str:
         lines.append(
             f"| {_name(s)} | {c} | {s['completed']} / {s['failed']} | {s['request_throughput']:.2f} "
             f"| {s['output_throughput']:.1f} | {three('ttft')} | {three('tpot', fmt='{:.1f}')} "
-            f"| {three('itl', fmt='{:.1f}')} | {three('e2el', 1e-3, '{:.2f}')} |"
+            f"| {three('itl', fmt='{:.1f}')} | {three('e2el', 1e-3, '{:.2f}')} "
+            f"| {s.get('loadavg_start', float('nan')):.1f} → {s.get('loadavg_end', float('nan')):.1f} |"
         )
     by = {(_name(s), s["config"].get("max_concurrency")): s for s in results}
     names = sorted({_name(s) for s in results})

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import time
@@ -199,6 +200,7 @@ async def run_benchmark(cfg: BenchConfig, prompts: list[list[int]], texts: Optio
                 return await send_request(client, cfg, p, t)
 
         tasks = []
+        load_start = os.getloadavg()[0]
         start = time.perf_counter()
         for p, t in work:
             tasks.append(asyncio.create_task(one(p, t)))
@@ -206,7 +208,10 @@ async def run_benchmark(cfg: BenchConfig, prompts: list[list[int]], texts: Optio
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(cfg, results, duration)
+    summary = summarize(cfg, results, duration)
+    # The machine's 1-minute load average around the run: a busy machine skews every figure.
+    summary["loadavg_start"], summary["loadavg_end"] = load_start, os.getloadavg()[0]
+    return summary
 
 
 # ----------------------------------------------------------------- summary
@@ -275,6 +280,8 @@ def format_table(s: dict) -> str:
         row(f"Mean {name.upper()} (ms):", s[f"mean_{name}_ms"])
         row(f"Median {name.upper()} (ms):", s[f"median_{name}_ms"])
         row(f"P99 {name.upper()} (ms):", s[f"p99_{name}_ms"])
+    if "loadavg_start" in s:
+        row("Load average (start / end):", f"{s['loadavg_start']:.2f} / {s['loadavg_end']:.2f}", "{}")
     lines.append("=" * w)
     if s["errors"]:
         lines.append("errors: " + "; ".join(s["errors"]))
