@@ -15,7 +15,9 @@
 #
 # Usage: benchmarks/serve_vs_llamacpp.sh [build|convert|bench|all]   (default: all)
 # Env:   PEERS (default /work/peers), PY (default python), MIN_PROMPTS (default 8),
-#        OUT (default $PEERS/results), CONCURRENCIES (default "1 8 32").
+#        OUT (default $PEERS/results), CONCURRENCIES (default "1 8 32"), LLAMA_EXTRA_ARGS.
+# Run it on a quiet machine: both servers use 2 threads on a 2-core machine, and llama.cpp's
+# busy-waiting threads are hurt far more than PyTorch's by any other load.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -24,6 +26,9 @@ PY="${PY:-python}"
 OUT="${OUT:-$PEERS/results}"
 MIN_PROMPTS="${MIN_PROMPTS:-8}"  # each level sends max(MIN_PROMPTS, 2 x concurrency) requests
 CONCURRENCIES="${CONCURRENCIES:-1 8 32}"
+# Extra llama-server flags, e.g. "--poll 0": its threads busy-wait between steps by default,
+# which collapses its throughput when anything else (even the load generator) needs a core.
+LLAMA_EXTRA_ARGS="${LLAMA_EXTRA_ARGS:-}"
 LLAMA_PORT=8091
 KV_PORT=8092
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -85,7 +90,7 @@ bench() {
   wait_health "http://127.0.0.1:$KV_PORT/health"  # loaded before the peer starts
   # llama-server: BF16 GGUF, 32 parallel slots (-np 32), context for 32 x 512 tokens, 2 threads.
   "$BUILD/bin/llama-server" -m "$BF16" --host 127.0.0.1 --port "$LLAMA_PORT" -np 32 -c $((32 * 512)) \
-    -t 2 --alias smollm2 >"$OUT/llama-server.log" 2>&1 &
+    -t 2 --alias smollm2 $LLAMA_EXTRA_ARGS >"$OUT/llama-server.log" 2>&1 &
   local lpid=$!
   trap 'kill $lpid $kpid 2>/dev/null || true' EXIT
   wait_health "http://127.0.0.1:$LLAMA_PORT/health"

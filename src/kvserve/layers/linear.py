@@ -315,6 +315,8 @@ TGT_F32 void kv_gemv_i8(const float* x, int64_t ldx, const int8_t* w, const floa
 """
 
 _CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+#: Weights smaller than this many elements run on one thread (waking a second one costs more).
+_PARALLEL_MIN_ELEMENTS = 1 << 15
 
 
 @functools.lru_cache(maxsize=None)
@@ -446,14 +448,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     k = cpu_kernels()
     M, K = x.shape
     N = weight.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype)
     if x.dtype == torch.bfloat16 and k is not None and k.has_bf16:
         fn = k.bf16
     elif x.dtype == torch.float32 and k is not None and k.has_f32:
         fn = k.f32
     else:
         raise RuntimeError(f"no CPU gemv kernel for {x.dtype} on this machine")
-    fn(x.data_ptr(), x.stride(0), weight.data_ptr(), _ptr(bias), y.data_ptr(), N, M, N, K, torch.get_num_threads())
+    y = x.new_empty((M, N))
+    nt = torch.get_num_threads() if N * K >= _PARALLEL_MIN_ELEMENTS else 1
+    fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), N,
+       M, N, K, nt)
     return y
 
 
@@ -476,9 +480,10 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     M, K = x.shape
     N = qweight.shape[0]
     xf = x.float() if x.dtype != torch.float32 else x
-    y = torch.empty((M, N), dtype=x.dtype)
+    y = x.new_empty((M, N))
+    nt = torch.get_num_threads() if N * K >= _PARALLEL_MIN_ELEMENTS else 1
     k.i8(xf.data_ptr(), xf.stride(0), qweight.data_ptr(), scale.data_ptr(), _ptr(bias), y.data_ptr(), N,
-         int(x.dtype == torch.bfloat16), M, N, K, torch.get_num_threads())
+         int(x.dtype == torch.bfloat16), M, N, K, nt)
     return y
 
 
@@ -614,7 +619,7 @@ class Linear(nn.Module):
             return self._forward_int8(x)
         if (self._gemv_max_m or self._packed is not None) and x.is_cpu and x.dtype == self.weight.dtype \
                 and not x.requires_grad:
-            x2 = x.reshape(-1, self.in_features)
+            x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # reshape/view cost ~1.5 us each
             M = x2.shape[0]
             if 0 < M <= self._gemv_max_m:
                 if x2.stride(-1) != 1:
@@ -623,9 +628,12 @@ class Linear(nn.Module):
                     y = torch.ops.kvserve.cpu_gemv(x2, self.weight, self.bias)
                 else:
                     y = gemv(x2, self.weight, self.bias)
-                return y.view(*x.shape[:-1], self.out_features)
-            if self._packed is not None and M > 0 and x.dtype == self._packed.dtype and not torch.compiler.is_compiling():
-                return onednn_linear(x2, self._packed, self.bias).view(*x.shape[:-1], self.out_features)
+            elif self._packed is not None and M > 0 and x.dtype == self._packed.dtype \
+                    and not torch.compiler.is_compiling():
+                y = onednn_linear(x2, self._packed, self.bias)
+            else:
+                return F.linear(x, self.weight, self.bias)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
     def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
