@@ -288,6 +288,9 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs", "logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, 400, "logprobs", "bool"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     400, "response_format", "structured output"),
+    ("completions", {"prompt": "hi", "guided_regex": "[0-9]+"}, 400, "guided_regex", "not supported"),
 ]
 
 
@@ -313,6 +316,67 @@ def test_bad_input_gets_4xx_while_a_normal_request_completes(server, endpoint, b
     assert result["events"][-1] == "data: [DONE]"
     tokens = sum(1 for e in result["events"][:-1] if json.loads(e[6:])["choices"])
     assert tokens >= 1
+
+
+USER = {"messages": [{"role": "user", "content": "x"}]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("cls", ["ChatCompletionRequest", "CompletionRequest"])
+@pytest.mark.parametrize("field, value, feature", [
+    ("response_format", {"type": "json_object"}, "structured output"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}, "structured output"),
+    ("response_format", "json", "structured output"),
+    ("tools", [TOOL], "tool calling"),
+    ("tool_choice", "auto", "tool calling"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool calling"),
+    ("functions", [TOOL["function"]], "tool calling"),
+    ("guided_json", {"type": "object"}, "structured output"),
+    ("guided_regex", "[0-9]+", "structured output"),
+    ("guided_choice", ["yes", "no"], "structured output"),
+    ("guided_grammar", "root ::= \"a\"", "structured output"),
+    ("structured_outputs", {"choice": ["yes", "no"]}, "structured output"),
+])
+def test_structured_output_and_tools_are_rejected(cls, field, value, feature):
+    from kvserve.server import protocol
+
+    body = {**(USER if cls == "ChatCompletionRequest" else {"prompt": "hi"}), field: value}
+    with pytest.raises(protocol.APIError) as ei:
+        protocol.parse_request(getattr(protocol, cls), json.dumps(body).encode())
+    e = ei.value
+    assert e.status == 400 and e.param == field and e.code == "unsupported_parameter"
+    assert e.type == "invalid_request_error"
+    assert feature in e.message and "not supported" in e.message and repr(field) in e.message
+    assert set(e.to_dict()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_fields_that_ask_for_nothing_are_accepted(caplog):
+    from kvserve.server import protocol
+
+    body = {**USER, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": None,
+            "guided_json": None, "structured_outputs": None, "some_future_field": 1}
+    with caplog.at_level(logging.WARNING, logger="kvserve.server"):
+        req = protocol.parse_request(protocol.ChatCompletionRequest, json.dumps(body).encode())
+    assert req.model_extra["response_format"] == {"type": "text"}
+    assert "some_future_field" in caplog.text  # other unknown fields are still ignored with a warning
+    req = protocol.parse_request(protocol.CompletionRequest, json.dumps({"prompt": "hi", "tool_choice": None,
+                                                                         "response_format": None}).encode())
+    assert req.prompt == "hi"
+
+
+def test_openai_client_gets_400_for_tools_and_json_mode(client):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model="tiny", messages=USER["messages"], tools=[TOOL], max_tokens=2)
+    assert ei.value.status_code == 400
+    assert ei.value.body["param"] == "tools" and ei.value.body["code"] == "unsupported_parameter"
+    assert "tool calling" in ei.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert ei.value.body["param"] == "response_format" and "structured output" in ei.value.body["message"]
+    ok = client.chat.completions.create(model="tiny", messages=USER["messages"], max_tokens=2,
+                                        response_format={"type": "text"}, tool_choice="none")
+    assert ok.choices[0].message.content is not None
 
 
 def test_prompt_beyond_context_window(client, server):

@@ -10,9 +10,10 @@ server-sent events ending in ``data: [DONE]``. A client that disconnects has its
 aborted at once (its KV blocks are freed before the engine's next step).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for an
-invalid parameter (``param`` names it) or a prompt beyond the context window, 401 for a
-missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 503 when the
-waiting queue is full.
+invalid parameter (``param`` names it), a prompt beyond the context window or a request for
+structured output or tool calling (not supported yet, code ``unsupported_parameter``), 401
+for a missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 503
+when the waiting queue is full.
 """
 
 from __future__ import annotations

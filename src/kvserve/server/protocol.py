@@ -3,7 +3,9 @@
 Field names follow OpenAI where OpenAI has one and vLLM for the rest. Types are strict
 (``"temperature": "hot"`` or ``"n": 1.5`` are rejected, never coerced); value ranges are
 checked by :class:`SamplingParams`, whose ``ValueError`` names the field. Unknown fields
-are accepted and ignored with a warning in the log, as vLLM does.
+are accepted and ignored with a warning in the log, as vLLM does, except the ones that ask
+for structured output or tool calling (``response_format``, ``tools``, ``guided_json``...):
+ignoring those would return unconstrained text the client cannot parse, so they get a 400.
 """
 
 from __future__ import annotations
@@ -145,9 +147,53 @@ def parse_request(cls: type[BaseModel], body: bytes) -> BaseModel:
         req = cls.model_validate_json(body)
     except ValidationError as e:
         raise _validation_error(e) from None
+    if isinstance(req, _SamplingFields):
+        reject_unsupported_features(req)
     if req.model_extra:
         logger.warning("%s: ignoring unknown field(s) %s", cls.__name__, sorted(req.model_extra))
     return req
+
+
+_STRUCTURED_OUTPUT = "structured output (JSON mode, JSON schema, regex, choice and grammar constraints)"
+_TOOL_CALLING = "tool calling (tools, functions)"
+
+
+def _unsupported_feature(name: str, value: Any) -> Optional[str]:
+    """The feature that request field ``name`` = ``value`` asks for, or None if it asks for none."""
+    if value is None:
+        return None
+    if name == "response_format":
+        if isinstance(value, dict) and value.get("type") == "text":
+            return None
+        return _STRUCTURED_OUTPUT
+    if name in ("tools", "functions"):
+        return _TOOL_CALLING if value != [] else None
+    if name in ("tool_choice", "function_call"):
+        return _TOOL_CALLING if value != "none" else None
+    return _STRUCTURED_OUTPUT  # guided_* and structured_outputs: any value asks for a constraint
+
+
+# Fields that ask for features kvserve does not implement: a 400 rather than unconstrained text.
+UNSUPPORTED_FIELDS = ("response_format", "tools", "tool_choice", "functions", "function_call", "guided_json",
+                      "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def reject_unsupported_features(req: BaseModel) -> None:
+    """400 for a request asking for structured output or tool calling, which are not supported yet.
+
+    ``response_format`` absent, null or ``{"type": "text"}``, ``tools``/``functions`` null or
+    empty and ``tool_choice``/``function_call`` null or ``"none"`` ask for nothing and pass.
+
+    Raises:
+        APIError: 400 with ``param`` naming the first such field and code ``unsupported_parameter``.
+    """
+    extra = req.model_extra or {}
+    for name in UNSUPPORTED_FIELDS:
+        feature = _unsupported_feature(name, extra.get(name))
+        if feature is not None:
+            raise APIError(400, f"'{name}' is not supported: kvserve does not support {feature} yet; "
+                                f"remove '{name}' from the request",
+                           param=name, code="unsupported_parameter")
 
 
 def _validation_error(e: ValidationError) -> APIError:
