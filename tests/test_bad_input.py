@@ -140,3 +140,19 @@ def test_bad_device_and_max_model_len(tiny_model_dir):
 def test_prompt_of_wrong_type(tiny_llm):
     with pytest.raises(GenerationError, match="prompt must be a string or a list of token ids, got NoneType"):
         tiny_llm.generate([None], GOOD)
+
+
+# ------------------------------------------------------------------- CLI
+@pytest.mark.parametrize("argv, words", [
+    (["chat", ""], "chat message is empty"),
+    (["chat", "  \n"], "chat message is empty"),
+    (["generate", ""], "prompt is empty"),
+])
+def test_cli_rejects_empty_message_before_loading_the_model(argv, words, tmp_path, capsys):
+    from kvserve.cli import main
+
+    # a model path that does not exist: the empty message must be caught before the model is looked at
+    rc = main(argv + ["--model", str(tmp_path / "nope.gguf")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert words in err and "does not exist" not in err

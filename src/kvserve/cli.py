@@ -78,6 +78,8 @@ def _print_stats(out, verbose: bool) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
+    if not a.prompt:
+        raise ValueError("the prompt is empty; give a non-empty PROMPT to complete")
     params = _params(a)
     llm = LLM(model=a.model, dtype=a.dtype, **_engine_kwargs(a))
     out = _stream_to_terminal(llm.generate([a.prompt], params, stream=True))
@@ -88,6 +90,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
+    if a.message is not None and not a.message.strip():
+        raise ValueError("the chat message is empty; give a non-empty MESSAGE, or none for an interactive chat")
     params = _params(a)
     llm = LLM(model=a.model, dtype=a.dtype, **_engine_kwargs(a))
     messages = []
