@@ -156,3 +156,17 @@ def test_cli_rejects_empty_message_before_loading_the_model(argv, words, tmp_pat
     err = capsys.readouterr().err
     assert rc == 2
     assert words in err and "does not exist" not in err
+
+
+def test_cli_quantization_choices_read_well(capsys):
+    from kvserve.cli import _engine_kwargs, build_parser
+
+    parser = build_parser()
+    for cmd in ("generate", "chat", "serve"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([cmd, "--help"])
+        help_text = capsys.readouterr().out
+        assert "--quantization {none,int8}" in help_text and "None" not in help_text
+    assert _engine_kwargs(parser.parse_args(["generate", "x"]))["quantization"] is None
+    assert _engine_kwargs(parser.parse_args(["generate", "x", "--quantization", "none"]))["quantization"] is None
+    assert _engine_kwargs(parser.parse_args(["serve", "--quantization", "int8"]))["quantization"] == "int8"

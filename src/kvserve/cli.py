@@ -20,7 +20,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--quantization", default=None, choices=[None, "int8"], help="weight-only int8 linears")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="weight-only quantization of the linear layers (default: none)")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details (KV capacity, ...)")
 
 
@@ -33,7 +34,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         block_size=a.block_size,
         enable_prefix_caching=not a.no_prefix_caching,
         device=a.device,
-        quantization=a.quantization,
+        quantization=None if a.quantization == "none" else a.quantization,
     )
 
 
