@@ -521,6 +521,40 @@ def test_cli_has_serve_and_bench():
     assert b.max_concurrency == 8 and b.request_rate == 4.0 and b.dataset == "random"
 
 
+def test_serve_fails_fast_when_the_port_is_taken(tmp_path, capsys):
+    import socket
+
+    from kvserve.cli import main
+
+    missing = str(tmp_path / "nope.gguf")  # the address is checked first, so no model is ever loaded
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        rc = main(["serve", "--host", "127.0.0.1", "--port", str(port), "--model", missing])
+        err = capsys.readouterr().err
+    assert rc == 2 and time.monotonic() - t0 < 10
+    assert f"port {port} is already in use" in err and "--port" in err and "does not exist" not in err
+    rc = main(["serve", "--host", "192.0.2.1", "--port", str(port), "--model", missing])  # TEST-NET-1: not ours
+    err = capsys.readouterr().err
+    assert rc == 2 and "192.0.2.1 is not an address of this machine" in err and "does not exist" not in err
+    rc = main(["serve", "--host", "no-such-host.invalid", "--port", str(port), "--model", missing])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'no-such-host.invalid' is not a valid address" in err
+    rc = main(["serve", "--port", "70000", "--model", missing])
+    assert rc == 2 and "--port 70000 is not a valid TCP port" in capsys.readouterr().err
+    # a free address passes the check, and the model is looked at next
+    loggers = [logging.getLogger(n) for n in ("kvserve", "kvserve.server")]
+    levels = [lg.level for lg in loggers]
+    try:
+        rc = main(["serve", "--host", "127.0.0.1", "--port", str(port), "--model", missing])
+    finally:
+        for lg, level in zip(loggers, levels):  # run_server configured them
+            lg.setLevel(level)
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
 def test_bench_serve_measures_the_server(server, tiny_folder, tmp_path, capsys):
     from kvserve.bench.report import markdown
     from kvserve.cli import main

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Callable
@@ -28,6 +30,44 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     p.set_defaults(func=lambda a: run_server(a, engine_kwargs))
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """Fail fast, before the model loads, if the server could not listen on ``host:port``.
+
+    Binds (and closes at once) a socket on every address ``host`` resolves to, as uvicorn's
+    server will (``SO_REUSEADDR`` on, IPv6 sockets IPv6-only).
+
+    Raises:
+        ValueError: the port is out of range or already in use, or the host cannot be
+            resolved or is not an address of this machine.
+    """
+    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port} is not a valid TCP port (0 to 65535)")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"cannot listen on {where}: --host {host!r} is not a valid address or known host name "
+                         f"({e}); use e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (all interfaces)") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(f"cannot listen on {where}: port {port} is already in use (is another server "
+                                     f"running?); stop it or choose another --port") from None
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise ValueError(f"cannot listen on {where}: {addr[0]} is not an address of this machine; "
+                                     "use e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (all interfaces)") from None
+                if e.errno == errno.EACCES:
+                    raise ValueError(f"cannot listen on {where}: no permission to use port {port} "
+                                     "(ports below 1024 need privileges); choose another --port") from None
+                raise ValueError(f"cannot listen on {where} (port {port}): {e.strerror or e}") from None
+
+
 def default_served_name(model: str | None, engine) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
@@ -35,6 +75,7 @@ def default_served_name(model: str | None, engine) -> str:
 
 
 def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict]) -> int:
+    check_listen_address(a.host, a.port)  # before loading the model, which can take a while
     import uvicorn
 
     from kvserve.engine import EngineArgs, LLMEngine
