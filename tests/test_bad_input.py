@@ -80,15 +80,40 @@ def test_missing_default_model_prints_install_command(monkeypatch):
         default_model.default_model_path()
 
 
+NUMPY_JARGON = ("reshape", "dtype", "axis", "out of bounds", "IndexError", "ValueError", "mmap")
+
+
+def _load_error(path) -> str:
+    with pytest.raises(ModelLoadError) as ei:
+        LLM(model=str(path))
+    msg = str(ei.value)
+    assert f"cannot read GGUF file {str(path)!r}" in msg
+    assert not any(j in msg for j in NUMPY_JARGON), msg
+    return msg
+
+
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
-    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
-        LLM(model=str(bad))
+    assert "the file is truncated or is not a valid GGUF file (72 bytes" in _load_error(bad)
     notgguf = tmp_path / "random.gguf"
     notgguf.write_bytes(b"hello world, not a model")
-    with pytest.raises(ModelLoadError):
-        LLM(model=str(notgguf))
+    assert "not a GGUF file (it does not start with the 'GGUF' magic bytes)" in _load_error(notgguf)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    assert "the file is empty" in _load_error(empty)
+    future = tmp_path / "future.gguf"
+    future.write_bytes(b"GGUF" + (99).to_bytes(4, "little") + bytes(64))
+    assert "GGUF version 99; only versions 2 and 3" in _load_error(future)
+
+
+def test_truncated_gguf(smollm2_path, tmp_path):
+    with open(smollm2_path, "rb") as f:
+        head = f.read(4 << 20)  # the header and the start of the tensor data
+    for size in (4 << 20, 1000):
+        cut = tmp_path / f"cut-{size}.gguf"
+        cut.write_bytes(head[:size])
+        assert f"the file is truncated or is not a valid GGUF file ({size} bytes" in _load_error(cut)
 
 
 def test_truncated_safetensors(tiny_model_dir, tmp_path):

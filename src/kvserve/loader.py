@@ -84,8 +84,35 @@ def _gguf_reader(path: Path):
 
     try:
         return GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises ValueError/struct errors/IndexError on bad files
-        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {type(e).__name__}: {e}") from e
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {e.strerror or e}") from e
+    except Exception as e:  # numpy's ValueError/IndexError (reshape, out of bounds...) on bad files
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {_bad_gguf_reason(path)}") from e
+
+
+def _bad_gguf_reason(path: Path) -> str:
+    """Why the gguf package could not parse ``path``, in words (its own errors are numpy's)."""
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        return f"{e.strerror or e}"
+    if size == 0:
+        return "the file is empty (0 bytes), not a valid GGUF file"
+    if len(head) >= 4 and head[:4] != b"GGUF":
+        return "the file is not a GGUF file (it does not start with the 'GGUF' magic bytes)"
+    if len(head) == 8:
+        version = int.from_bytes(head[4:], "little")
+        if version & 0xFFFF == 0:  # a big-endian file
+            version = int.from_bytes(head[4:], "big")
+        if version not in READER_SUPPORTED_VERSIONS:
+            supported = " and ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
+            return f"the file is GGUF version {version}; only versions {supported} can be read"
+    return (f"the file is truncated or is not a valid GGUF file ({size} bytes; its header or tensor data "
+            "is incomplete or corrupt); download or convert it again")
 
 
 def _field(reader, key: str, default=None):
