@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine import LLMEngine, QueueFullError
 from kvserve.metrics import CONTENT_TYPE, ServerMetrics
-from kvserve.request import RequestOutput
+from kvserve.request import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.async_engine import AsyncEngine, EngineStoppedError
 from kvserve.server.protocol import (
@@ -320,6 +320,49 @@ class OpenAIServer:
             res.append(d)
         return res
 
+    async def _stream(self, sub: _Submitted, req: CompletionRequest | ChatCompletionRequest, base: str, obj: str,
+                      created: int, opening: list[dict], choice: Callable[[int, CompletionOutput], dict],
+                      prompt_param: str) -> AsyncIterator[str]:
+        """The server-sent events of a streamed completion or chat completion.
+
+        One chunk per choice in ``opening``; then, as the engine's updates arrive, one chunk
+        per sequence with new text or a finish reason (``choice(tag, output)`` builds its
+        choice), or an error event if the engine fails; the usage chunk when
+        ``stream_options.include_usage``; ``data: [DONE]``. Unfinished requests are aborted
+        however the stream ends.
+        """
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = {"id": base, "object": obj, "created": created, "model": self.model_name}
+        if include_usage:
+            head["usage"] = None
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+        counts: dict[tuple[int, int], int] = {}
+        finals: list[Optional[RequestOutput]] = [None] * len(sub.request_ids)
+        try:
+            for c in opening:
+                yield _sse({**head, "choices": [c]})
+            while not sub.done:
+                tag, out = await sub.queue.get()
+                if isinstance(out, Exception):
+                    yield _sse(self._engine_error(out, prompt_param).to_dict())
+                    break
+                if out.finished:
+                    finals[tag] = out
+                    sub.finished.add(tag)
+                for o in out.outputs:
+                    counts[(tag, o.index)] = len(o.token_ids)
+                    if not o.delta_text and o.finish_reason is None:
+                        continue
+                    c = choice(tag, o)
+                    if o.finish_reason is not None:
+                        c["stop_reason"] = o.stop_reason
+                    yield _sse({**head, "choices": [c], **self._running_usage(sub, counts, continuous)})
+            if include_usage and sub.done:
+                yield _sse({**head, "choices": [], "usage": self._usage(sub, finals)})
+            yield "data: [DONE]\n\n"
+        finally:
+            sub.abort_unfinished()
+
     # ------------------------------------------------------------ endpoints
     async def models(self, request: Request):
         self._auth(request)
@@ -419,57 +462,32 @@ class OpenAIServer:
         return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self._usage(sub, finals)})
 
-    async def _stream_completion(self, sub: _Submitted, req: CompletionRequest, params: SamplingParams,
-                                 base: str, created: int, texts: list) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    def _stream_completion(self, sub: _Submitted, req: CompletionRequest, params: SamplingParams,
+                           base: str, created: int, texts: list) -> AsyncIterator[str]:
         n = params.n
-        head = {"id": base, "object": "text_completion", "created": created, "model": self.model_name}
-        if include_usage:
-            head["usage"] = None
-        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
-        counts: dict[tuple[int, int], int] = {}
         sent_lp: dict[tuple[int, int], int] = {}
         offsets: dict[tuple[int, int], int] = {}
-        finals: list[Optional[RequestOutput]] = [None] * len(sub.request_ids)
-        try:
-            if req.echo:
-                for p, text in enumerate(texts):
-                    for i in range(n):
-                        choice = {"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None}
-                        yield _sse({**head, "choices": [choice]})
-                        offsets[(p, i)] = len(text)
-            while not sub.done:
-                tag, out = await sub.queue.get()
-                if isinstance(out, Exception):
-                    err = self._engine_error(out, "prompt")
-                    yield _sse(err.to_dict())
-                    break
-                if out.finished:
-                    finals[tag] = out
-                    sub.finished.add(tag)
-                for o in out.outputs:
-                    counts[(tag, o.index)] = len(o.token_ids)
-                    if not o.delta_text and o.finish_reason is None:
-                        continue
-                    key = (tag, o.index)
-                    logprobs = None
-                    if req.logprobs is not None:
-                        start = sent_lp.get(key, 0)
-                        entries = (o.logprobs or [])[start:]
-                        sent_lp[key] = start + len(entries)
-                        logprobs = self.texts.completion_logprobs(
-                            entries, [e.token_id for e in entries], req.logprobs, offsets.get(key, 0))
-                    offsets[key] = offsets.get(key, 0) + len(o.delta_text)
-                    choice = {"index": tag * n + o.index, "text": o.delta_text, "logprobs": logprobs,
-                              "finish_reason": o.finish_reason}
-                    if o.finish_reason is not None:
-                        choice["stop_reason"] = o.stop_reason
-                    yield _sse({**head, "choices": [choice], **self._running_usage(sub, counts, continuous)})
-            if include_usage and sub.done:
-                yield _sse({**head, "choices": [], "usage": self._usage(sub, finals)})
-            yield "data: [DONE]\n\n"
-        finally:
-            sub.abort_unfinished()
+        opening = []
+        if req.echo:
+            for p, text in enumerate(texts):
+                for i in range(n):
+                    opening.append({"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None})
+                    offsets[(p, i)] = len(text)
+
+        def choice(tag: int, o: CompletionOutput) -> dict:
+            key = (tag, o.index)
+            logprobs = None
+            if req.logprobs is not None:
+                start = sent_lp.get(key, 0)
+                entries = (o.logprobs or [])[start:]
+                sent_lp[key] = start + len(entries)
+                logprobs = self.texts.completion_logprobs(
+                    entries, [e.token_id for e in entries], req.logprobs, offsets.get(key, 0))
+            offsets[key] = offsets.get(key, 0) + len(o.delta_text)
+            return {"index": tag * n + o.index, "text": o.delta_text, "logprobs": logprobs,
+                    "finish_reason": o.finish_reason}
+
+        return self._stream(sub, req, base, "text_completion", created, opening, choice, "prompt")
 
     # --------------------------------------------------------------- chat
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool, continue_final: bool) -> list[int]:
@@ -522,54 +540,28 @@ class OpenAIServer:
             body["prompt_logprobs"] = self._prompt_logprobs_field(out)
         return JSONResponse(body)
 
-    async def _stream_chat(self, sub: _Submitted, req: ChatCompletionRequest, params: SamplingParams,
-                           base: str, created: int, echo: str) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        head = {"id": base, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        if include_usage:
-            head["usage"] = None
+    def _stream_chat(self, sub: _Submitted, req: ChatCompletionRequest, params: SamplingParams,
+                     base: str, created: int, echo: str) -> AsyncIterator[str]:
         k = req.top_logprobs or 0
-        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
-        counts: dict[tuple[int, int], int] = {}
         sent_lp: dict[int, int] = {}
-        finals: list[Optional[RequestOutput]] = [None]
-        try:
-            for i in range(params.n):
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
-                yield _sse({**head, "choices": [first]})
-                if echo:
-                    yield _sse({**head, "choices": [{"index": i, "delta": {"content": echo}, "logprobs": None,
-                                                     "finish_reason": None}]})
-            while not sub.done:
-                tag, out = await sub.queue.get()
-                if isinstance(out, Exception):
-                    yield _sse(self._engine_error(out, "messages").to_dict())
-                    break
-                if out.finished:
-                    finals[tag] = out
-                    sub.finished.add(tag)
-                for o in out.outputs:
-                    counts[(tag, o.index)] = len(o.token_ids)
-                    if not o.delta_text and o.finish_reason is None:
-                        continue
-                    logprobs = None
-                    if req.logprobs:
-                        start = sent_lp.get(o.index, 0)
-                        entries = (o.logprobs or [])[start:]
-                        sent_lp[o.index] = start + len(entries)
-                        logprobs = {"content": self.texts.chat_logprobs(entries, k)}
-                    delta = {"content": o.delta_text} if o.delta_text else {}
-                    choice = {"index": o.index, "delta": delta, "logprobs": logprobs, "finish_reason": o.finish_reason}
-                    if o.finish_reason is not None:
-                        choice["stop_reason"] = o.stop_reason
-                    yield _sse({**head, "choices": [choice], **self._running_usage(sub, counts, continuous)})
-            if include_usage and sub.done:
-                yield _sse({**head, "choices": [], "usage": self._usage(sub, finals)})
-            yield "data: [DONE]\n\n"
-        finally:
-            sub.abort_unfinished()
+        opening = []
+        for i in range(params.n):
+            opening.append({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+            if echo:
+                opening.append({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None})
 
+        def choice(tag: int, o: CompletionOutput) -> dict:
+            logprobs = None
+            if req.logprobs:
+                start = sent_lp.get(o.index, 0)
+                entries = (o.logprobs or [])[start:]
+                sent_lp[o.index] = start + len(entries)
+                logprobs = {"content": self.texts.chat_logprobs(entries, k)}
+            delta = {"content": o.delta_text} if o.delta_text else {}
+            return {"index": o.index, "delta": delta, "logprobs": logprobs, "finish_reason": o.finish_reason}
+
+        return self._stream(sub, req, base, "chat.completion.chunk", created, opening, choice, "messages")
 
 def _prompt_list(prompt) -> list:
     """Normalize OpenAI's prompt forms (str, [str], [int], [[int]]) into a list of prompts."""
