@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.attention import AttentionMetadata, PrefillSegment
+from kvserve.attention import AttentionMetadata, CPUPagedAttentionBackend, PrefillSegment, TorchSDPABackend
+from kvserve.kernels import cpu_ops
 from tiny_models import ARCHS
 
 
@@ -30,9 +31,7 @@ def test_logits_match_transformers(tiny_model_dir, arch):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers_generate(tiny_model_dir, arch):
-    """Prefill (chunked over steps) + paged decode gives transformers' greedy tokens."""
+def _check_greedy_matches_transformers(tiny_model_dir, arch):
     folder, hf = tiny_model_dir(arch)
     llm = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4, max_num_batched_tokens=7)
     prompts = [[5, 17, 99, 3, 250, 40, 41, 42, 7, 8, 9, 10, 11], [300, 301], [77] * 9]
@@ -44,6 +43,26 @@ def test_greedy_matches_transformers_generate(tiny_model_dir, arch):
                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert o.token_ids == ref
     assert llm.engine.scheduler.num_chunked_prefills > 0
+    return llm
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers_generate(tiny_model_dir, arch):
+    """Prefill (chunked over steps) + paged decode gives transformers' greedy tokens."""
+    llm = _check_greedy_matches_transformers(tiny_model_dir, arch)
+    # On an AVX-512 machine this ran the fused CPU kernels and the C decode attention.
+    assert llm.engine.model.fused_cpu_ops == cpu_ops.available()
+    assert isinstance(llm.engine.model.attn_backend, CPUPagedAttentionBackend) == cpu_ops.available()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_pytorch_path_matches_transformers_generate(tiny_model_dir, arch, monkeypatch):
+    """The path CUDA and machines without the CPU kernels take (unfused PyTorch ops, SDPA over
+    gathered context) is exact too."""
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    llm = _check_greedy_matches_transformers(tiny_model_dir, arch)
+    assert not llm.engine.model.fused_cpu_ops
+    assert type(llm.engine.model.attn_backend) is TorchSDPABackend
 
 
 def test_bfloat16_close_to_float32(tiny_model_dir):

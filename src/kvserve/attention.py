@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels import cpu_ops
+
 
 @dataclass
 class PrefillSegment:
@@ -55,18 +57,36 @@ class AttentionMetadata:
         decode_context_slots: ``[num_decode_tokens, max_context]`` int64 slots of each decode
             request's context (padding points at slot 0 and is masked).
         decode_mask: ``[num_decode_tokens, 1, 1, max_context]`` bool, True for real context.
+        decode_block_tables: ``[num_decode_tokens, max_blocks]`` int64 block table of each
+            decode request (padded with block 0).
+        decode_context_lens: ``[num_decode_tokens]`` int64 context length of each decode
+            request, including its new token.
+        decode_max_context_len: ``max(decode_context_lens)``.
         prefills: the prefill chunks, in batch order after the decodes.
+
+    A backend says which decode inputs it reads (:attr:`AttentionBackend.uses_context_slots`);
+    the model runner builds only those.
     """
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int = 0
     decode_context_slots: Optional[torch.Tensor] = None
     decode_mask: Optional[torch.Tensor] = None
+    decode_block_tables: Optional[torch.Tensor] = None
+    decode_context_lens: Optional[torch.Tensor] = None
+    decode_max_context_len: int = 0
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
 class AttentionBackend:
-    """Interface of an attention implementation over the paged KV cache."""
+    """Interface of an attention implementation over the paged KV cache.
+
+    Attributes:
+        uses_context_slots: True if decode reads ``decode_context_slots``/``decode_mask``
+            (gathered slots); False if it reads ``decode_block_tables``/``decode_context_lens``.
+    """
+
+    uses_context_slots: bool = True
 
     def forward(
         self,
@@ -115,6 +135,15 @@ class TorchSDPABackend(AttentionBackend):
                 qd, kc, vc, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
             )
             out[:nd] = o.squeeze(2)
+        self.prefill(q, k, v, k_flat, v_flat, meta, scale, out)
+        return out
+
+    @staticmethod
+    def prefill(q, k, v, k_flat, v_flat, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Causal SDPA for each prefill chunk of ``meta``, written into ``out`` (K/V already cached).
+
+        ``k_flat``/``v_flat`` are the caches viewed as ``[num_slots, num_kv_heads, head_dim]``.
+        """
         for seg in meta.prefills:
             qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             if seg.num_past == 0:
@@ -128,4 +157,36 @@ class TorchSDPABackend(AttentionBackend):
                     qs, ks, vs, attn_mask=seg.causal_mask, scale=scale, enable_gqa=True
                 )
             out[seg.start : seg.end] = o.squeeze(0).transpose(0, 1)
+
+
+class CPUPagedAttentionBackend(TorchSDPABackend):
+    """CPU backend: the KV write and decode attention run on the fused C kernels of
+    :mod:`kvserve.kernels.cpu_ops` (reading K/V through the block tables, no gather, GQA
+    without repeating KV); prefill chunks use SDPA as in :class:`TorchSDPABackend`.
+
+    Requires float32/bfloat16 CPU tensors and :func:`kvserve.kernels.cpu_ops.available`.
+    """
+
+    uses_context_slots = False
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        cpu_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        nd = meta.num_decode_tokens
+        if nd:
+            cpu_ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                           meta.decode_context_lens, scale, out=out[:nd],
+                                           max_context_len=meta.decode_max_context_len)
+        if meta.prefills:
+            num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+            self.prefill(q, k, v, k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim),
+                         meta, scale, out)
         return out
+
+
+def default_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The fastest backend that runs here: :class:`CPUPagedAttentionBackend` on CPU in float32 or
+    bfloat16 when the kernels are available, else :class:`TorchSDPABackend`."""
+    if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_ops.available():
+        return CPUPagedAttentionBackend()
+    return TorchSDPABackend()

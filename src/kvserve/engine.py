@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvserve.attention import TorchSDPABackend
+from kvserve.attention import default_backend
 from kvserve.beam_search import BeamSearchState
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.detokenizer import IncrementalDetokenizer
@@ -163,7 +163,7 @@ class LLMEngine:
             if getattr(args, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(args, name)}")
         self.max_model_len = max_len
-        self.model = LlamaForCausalLM(cfg, TorchSDPABackend(), self.dtype, self.device, max_positions=max_len)
+        self.model = LlamaForCausalLM(cfg, default_backend(self.device, self.dtype), self.dtype, self.device, max_positions=max_len)
         self.model.load_weights(state, quantization=args.quantization)
         del state
         self.model.eval()

@@ -82,6 +82,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        backend = getattr(model, "attn_backend", None)
+        self.uses_context_slots = getattr(backend, "uses_context_slots", True)
 
     # ---------------------------------------------------------------- inputs
     def prepare_inputs(self, sched: SchedulerOutput) -> BatchInputs:
@@ -111,15 +113,19 @@ class ModelRunner:
             nc = torch.tensor([r.num_computed_tokens for r, _ in decodes], dtype=torch.long)
             ctx_len = nc + 1
             max_ctx = int(ctx_len.max())
-            grid = torch.arange(max_ctx, dtype=torch.long)
-            ctx_slots = bt.gather(1, (grid // bs).expand(D, -1)) * bs + grid % bs
-            valid = grid.unsqueeze(0) < ctx_len.unsqueeze(1)
-            ctx_slots = torch.where(valid, ctx_slots, 0)
             meta.num_decode_tokens = D
-            meta.decode_context_slots = ctx_slots.to(self.device)
-            meta.decode_mask = valid.view(D, 1, 1, max_ctx).to(self.device)
+            meta.decode_max_context_len = max_ctx
+            if self.uses_context_slots:
+                grid = torch.arange(max_ctx, dtype=torch.long)
+                ctx_slots = bt.gather(1, (grid // bs).expand(D, -1)) * bs + grid % bs
+                valid = grid.unsqueeze(0) < ctx_len.unsqueeze(1)
+                meta.decode_context_slots = torch.where(valid, ctx_slots, 0).to(self.device)
+                meta.decode_mask = valid.view(D, 1, 1, max_ctx).to(self.device)
+            else:
+                meta.decode_block_tables = bt.to(self.device)
+                meta.decode_context_lens = ctx_len.to(self.device)
             pos_parts.append(nc)
-            slot_parts.append(ctx_slots.gather(1, nc.unsqueeze(1)).squeeze(1))
+            slot_parts.append(bt.gather(1, (nc // bs).unsqueeze(1)).squeeze(1) * bs + nc % bs)
             for i, (r, n) in enumerate(decodes):
                 ids.append(token_slice(r, r.num_computed_tokens, r.num_computed_tokens + 1)[0])
                 maybe_sample(r, i, 1)

@@ -38,19 +38,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvserve.kernels import cpu_flags, load_library
 
 #: Largest number of tokens (rows of ``x``) sent to the bf16 gemv kernel; above it oneDNN's
 #: AMX/AVX-512 GEMM wins (measured crossover: gemv faster at M <= 4 on every model shape,
@@ -314,47 +308,8 @@ TGT_F32 void kv_gemv_i8(const float* x, int64_t ldx, const int8_t* w, const floa
 }
 """
 
-_CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 #: Weights smaller than this many elements run on one thread (waking a second one costs more).
 _PARALLEL_MIN_ELEMENTS = 1 << 15
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of this machine (``/proc/cpuinfo``; empty off Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvserve")
-    return Path(root) / "kernels"
-
-
-def _build(cc: str) -> Path:
-    """Compile the kernels into the cache (atomic rename, safe with parallel processes)."""
-    tag = hashlib.sha256((_C_SOURCE + " ".join(_CFLAGS) + cc).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"kvserve_cpu_kernels_{tag}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "kernels.c"
-        src.write_text(_C_SOURCE)
-        tmp_so = Path(tmp) / "kernels.so"
-        subprocess.run([cc, *_CFLAGS, str(src), "-o", str(tmp_so)], check=True, capture_output=True, timeout=120)
-        fd, staged = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-        os.close(fd)
-        shutil.copyfile(tmp_so, staged)
-        os.replace(staged, out)
-    return out
 
 
 class _Kernels:
@@ -376,31 +331,12 @@ class _Kernels:
 
 @functools.lru_cache(maxsize=None)
 def cpu_kernels() -> Optional[_Kernels]:
-    """Load (building on first use) the gemv kernels; None where they cannot be used.
+    """Load (building on first use, see :func:`kvserve.kernels.load_library`) the gemv kernels.
 
-    The shared library is cached under ``$KVSERVE_CACHE_DIR/kernels`` (default
-    ``~/.cache/kvserve/kernels``), keyed by a hash of the source, so the ~1 s build happens once
-    per machine. It is loaded after torch, so its ``libgomp.so.1`` resolves to the OpenMP
-    runtime torch already uses (one thread pool, no oversubscription).
+    Returns None where they cannot be used (see :mod:`kvserve.kernels`).
     """
-    if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS", "") not in ("", "0"):
-        return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    flags = cpu_flags()
-    if not {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags:
-        return None
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cc:
-        return None
-    try:
-        path = _build(cc)
-        return _Kernels(ctypes.CDLL(str(path)), flags)
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        warnings.warn(f"kvserve: CPU gemv kernels unavailable, using F.linear ({e}; {detail[-500:]!r})",
-                      RuntimeWarning, stacklevel=2)
-        return None
+    lib = load_library("gemv", _C_SOURCE)
+    return None if lib is None else _Kernels(lib, cpu_flags())
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,6 +18,7 @@ from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.config import ModelConfig
+from kvserve.kernels import cpu_ops
 from kvserve.layers.linear import Linear
 
 
@@ -25,15 +26,29 @@ class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019), computed in float32 as Hugging Face does.
 
     ``y = weight · (x / sqrt(mean(x², -1) + eps))``; input and output ``[..., dim]`` in the
-    model dtype.
+    model dtype. With ``residual`` (vLLM's fused add + norm) it returns ``(norm(x + residual),
+    x + residual)``; the fused CPU kernel updates ``residual`` in place.
+
+    Args:
+        fused: use the fused CPU kernel (:func:`kvserve.kernels.cpu_ops.rms_norm`) for 2-D input.
     """
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.fused and x.dim() == 2:
+            out = cpu_ops.rms_norm(x, self.weight, self.eps, residual=residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -78,59 +93,120 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class RotaryEmbedding(nn.Module):
+    """RoPE (Su et al. 2021) in Hugging Face's ``rotate_half`` layout, shared by all layers.
+
+    ``prepare(positions)`` runs once per step; ``forward(qkv, rope_inputs)`` rotates the q and k
+    heads of a fused QKV output: in place with the fused CPU kernel, else as
+    ``x·cos + rotate_half(x)·sin`` on new tensors.
+
+    Args:
+        inv_freq: ``[head_dim / 2]`` float32 inverse frequencies (see :func:`rope_inv_freq`).
+        max_positions: rows of the cos/sin tables (tokens).
+        fused: use :func:`kvserve.kernels.cpu_ops.rope_`.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype, device, fused: bool) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_table", emb.cos().to(dtype).to(device), persistent=False)
+        self.register_buffer("sin_table", emb.sin().to(dtype).to(device), persistent=False)
+        self.head_dim = emb.shape[-1]
+        self.fused = fused
+
+    def prepare(self, positions: torch.Tensor):
+        """Per-step inputs: ``positions [T]`` (fused) or the gathered ``(cos, sin)``, ``[T, 1, head_dim]``."""
+        if self.fused:
+            return positions
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+    def forward(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, rope_inputs):
+        """Rotate q and k of ``qkv [T, (num_heads + 2·num_kv_heads)·head_dim]``.
+
+        Returns:
+            ``(q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads, head_dim])``
+            (views into ``qkv`` when fused).
+        """
+        T, hd = qkv.shape[0], self.head_dim
+        q_size, kv_size = num_heads * hd, num_kv_heads * hd
+        if self.fused:
+            cpu_ops.rope_(qkv, num_heads + num_kv_heads, hd, rope_inputs, self.cos_table, self.sin_table)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = q.view(T, num_heads, hd), k.view(T, num_kv_heads, hd), v.view(T, num_kv_heads, hd)
+        if not self.fused:
+            cos, sin = rope_inputs
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding, dtype, device) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
+        self.rotary = [rotary]  # shared by all layers; a list keeps it out of this module's children
         self.qkv_proj: Optional[Linear] = None  # set by load_weights (fused q, k, v)
         self.o_proj: Optional[Linear] = None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rope_inputs, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        o = self.backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            qk = qkv[:, : self.q_size + self.kv_size]
+            q = self.q_norm(qk[:, : self.q_size].reshape(T, self.num_heads, self.head_dim))
+            k = self.k_norm(qk[:, self.q_size :].reshape(T, self.num_kv_heads, self.head_dim))
+            qk.copy_(torch.cat([q.reshape(T, -1), k.reshape(T, -1)], dim=-1))
+        q, k, v = self.rotary[0](qkv, self.num_heads, self.num_kv_heads, rope_inputs)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, hd]
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))`` with gate/up fused."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fused: bool = False) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj: Optional[Linear] = None
         self.down_proj: Optional[Linear] = None
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, dtype, device) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, backend, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(cfg)
+    """Pre-norm decoder layer; the residual stream is carried separately (vLLM style) so that
+    each residual add fuses into the following RMSNorm."""
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: ModelConfig, backend, rotary, dtype, device, fused: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.self_attn = LlamaAttention(cfg, backend, rotary, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.mlp = LlamaMLP(cfg, fused)
+
+    def forward(self, h, residual, rope_inputs, kv_cache, meta):
+        """``(h, residual) -> (h', residual')`` with the layer's output ``= h' + residual'``."""
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, rope_inputs, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,23 +218,26 @@ class LlamaForCausalLM(nn.Module):
         dtype: compute and weight dtype (``torch.float32`` or ``torch.bfloat16``).
         device: where weights live.
         max_positions: length of the precomputed RoPE table (tokens).
+        fused_cpu_ops: on CPU in float32/bfloat16, run RMSNorm (+ residual add), RoPE and
+            SiLU-and-mul on the fused kernels of :mod:`kvserve.kernels.cpu_ops` when they are
+            available (``self.fused_cpu_ops`` says whether they are used).
     """
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 device: torch.device, max_positions: int) -> None:
+                 device: torch.device, max_positions: int, fused_cpu_ops: bool = True) -> None:
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.attn_backend = backend
+        fused = fused_cpu_ops and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
+            and cpu_ops.available()
+        self.fused_cpu_ops = fused
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, dtype, device) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(rope_inv_freq(cfg), max_positions, dtype, device, fused)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, self.rotary_emb, dtype, device, fused)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.lm_head: Optional[Linear] = None
-        inv_freq = rope_inv_freq(cfg)
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_table", emb.cos().to(dtype).to(device), persistent=False)
-        self.register_buffer("sin_table", emb.sin().to(dtype).to(device), persistent=False)
 
     @torch.inference_mode()
     def load_weights(self, state: dict[str, torch.Tensor], quantization: Optional[str] = None) -> None:
@@ -228,9 +307,9 @@ class LlamaForCausalLM(nn.Module):
             ``[S, vocab_size]`` float32 logits.
         """
         h = self.embed_tokens(input_ids)
-        cos = self.cos_table[positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin_table[positions].unsqueeze(1)
+        residual = None
+        rope_inputs = self.rotary_emb.prepare(positions)
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv, meta)
-        h = self.norm(h[logits_indices])
+            h, residual = layer(h, residual, rope_inputs, kv, meta)
+        h, _ = self.norm(h[logits_indices], residual[logits_indices])
         return self.lm_head(h).float()

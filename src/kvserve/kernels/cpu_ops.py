@@ -1,0 +1,469 @@
+"""Fused CPU kernels for the model's non-matmul ops: RMSNorm, SiLU-and-mul, RoPE, KV write,
+paged decode attention.
+
+Why: a decode step of a small model is a few hundred tiny ops; in eager PyTorch each costs
+5-50 us of dispatch, allocation and a separate pass over memory, which for SmolLM2 is more
+time than the matmuls themselves. Each kernel here replaces a chain of PyTorch ops with one
+pass (one ctypes call), vectorized with AVX-512 and parallel over rows with OpenMP.
+
+Numerics follow the PyTorch ops they replace: float32 arithmetic, and in bfloat16 the result
+of every PyTorch op in the replaced chain is rounded to bfloat16 at the same point
+(round-to-nearest-even), so bf16 results match eager PyTorch to about one bf16 ulp and float32
+results to float rounding. Paged attention accumulates in float32 with an exact two-pass
+softmax (like SDPA's math; the order of additions differs).
+
+All functions take CPU tensors of dtype float32 or bfloat16 (the "model dtype"), with unit
+stride in the last dimension; row strides are passed through, so views into a fused QKV
+output need no copy. Call :func:`available` first; the model falls back to PyTorch ops
+otherwise (see :mod:`kvserve.kernels`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Optional
+
+import torch
+
+from kvserve.kernels import load_library
+
+_C_SOURCE = r"""
+/* kvserve fused CPU ops (see cpu_ops.py). Every function takes `bf` = 1 for bfloat16 data
+ * (uint16 storage), 0 for float32; the always-inline helpers specialise on it. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define INLINE static inline __attribute__((always_inline))
+#define MAXV 16 /* head_dim <= 256 */
+
+INLINE TGT __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+
+INLINE TGT __m512 bf16x16_to_ps(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* float32 -> bfloat16, round to nearest even, NaN kept quiet (as c10::BFloat16). */
+INLINE TGT __m256i ps_to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+INLINE TGT __m512 ld(const void* p, int64_t i, __mmask16 m, int bf) {
+    if (bf) return bf16x16_to_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t*)p + i));
+    return _mm512_maskz_loadu_ps(m, (const float*)p + i);
+}
+
+INLINE TGT void st(void* p, int64_t i, __m512 v, __mmask16 m, int bf) {
+    if (bf) _mm256_mask_storeu_epi16((uint16_t*)p + i, m, ps_to_bf16x16(v));
+    else _mm512_mask_storeu_ps((float*)p + i, m, v);
+}
+
+/* The value a PyTorch op in the model dtype would store: identity in float32. */
+INLINE TGT __m512 rnd(__m512 v, int bf) { return bf ? bf16x16_to_ps(ps_to_bf16x16(v)) : v; }
+
+INLINE const void* at(const void* p, int64_t i, int bf) { return (const char*)p + i * (bf ? 2 : 4); }
+INLINE void* atw(void* p, int64_t i, int bf) { return (char*)p + i * (bf ? 2 : 4); }
+
+/* exp(x), Cephes expf polynomial on [-ln2/2, ln2/2] and 2^n by VSCALEFPS (~1 ulp). */
+INLINE TGT __m512 exp_ps(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* ---- RMSNorm, optionally fused with the residual add --------------------------------------
+ * With residual (vLLM's fused_add_rms_norm):  residual = x + residual;  out = norm(residual).
+ * Without:                                      out = norm(x).
+ * norm(h) = w * to_dtype(h * rsqrt(mean(h^2) + eps)), h in float32 (Hugging Face LlamaRMSNorm). */
+INLINE TGT void rms_norm_row(const void* x, void* res, const void* w, void* out, int64_t dim, float eps, int bf) {
+    const void* src = x;
+    if (res) {
+        for (int64_t i = 0; i < dim; i += 16) {
+            __mmask16 m = tail_mask(dim - i);
+            st(res, i, _mm512_add_ps(ld(x, i, m, bf), ld(res, i, m, bf)), m, bf);
+        }
+        src = res;
+    }
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        __m512 v = ld(src, i, tail_mask(dim - i), bf);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < dim; i += 16) {
+        __mmask16 m = tail_mask(dim - i);
+        __m512 h = rnd(_mm512_mul_ps(ld(src, i, m, bf), vinv), bf);
+        st(out, i, _mm512_mul_ps(ld(w, i, m, bf), h), m, bf);
+    }
+}
+
+TGT void kv_rms_norm(const void* x, int64_t ldx, void* res, int64_t ldr, const void* w, void* out, int64_t ldo,
+                     int64_t M, int64_t dim, float eps, int bf, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        if (bf)
+            rms_norm_row(at(x, m * ldx, 1), res ? atw(res, m * ldr, 1) : NULL, w, atw(out, m * ldo, 1), dim, eps, 1);
+        else
+            rms_norm_row(at(x, m * ldx, 0), res ? atw(res, m * ldr, 0) : NULL, w, atw(out, m * ldo, 0), dim, eps, 0);
+    }
+}
+
+/* ---- SiLU-and-mul (SwiGLU): out = to_dtype(silu(gate)) * up, x = [gate | up] ------------ */
+INLINE TGT void silu_mul_row(const void* x, void* out, int64_t I, int bf) {
+    for (int64_t i = 0; i < I; i += 16) {
+        __mmask16 m = tail_mask(I - i);
+        __m512 g = ld(x, i, m, bf), u = ld(x, I + i, m, bf);
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        st(out, i, _mm512_mul_ps(rnd(s, bf), u), m, bf);
+    }
+}
+
+TGT void kv_silu_and_mul(const void* x, int64_t ldx, void* out, int64_t ldo, int64_t M, int64_t I, int bf,
+                         int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        if (bf) silu_mul_row(at(x, m * ldx, 1), atw(out, m * ldo, 1), I, 1);
+        else silu_mul_row(at(x, m * ldx, 0), atw(out, m * ldo, 0), I, 0);
+    }
+}
+
+/* ---- RoPE (GPT-NeoX / Hugging Face rotate_half layout), in place ---------------------------
+ * x: T rows (stride ldx) of nheads heads of hd values; row t rotated by position pos[t]:
+ *   x1' = x1*cos1 - x2*sin1,  x2' = x2*cos2 + x1*sin2  (x1, x2 the two halves; tables [P, hd]),
+ * rounded like `x * cos + rotate_half(x) * sin` in the model dtype. */
+INLINE TGT void rope_row(void* x, int64_t nheads, int64_t hd, const void* c, const void* s, int bf) {
+    const int64_t half = hd / 2;
+    for (int64_t h = 0; h < nheads; h++) {
+        void* xh = atw(x, h * hd, bf);
+        for (int64_t i = 0; i < half; i += 16) {
+            __mmask16 m = tail_mask(half - i);
+            __m512 x1 = ld(xh, i, m, bf), x2 = ld(xh, half + i, m, bf);
+            __m512 c1 = ld(c, i, m, bf), c2 = ld(c, half + i, m, bf);
+            __m512 s1 = ld(s, i, m, bf), s2 = ld(s, half + i, m, bf);
+            __m512 y1 = _mm512_add_ps(rnd(_mm512_mul_ps(x1, c1), bf),
+                                      rnd(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1), bf));
+            __m512 y2 = _mm512_add_ps(rnd(_mm512_mul_ps(x2, c2), bf), rnd(_mm512_mul_ps(x1, s2), bf));
+            st(xh, i, y1, m, bf);
+            st(xh, half + i, y2, m, bf);
+        }
+    }
+}
+
+TGT void kv_rope(void* x, int64_t ldx, int64_t T, int64_t nheads, int64_t hd, const int64_t* pos, const void* cos,
+                 const void* sin, int bf, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        if (bf) rope_row(atw(x, t * ldx, 1), nheads, hd, at(cos, pos[t] * hd, 1), at(sin, pos[t] * hd, 1), 1);
+        else rope_row(atw(x, t * ldx, 0), nheads, hd, at(cos, pos[t] * hd, 0), at(sin, pos[t] * hd, 0), 0);
+    }
+}
+
+/* ---- KV-cache write: cache[slot[t]] = k[t], v[t] (rows of `row` elements; slot < 0 skipped) */
+void kv_reshape_and_cache(const void* k, int64_t ldk, const void* v, int64_t ldv, void* k_cache, void* v_cache,
+                          const int64_t* slots, int64_t T, int64_t row, int64_t esize) {
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        memcpy((char*)k_cache + slots[t] * row * esize, (const char*)k + t * ldk * esize, row * esize);
+        memcpy((char*)v_cache + slots[t] * row * esize, (const char*)v + t * ldv * esize, row * esize);
+    }
+}
+
+/* ---- Paged decode attention ----------------------------------------------------------------
+ * One query token per sequence d (row stride ldq, H heads of hd), attending over the first
+ * ctx[d] tokens of its sequence, read through its block table (stride bt_stride) from caches
+ * [num_blocks, bs, KVH, hd]. GQA: the G = H / KVH query heads of KV head g share each loaded
+ * K/V vector. Exact two-pass softmax in float32: scores, max, exp and sum, then P @ V. */
+INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const int64_t* bt, int64_t L, void* out,
+                         int64_t G, int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc,
+                         float* qf, float* acc, int bf) {
+    const int64_t nv = (hd + 15) / 16;
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t v = 0; v < nv; v++) {
+            __mmask16 m = tail_mask(hd - v * 16);
+            _mm512_storeu_ps(qf + (h * nv + v) * 16, _mm512_mul_ps(ld(q, (g * G + h) * hd + v * 16, m, bf),
+                                                                  _mm512_set1_ps(scale)));
+        }
+    /* pass 1: scores */
+    for (int64_t j0 = 0; j0 < L; j0 += bs) {
+        const int64_t blk = bt[j0 / bs], n = (L - j0) < bs ? (L - j0) : bs;
+        for (int64_t o = 0; o < n; o++) {
+            const void* kp = at(kc, ((blk * bs + o) * KVH + g) * hd, bf);
+            __m512 kv[MAXV];
+            for (int64_t v = 0; v < nv; v++) kv[v] = ld(kp, v * 16, tail_mask(hd - v * 16), bf);
+            for (int64_t h = 0; h < G; h++) {
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf + h * nv * 16), kv[0]);
+                for (int64_t v = 1; v < nv; v++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (h * nv + v) * 16), kv[v], a);
+                sc[h * L + j0 + o] = _mm512_reduce_add_ps(a);
+            }
+        }
+    }
+    /* softmax numerator and denominator per head */
+    float inv_sum[64];
+    for (int64_t h = 0; h < G; h++) {
+        float* s = sc + h * L;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < L; j += 16) mx = _mm512_mask_max_ps(mx, tail_mask(L - j), mx, _mm512_loadu_ps(s + j));
+        const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; j += 16) {
+            __mmask16 m = tail_mask(L - j);
+            __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmax));
+            e = _mm512_maskz_mov_ps(m, e);
+            _mm512_mask_storeu_ps(s + j, m, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* pass 2: P @ V */
+    for (int64_t i = 0; i < G * nv * 16; i++) acc[i] = 0.0f;
+    for (int64_t j0 = 0; j0 < L; j0 += bs) {
+        const int64_t blk = bt[j0 / bs], n = (L - j0) < bs ? (L - j0) : bs;
+        for (int64_t o = 0; o < n; o++) {
+            const void* vp = at(vc, ((blk * bs + o) * KVH + g) * hd, bf);
+            __m512 vv[MAXV];
+            for (int64_t v = 0; v < nv; v++) vv[v] = ld(vp, v * 16, tail_mask(hd - v * 16), bf);
+            for (int64_t h = 0; h < G; h++) {
+                const __m512 p = _mm512_set1_ps(sc[h * L + j0 + o]);
+                for (int64_t v = 0; v < nv; v++) {
+                    float* a = acc + (h * nv + v) * 16;
+                    _mm512_storeu_ps(a, _mm512_fmadd_ps(p, vv[v], _mm512_loadu_ps(a)));
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t v = 0; v < nv; v++)
+            st(out, (g * G + h) * hd + v * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + (h * nv + v) * 16),
+                                                            _mm512_set1_ps(inv_sum[h])), tail_mask(hd - v * 16), bf);
+}
+
+/* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete). */
+TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                                  const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
+                                  int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs, float scale,
+                                  int bf, int nthreads) {
+    const int64_t G = H / KVH, nv = (hd + 15) / 16;
+    int64_t maxL = 0;
+    for (int64_t d = 0; d < D; d++) maxL = ctx[d] > maxL ? ctx[d] : maxL;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + 2 * G * nv * 16 + 16));
+        if (!sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < D * KVH; i++) {
+            if (!sc) continue;
+            const int64_t d = i / KVH, g = i % KVH;
+            float* qf = sc + G * maxL;
+            float* acc = qf + G * nv * 16;
+            if (bf)
+                attn_one(at(q, d * ldq, 1), k_cache, v_cache, block_tables + d * bt_stride, ctx[d],
+                         atw(out, d * ldo, 1), G, KVH, g, hd, bs, scale, sc, qf, acc, 1);
+            else
+                attn_one(at(q, d * ldq, 0), k_cache, v_cache, block_tables + d * bt_stride, ctx[d],
+                         atw(out, d * ldo, 0), G, KVH, g, hd, bs, scale, sc, qf, acc, 0);
+        }
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}
+"""
+
+#: Rows of work below which a kernel runs on one thread (waking the second costs more).
+_PARALLEL_MIN_ELEMENTS = 1 << 14
+#: Largest head_dim and GQA group the attention kernel handles.
+MAX_HEAD_DIM = 256
+MAX_GQA_GROUP = 64
+
+
+class _Lib:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, vp, ci, cf = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        spec = {
+            "kv_rms_norm": [vp, i64, vp, i64, vp, vp, i64, i64, i64, cf, ci, ci],
+            "kv_silu_and_mul": [vp, i64, vp, i64, i64, i64, ci, ci],
+            "kv_rope": [vp, i64, i64, i64, i64, vp, vp, vp, ci, ci],
+            "kv_reshape_and_cache": [vp, i64, vp, i64, vp, vp, vp, i64, i64, i64],
+            "kv_paged_attention_decode": [vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, i64, cf, ci, ci],
+        }
+        for name, args in spec.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_int if name == "kv_paged_attention_decode" else None
+            setattr(self, name[3:], fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _lib() -> Optional[_Lib]:
+    lib = load_library("cpu_ops", _C_SOURCE)
+    return None if lib is None else _Lib(lib)
+
+
+def available() -> bool:
+    """Whether the kernels can run here (builds them on first call, ~3 s once per machine)."""
+    return _lib() is not None
+
+
+def supports(t: torch.Tensor) -> bool:
+    """Whether ``t`` can go to these kernels: CPU, float32 or bfloat16, no autograd, kernels built."""
+    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and not t.requires_grad
+            and available())
+
+
+def _threads(work: int) -> int:
+    return torch.get_num_threads() if work >= _PARALLEL_MIN_ELEMENTS else 1
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"{name} must be 2-D with unit stride in the last dimension, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    return x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019), optionally fused with the residual add (vLLM's
+    ``fused_add_rms_norm``).
+
+    Args:
+        x: ``[M, dim]`` float32 or bfloat16, unit last stride.
+        weight: ``[dim]`` contiguous, same dtype.
+        eps: added to the mean square.
+        residual: optional ``[M, dim]`` same dtype, unit last stride; updated in place to
+            ``x + residual`` (rounded to the dtype), which is then normalized.
+
+    Returns:
+        ``[M, dim]`` new tensor: ``weight * to_dtype(h * rsqrt(mean(h², -1) + eps))`` with ``h``
+        the float32 input (``x``, or the updated ``residual``), as Hugging Face's LlamaRMSNorm.
+    """
+    _rows(x, "x")
+    M, dim = x.shape
+    out = torch.empty((M, dim), dtype=x.dtype)
+    ldr = 0
+    if residual is not None:
+        _rows(residual, "residual")
+        ldr = residual.stride(0)
+    _lib().rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), ldr,
+                    weight.data_ptr(), out.data_ptr(), dim, M, dim, float(eps), int(x.dtype == torch.bfloat16),
+                    _threads(M * dim))
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation (Shazeer 2020): ``to_dtype(silu(gate)) * up`` for ``x = [gate | up]``.
+
+    Args:
+        x: ``[M, 2·I]`` float32 or bfloat16, unit last stride.
+
+    Returns:
+        ``[M, I]`` new tensor in ``x.dtype``.
+    """
+    _rows(x, "x")
+    M, two_i = x.shape
+    if two_i % 2:
+        raise ValueError(f"x must have an even number of columns (gate | up), got {two_i}")
+    inter = two_i // 2
+    out = torch.empty((M, inter), dtype=x.dtype)
+    _lib().silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), inter, M, inter,
+                        int(x.dtype == torch.bfloat16), _threads(M * inter))
+    return out
+
+
+def rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor) -> None:
+    """Apply rotary position embeddings (Su et al. 2021, ``rotate_half`` layout) in place.
+
+    Args:
+        x: ``[T, ≥ num_heads·head_dim]`` float32 or bfloat16, unit last stride; the first
+            ``num_heads·head_dim`` columns of each row (e.g. the q and k heads of a fused QKV
+            output) are rotated in place.
+        num_heads: heads per row to rotate.
+        head_dim: values per head (even).
+        positions: ``[T]`` int64 contiguous, each in ``[0, cos.shape[0])`` (not checked).
+        cos, sin: ``[max_positions, head_dim]`` contiguous tables in ``x.dtype``.
+    """
+    _rows(x, "x")
+    T = x.shape[0]
+    _lib().rope(x.data_ptr(), x.stride(0), T, num_heads, head_dim, positions.data_ptr(), cos.data_ptr(),
+                sin.data_ptr(), int(x.dtype == torch.bfloat16), _threads(T * num_heads * head_dim))
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write each token's K and V into its cache slot (vLLM's ``reshape_and_cache``).
+
+    Args:
+        k, v: ``[T, num_kv_heads, head_dim]``, heads and values contiguous within a token (token
+            stride free, so views into a fused QKV output work).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, same dtype.
+        slot_mapping: ``[T]`` int64 contiguous flat slots (``block · block_size + offset``);
+            negative slots are skipped.
+    """
+    row = k_cache.shape[2] * k_cache.shape[3]
+    _lib().reshape_and_cache(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                             v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row, k.element_size())
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: Optional[torch.Tensor] = None, max_context_len: Optional[int] = None) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context (PagedAttention, Kwon et
+    al. 2023), with GQA and an exact float32 softmax.
+
+    Args:
+        q: ``[D, num_heads, head_dim]``; heads and values contiguous within a row (row stride free).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous.
+        block_tables: ``[D, max_blocks]`` int64, unit last stride; row d lists sequence d's blocks.
+        context_lens: ``[D]`` int64 contiguous, tokens to attend to (≥ 1, including the new one,
+            whose K/V must already be in the cache).
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        out: optional ``[D, num_heads, head_dim]`` destination, heads contiguous within a row.
+        max_context_len: ``max(context_lens)`` if the caller knows it (saves a reduction);
+            only used to decide whether to use more than one thread.
+
+    Returns:
+        ``out`` (or a new tensor) with ``softmax(q·Kᵀ·scale)·V`` per head, in ``q.dtype``.
+
+    Raises:
+        ValueError: for head_dim > 256, a GQA group > 64 or heads not divisible by KV heads.
+        MemoryError: if the kernel's work buffers cannot be allocated.
+    """
+    D, H, hd = q.shape
+    KVH, bs = k_cache.shape[2], k_cache.shape[1]
+    if hd > MAX_HEAD_DIM or H % KVH or H // KVH > MAX_GQA_GROUP:
+        raise ValueError(f"paged_attention_decode: unsupported shape (heads {H}, kv_heads {KVH}, head_dim {hd})")
+    if out is None:
+        out = torch.empty((D, H, hd), dtype=q.dtype)
+    if max_context_len is None:
+        max_context_len = int(context_lens.max()) if D else 0
+    rc = _lib().paged_attention_decode(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), out.stride(0), D, H, KVH, hd, bs,
+        float(scale), int(q.dtype == torch.bfloat16), _threads(D * H * max_context_len * hd // 64))
+    if rc:
+        raise MemoryError("paged_attention_decode: could not allocate work buffers")
+    return out

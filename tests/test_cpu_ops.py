@@ -1,0 +1,148 @@
+"""The fused CPU kernels (kvserve.kernels.cpu_ops) against the PyTorch ops they replace."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import cpu_ops as K
+
+pytestmark = pytest.mark.skipif(not K.available(), reason="CPU kernels need x86-64 AVX-512 and a C compiler")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def ref_rms_norm(x, w, eps):
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def close(a, b, dtype):
+    """float32: float rounding; bfloat16: identical values (the kernels round where PyTorch does)."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(a, b), f"max diff {(a.float() - b.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,dim", [(1, 576), (5, 64), (33, 100), (300, 1024)])
+def test_rms_norm(dtype, M, dim):
+    g = torch.Generator().manual_seed(M * dim)
+    x = torch.randn(M, dim, generator=g).to(dtype) * 3
+    w = torch.randn(dim, generator=g).to(dtype)
+    close(K.rms_norm(x, w, 1e-5), ref_rms_norm(x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_fused_residual_on_strided_rows(dtype):
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(9, 200, generator=g).to(dtype)
+    x = big[:, 10:110]  # row stride 200
+    res = torch.randn(9, 100, generator=g).to(dtype)
+    w = torch.randn(100, generator=g).to(dtype)
+    expect_res = x + res
+    y = K.rms_norm(x, w, 1e-6, residual=res)
+    assert torch.equal(res, expect_res)  # updated in place, rounded like PyTorch's add
+    close(y, ref_rms_norm(expect_res, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,inter", [(1, 1536), (7, 40), (129, 512)])
+def test_silu_and_mul(dtype, M, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = (torch.randn(M, 2 * inter, generator=g) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    expect = F.silu(x[:, :inter]) * x[:, inter:]
+    got = K.silu_and_mul(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expect, rtol=2e-6, atol=1e-6)
+    else:
+        # silu's exp differs from PyTorch's in the last float bit now and then; after bf16
+        # rounding that changes at most one ulp, and rarely.
+        diff = (got.float() - expect.float()).abs()
+        assert (diff <= expect.float().abs() * 2**-7 + 1e-30).all()
+        assert (got != expect).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_rope_in_place_on_fused_qkv(dtype, head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    T, H, KVH, P = 11, 4, 2, 300
+    qkv = torch.randn(T, (H + 2 * KVH) * head_dim, generator=g).to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat([torch.outer(torch.arange(P).float(), inv)] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    pos = torch.randint(0, P, (T,), generator=g)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., head_dim // 2:], x[..., : head_dim // 2]), dim=-1)
+
+    qk = qkv[:, : (H + KVH) * head_dim].reshape(T, H + KVH, head_dim)
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    expect = qk * c + rotate_half(qk) * s
+    v_before = qkv[:, (H + KVH) * head_dim:].clone()
+    K.rope_(qkv, H + KVH, head_dim, pos, cos, sin)
+    close(qkv[:, : (H + KVH) * head_dim].reshape(T, H + KVH, head_dim), expect, dtype)
+    assert torch.equal(qkv[:, (H + KVH) * head_dim:], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache(dtype):
+    nb, bs, KVH, hd, T = 6, 4, 2, 16, 5
+    qkv = torch.randn(T, 3 * KVH * hd).to(dtype)
+    k = qkv[:, KVH * hd : 2 * KVH * hd].view(T, KVH, hd)
+    v = qkv[:, 2 * KVH * hd :].view(T, KVH, hd)
+    kc, vc = torch.zeros(nb, bs, KVH, hd, dtype=dtype), torch.zeros(nb, bs, KVH, hd, dtype=dtype)
+    slots = torch.tensor([3, 17, -1, 0, 23])
+    K.reshape_and_cache(k, v, kc, vc, slots)
+    ek, ev = torch.zeros_like(kc).view(-1, KVH, hd), torch.zeros_like(vc).view(-1, KVH, hd)
+    keep = slots >= 0
+    ek[slots[keep]] = k[keep]
+    ev[slots[keep]] = v[keep]
+    assert torch.equal(kc.view(-1, KVH, hd), ek) and torch.equal(vc.view(-1, KVH, hd), ev)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KVH,hd", [(9, 3, 64), (4, 4, 80), (8, 2, 128), (16, 1, 32)])
+def test_paged_attention_decode_matches_sdpa(dtype, H, KVH, hd):
+    g = torch.Generator().manual_seed(H * hd)
+    bs, nb = 16, 64
+    ctx = [1, 15, 16, 17, 100, 333]
+    kc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for n in ctx:
+        nblk = math.ceil(n / bs)
+        tables.append(perm[i : i + nblk])
+        i += nblk
+    width = max(map(len, tables)) + 2
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    qkv = torch.randn(len(ctx), (H + 2 * KVH) * hd, generator=g).to(dtype)
+    q = qkv[:, : H * hd].view(len(ctx), H, hd)  # strided rows, as in the model
+    scale = hd**-0.5
+    out = K.paged_attention_decode(q, kc, vc, bt, torch.tensor(ctx), scale)
+    for d, n in enumerate(ctx):
+        slots = torch.tensor([tables[d][j // bs] * bs + j % bs for j in range(n)])
+        k = kc.view(-1, KVH, hd)[slots].transpose(0, 1).float()  # [KVH, n, hd]
+        v = vc.view(-1, KVH, hd)[slots].transpose(0, 1).float()
+        e = F.scaled_dot_product_attention(q[d].float().unsqueeze(1), k, v, scale=scale, enable_gqa=True).squeeze(1)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[d].float(), e, rtol=tol, atol=tol)
+
+
+def test_paged_attention_decode_rejects_unsupported_shapes():
+    q = torch.randn(1, 6, 64)
+    kc = torch.randn(2, 16, 4, 64)
+    with pytest.raises(ValueError, match="kv_heads 4"):
+        K.paged_attention_decode(q, kc, kc, torch.zeros(1, 2, dtype=torch.long), torch.tensor([3]), 0.1)
+
+
+def test_kernels_reject_non_2d_input():
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        K.silu_and_mul(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="even number of columns"):
+        K.silu_and_mul(torch.randn(2, 5))
