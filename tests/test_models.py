@@ -72,3 +72,36 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
     b = _prefill_logits(LLM(model=str(folder), dtype="bfloat16", num_blocks=16), ids)
     assert b.dtype == torch.float32
     assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_c_decode_step_is_bit_identical_to_the_module_path(tiny_model_dir, arch, dtype, monkeypatch):
+    """The one-call C decode step (small decode batches) gives exactly the logits of running the
+    model's modules: same tokens and bit-equal logprobs, with the step asserted to have run."""
+    if not cpu_ops.available():
+        pytest.skip("needs the CPU kernels")
+    from kvserve.models.llama import LlamaForCausalLM
+
+    folder, _ = tiny_model_dir(arch)
+    prompts = [[5, 17, 99, 3, 250, 40, 41], [300, 301], [77] * 9]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run():
+        llm = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=4)
+        return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params)]
+
+    calls = []
+    orig = LlamaForCausalLM._get_decode_step
+
+    def spy(self, kv_caches, n):
+        step = orig(self, kv_caches, n)
+        calls.append(step is not None)
+        return step
+
+    monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", spy)
+    fast = run()
+    assert calls and all(calls)  # every decode-only step ran in C
+    monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", lambda self, kv, n: None)
+    assert run() == fast

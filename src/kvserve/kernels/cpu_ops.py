@@ -192,30 +192,66 @@ void kv_reshape_and_cache(const void* k, int64_t ldk, const void* v, int64_t ldv
  * One query token per sequence d (row stride ldq, H heads of hd), attending over the first
  * ctx[d] tokens of its sequence, read through its block table (stride bt_stride) from caches
  * [num_blocks, bs, KVH, hd]. GQA: the G = H / KVH query heads of KV head g share each loaded
- * K/V vector. Exact two-pass softmax in float32: scores, max, exp and sum, then P @ V. */
-INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const int64_t* bt, int64_t L, void* out,
-                         int64_t G, int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc,
-                         float* qf, float* acc, int bf) {
-    const int64_t nv = (hd + 15) / 16;
+ * K/V vector. Exact two-pass softmax in float32: scores, max, exp and sum, then P @ V.
+ *
+ * Scores are computed 16 keys at a time: 16 partial-product vectors are summed horizontally
+ * together by a transpose-and-add tree (45 shuffles/adds for 16 dot products instead of a
+ * full reduction each). P @ V keeps its G x NV accumulators in registers when G and NV are
+ * small compile-time constants (the common GQA shapes), else in memory. */
+
+/* r[i] = sum of the 16 lanes of v[i], i < 16. */
+INLINE TGT __m512 hsum16(const __m512* v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xee));
+    __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xdd));
+}
+
+/* G, NV: query heads per KV head and 16-float vectors per head (compile-time after inlining,
+ * or runtime in the generic instance). kt: scratch for 16 converted keys [16][NV*16]. */
+INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, const void* kc, const void* vc,
+                          const int64_t* bt, int64_t L, void* out, int64_t KVH, int64_t g, int64_t hd, int64_t bs,
+                          float scale, float* sc, float* qf, float* kt, float* accm, int bf) {
+    const int64_t rs = KVH * hd; /* elements between consecutive tokens of one KV head */
+    /* Software prefetch of upcoming tokens. The KV heads of a token are adjacent and the
+     * work items of one sequence run g = 0, 1, ... in turn, so the first one prefetches whole
+     * token rows (sequential DRAM reads; the rows stay in L2 for the other heads). */
+    const int64_t pf_off = g == 0 ? 0 : 0 * hd;
+    const int64_t pf_bytes = (g == 0 ? rs : hd) * (bf ? 2 : 4);
     for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < nv; v++) {
-            __mmask16 m = tail_mask(hd - v * 16);
-            _mm512_storeu_ps(qf + (h * nv + v) * 16, _mm512_mul_ps(ld(q, (g * G + h) * hd + v * 16, m, bf),
-                                                                  _mm512_set1_ps(scale)));
-        }
-    /* pass 1: scores */
-    for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const int64_t blk = bt[j0 / bs], n = (L - j0) < bs ? (L - j0) : bs;
-        for (int64_t o = 0; o < n; o++) {
-            const void* kp = at(kc, ((blk * bs + o) * KVH + g) * hd, bf);
-            __m512 kv[MAXV];
-            for (int64_t v = 0; v < nv; v++) kv[v] = ld(kp, v * 16, tail_mask(hd - v * 16), bf);
-            for (int64_t h = 0; h < G; h++) {
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf + h * nv * 16), kv[0]);
-                for (int64_t v = 1; v < nv; v++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (h * nv + v) * 16), kv[v], a);
-                sc[h * L + j0 + o] = _mm512_reduce_add_ps(a);
+        for (int64_t v = 0; v < NV; v++)
+            _mm512_storeu_ps(qf + (h * NV + v) * 16, _mm512_mul_ps(ld(q, (g * G + h) * hd + v * 16,
+                                                                      tail_mask(hd - v * 16), bf), _mm512_set1_ps(scale)));
+    /* pass 1: scores, 16 keys per step (chunks never cross a block when bs % 16 == 0) */
+    for (int64_t j0 = 0; j0 < L;) {
+        const int64_t blk = bt[j0 / bs], o0 = j0 % bs;
+        int64_t n = bs - o0 < 16 ? bs - o0 : 16;
+        if (L - j0 < n) n = L - j0;
+        const int64_t base = (blk * bs + o0) * rs + g * hd;
+        if (j0 + n < L) { /* prefetch the next chunk's keys (it may start a new block) */
+            const int64_t j1 = j0 + n, b1 = bt[j1 / bs], o1 = j1 % bs;
+            const int64_t n1 = (bs - o1 < 16 ? bs - o1 : 16) < L - j1 ? (bs - o1 < 16 ? bs - o1 : 16) : L - j1;
+            for (int64_t jj = 0; jj < n1; jj++) {
+                const char* pk = (const char*)at(kc, (b1 * bs + o1 + jj) * rs + g * hd - pf_off, bf);
+                for (int64_t b = 0; b < pf_bytes; b += 64) _mm_prefetch(pk + b, _MM_HINT_T0);
             }
         }
+        for (int64_t jj = 0; jj < n; jj++)
+            for (int64_t v = 0; v < NV; v++)
+                _mm512_storeu_ps(kt + (jj * NV + v) * 16, ld(kc, base + jj * rs + v * 16, tail_mask(hd - v * 16), bf));
+        for (int64_t h = 0; h < G; h++) {
+            __m512 P[16];
+            for (int jj = 0; jj < 16; jj++) P[jj] = _mm512_setzero_ps();
+            for (int64_t jj = 0; jj < n; jj++)
+                for (int64_t v = 0; v < NV; v++)
+                    P[jj] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (h * NV + v) * 16), _mm512_loadu_ps(kt + (jj * NV + v) * 16), P[jj]);
+            _mm512_mask_storeu_ps(sc + h * L + j0, tail_mask(n), hsum16(P));
+        }
+        j0 += n;
     }
     /* softmax numerator and denominator per head */
     float inv_sum[64];
@@ -227,34 +263,53 @@ INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const in
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < L; j += 16) {
             __mmask16 m = tail_mask(L - j);
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmax));
-            e = _mm512_maskz_mov_ps(m, e);
+            __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmax)));
             _mm512_mask_storeu_ps(s + j, m, e);
             sum = _mm512_add_ps(sum, e);
         }
         inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
     }
-    /* pass 2: P @ V */
-    for (int64_t i = 0; i < G * nv * 16; i++) acc[i] = 0.0f;
+    /* pass 2: P @ V, accumulators in registers when G * NV is a small constant */
+    __m512 acc[G][NV];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t v = 0; v < NV; v++) acc[h][v] = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < L; j0 += bs) {
         const int64_t blk = bt[j0 / bs], n = (L - j0) < bs ? (L - j0) : bs;
+        const int64_t base = blk * bs * rs + g * hd;
+        if (j0 + bs < L) { /* prefetch the next block's values */
+            const int64_t b1 = bt[j0 / bs + 1], n1 = (L - j0 - bs) < bs ? (L - j0 - bs) : bs;
+            for (int64_t o = 0; o < n1; o++) {
+                const char* pv = (const char*)at(vc, (b1 * bs + o) * rs + g * hd - pf_off, bf);
+                for (int64_t b = 0; b < pf_bytes; b += 64) _mm_prefetch(pv + b, _MM_HINT_T0);
+            }
+        }
         for (int64_t o = 0; o < n; o++) {
-            const void* vp = at(vc, ((blk * bs + o) * KVH + g) * hd, bf);
-            __m512 vv[MAXV];
-            for (int64_t v = 0; v < nv; v++) vv[v] = ld(vp, v * 16, tail_mask(hd - v * 16), bf);
+            __m512 vv[NV];
+            for (int64_t v = 0; v < NV; v++) vv[v] = ld(vc, base + o * rs + v * 16, tail_mask(hd - v * 16), bf);
             for (int64_t h = 0; h < G; h++) {
                 const __m512 p = _mm512_set1_ps(sc[h * L + j0 + o]);
-                for (int64_t v = 0; v < nv; v++) {
-                    float* a = acc + (h * nv + v) * 16;
-                    _mm512_storeu_ps(a, _mm512_fmadd_ps(p, vv[v], _mm512_loadu_ps(a)));
-                }
+                for (int64_t v = 0; v < NV; v++) acc[h][v] = _mm512_fmadd_ps(p, vv[v], acc[h][v]);
             }
         }
     }
+    (void)accm;
     for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < nv; v++)
-            st(out, (g * G + h) * hd + v * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + (h * nv + v) * 16),
-                                                            _mm512_set1_ps(inv_sum[h])), tail_mask(hd - v * 16), bf);
+        for (int64_t v = 0; v < NV; v++)
+            st(out, (g * G + h) * hd + v * 16, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h])),
+               tail_mask(hd - v * 16), bf);
+}
+
+INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const int64_t* bt, int64_t L, void* out,
+                         int64_t G, int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc,
+                         float* qf, float* kt, int bf) {
+    const int64_t nv = (hd + 15) / 16;
+#define KV_ATTN_CASE(GC, NC) \
+    if (G == GC && nv == NC) { attn_core(GC, NC, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc, qf, kt, NULL, bf); return; }
+    KV_ATTN_CASE(1, 4) KV_ATTN_CASE(2, 4) KV_ATTN_CASE(3, 4) KV_ATTN_CASE(4, 4) KV_ATTN_CASE(5, 4) KV_ATTN_CASE(6, 4)
+    KV_ATTN_CASE(1, 8) KV_ATTN_CASE(2, 8) KV_ATTN_CASE(3, 8) KV_ATTN_CASE(4, 8)
+    KV_ATTN_CASE(1, 2) KV_ATTN_CASE(2, 2) KV_ATTN_CASE(4, 2) KV_ATTN_CASE(8, 2)
+#undef KV_ATTN_CASE
+    attn_core(G, nv, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc, qf, kt, NULL, bf);
 }
 
 /* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete). */
@@ -268,27 +323,98 @@ TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cach
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + 2 * G * nv * 16 + 16));
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + G * nv * 16 + 16 * nv * 16 + 16));
         if (!sc) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
         for (int64_t i = 0; i < D * KVH; i++) {
             if (!sc) continue;
             const int64_t d = i / KVH, g = i % KVH;
             float* qf = sc + G * maxL;
-            float* acc = qf + G * nv * 16;
+            float* kt = qf + G * nv * 16;
             if (bf)
                 attn_one(at(q, d * ldq, 1), k_cache, v_cache, block_tables + d * bt_stride, ctx[d],
-                         atw(out, d * ldo, 1), G, KVH, g, hd, bs, scale, sc, qf, acc, 1);
+                         atw(out, d * ldo, 1), G, KVH, g, hd, bs, scale, sc, qf, kt, 1);
             else
                 attn_one(at(q, d * ldq, 0), k_cache, v_cache, block_tables + d * bt_stride, ctx[d],
-                         atw(out, d * ldo, 0), G, KVH, g, hd, bs, scale, sc, qf, acc, 0);
+                         atw(out, d * ldo, 0), G, KVH, g, hd, bs, scale, sc, qf, kt, 0);
         }
         free(sc);
     }
     return failed ? -1 : 0;
+}
+
+/* ---- A whole decode step of a Llama-family model ------------------------------------------
+ * For a few tokens (M <= the gemv limit) the per-op cost of Python and PyTorch exceeds the
+ * math, so the step runs here in one call: for every layer
+ *   residual += delta; x = rms_norm(residual)          (layer 0: residual = hidden)
+ *   qkv = x @ Wqkv^T (+ b); [Qwen3: per-head q/k RMSNorm]; RoPE(q, k); cache[slot] = k, v
+ *   attn = paged_attention(q); delta = attn @ Wo^T
+ *   residual += delta; x = rms_norm(residual); delta = down(silu(gate(x)) * up(x))
+ * then residual += delta; x = rms_norm(residual); logits = x @ Wlm^T.
+ * It calls exactly the kernels the PyTorch-level model calls for these shapes (the gemv
+ * kernel through `gemv`, and the functions above), so its logits are bit-identical to it. */
+typedef void (*gemv_fn)(const void*, int64_t, const void*, const void*, void*, int64_t, int64_t, int64_t, int64_t, int);
+
+typedef struct {
+    const void *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *ln2, *gu_w, *down_w;
+    void *k_cache, *v_cache;
+} kv_layer_t;
+
+TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv, int64_t M, const void* hidden,
+                       void* residual, void* delta, void* x, void* qkv, void* attn, void* gu, void* act,
+                       int64_t E, int64_t H, int64_t KVH, int64_t hd, int64_t I, float eps, const int64_t* pos,
+                       const void* cos, const void* sin, const int64_t* slots, const int64_t* bt, int64_t bt_stride,
+                       const int64_t* ctx, int64_t max_ctx, int64_t bs, float scale, const void* final_norm,
+                       const void* lm_head, int64_t V, void* logits, int bf, int nthreads, int attn_threads) {
+    const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4;
+    memcpy(residual, hidden, (size_t)(M * E * es));
+    for (int64_t l = 0; l < n_layers; l++) {
+        const kv_layer_t* L = layers + l;
+        for (int64_t m = 0; m < M; m++) { /* layer 0 normalizes the embeddings themselves */
+            if (bf) rms_norm_row(l ? at(delta, m * E, 1) : at(residual, m * E, 1), l ? atw(residual, m * E, 1) : NULL,
+                                 L->ln1, atw(x, m * E, 1), E, eps, 1);
+            else rms_norm_row(l ? at(delta, m * E, 0) : at(residual, m * E, 0), l ? atw(residual, m * E, 0) : NULL,
+                              L->ln1, atw(x, m * E, 0), E, eps, 0);
+        }
+        gemv(x, E, L->qkv_w, L->qkv_b, qkv, NQKV, M, NQKV, E, nthreads);
+        for (int64_t m = 0; m < M; m++) {
+            void* row = atw(qkv, m * NQKV, bf);
+            if (L->q_norm) {
+                for (int64_t h = 0; h < H + KVH; h++) {
+                    void* hp = atw(row, h * hd, bf);
+                    if (bf) rms_norm_row(hp, NULL, h < H ? L->q_norm : L->k_norm, hp, hd, eps, 1);
+                    else rms_norm_row(hp, NULL, h < H ? L->q_norm : L->k_norm, hp, hd, eps, 0);
+                }
+            }
+            if (bf) rope_row(row, H + KVH, hd, at(cos, pos[m] * hd, 1), at(sin, pos[m] * hd, 1), 1);
+            else rope_row(row, H + KVH, hd, at(cos, pos[m] * hd, 0), at(sin, pos[m] * hd, 0), 0);
+        }
+        kv_reshape_and_cache(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache, L->v_cache,
+                             slots, M, KVH * hd, es);
+        if (kv_paged_attention_decode(qkv, NQKV, L->k_cache, L->v_cache, bt, bt_stride, ctx, attn, H * hd, M, H, KVH,
+                                      hd, bs, scale, bf, attn_threads))
+            return -1;
+        gemv(attn, H * hd, L->o_w, NULL, delta, E, M, E, H * hd, nthreads);
+        for (int64_t m = 0; m < M; m++) {
+            if (bf) rms_norm_row(at(delta, m * E, 1), atw(residual, m * E, 1), L->ln2, atw(x, m * E, 1), E, eps, 1);
+            else rms_norm_row(at(delta, m * E, 0), atw(residual, m * E, 0), L->ln2, atw(x, m * E, 0), E, eps, 0);
+        }
+        gemv(x, E, L->gu_w, NULL, gu, 2 * I, M, 2 * I, E, nthreads);
+        for (int64_t m = 0; m < M; m++) {
+            if (bf) silu_mul_row(at(gu, m * 2 * I, 1), atw(act, m * I, 1), I, 1);
+            else silu_mul_row(at(gu, m * 2 * I, 0), atw(act, m * I, 0), I, 0);
+        }
+        gemv(act, I, L->down_w, NULL, delta, E, M, E, I, nthreads);
+    }
+    for (int64_t m = 0; m < M; m++) {
+        if (bf) rms_norm_row(at(delta, m * E, 1), atw(residual, m * E, 1), final_norm, atw(x, m * E, 1), E, eps, 1);
+        else rms_norm_row(at(delta, m * E, 0), atw(residual, m * E, 0), final_norm, atw(x, m * E, 0), E, eps, 0);
+    }
+    gemv(x, E, lm_head, NULL, logits, V, M, V, E, nthreads);
+    return 0;
 }
 """
 
@@ -301,6 +427,7 @@ MAX_GQA_GROUP = 64
 
 class _Lib:
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
         i64, vp, ci, cf = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         spec = {
             "kv_rms_norm": [vp, i64, vp, i64, vp, vp, i64, i64, i64, cf, ci, ci],
@@ -467,3 +594,95 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if rc:
         raise MemoryError("paged_attention_decode: could not allocate work buffers")
     return out
+
+
+class _LayerPtrs(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in
+                ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "ln2", "gu_w", "down_w", "k_cache", "v_cache")]
+
+
+class DecodeStep:
+    """A whole decode step of a Llama-family model in one C call (``kv_decode_step`` above).
+
+    For a few tokens the per-op overhead of eager PyTorch (5-20 us per op, ~15 ops per layer)
+    costs more than the matmuls; this runs the same kernels the model's modules run for such
+    batches (gemv linears, fused RMSNorm/RoPE/SiLU, KV write, paged decode attention) from C,
+    so the logits are bit-identical to the module path.
+
+    Args:
+        layers: per layer a dict of contiguous CPU tensors in the model dtype: ``ln1``, ``ln2``
+            ``[E]``; ``qkv_w`` ``[(H + 2·KVH)·hd, E]``, ``qkv_b`` (or None), ``o_w`` ``[E, H·hd]``,
+            ``gu_w`` ``[2·I, E]``, ``down_w`` ``[E, I]``, ``q_norm``/``k_norm`` ``[hd]`` (or None),
+            ``k_cache``/``v_cache`` ``[num_blocks, block_size, KVH, hd]``.
+        final_norm: ``[E]``; lm_head: ``[V, E]``; cos, sin: RoPE tables ``[max_positions, hd]``.
+        gemv: the ctypes gemv function for the dtype (``kvserve.layers.linear``).
+        num_heads, num_kv_heads, head_dim, eps: the model's attention shape and RMSNorm epsilon.
+        max_tokens: largest batch (tokens) this step accepts.
+    """
+
+    def __init__(self, layers: list[dict], final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, gemv, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 max_tokens: int) -> None:
+        self._keep = (layers, final_norm, lm_head, cos, sin)  # the C side holds raw pointers
+        self.dtype = lm_head.dtype
+        self.E, self.V = final_norm.shape[0], lm_head.shape[0]
+        self.H, self.KVH, self.hd = num_heads, num_kv_heads, head_dim
+        self.I = layers[0]["down_w"].shape[1]
+        self.eps, self.max_tokens = float(eps), max_tokens
+        self.block_size = layers[0]["k_cache"].shape[1]
+        self._layers = (_LayerPtrs * len(layers))(*[
+            _LayerPtrs(*[None if l.get(n) is None else l[n].data_ptr() for n, _ in _LayerPtrs._fields_])
+            for l in layers])
+        self._gemv = ctypes.cast(gemv, ctypes.c_void_p).value
+        self._ptrs = (final_norm.data_ptr(), lm_head.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+        fn = _lib().lib.kv_decode_step
+        i64, vp, cf, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        fn.argtypes = [vp, i64, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, cf, vp, vp, vp, vp,
+                       vp, i64, vp, i64, i64, cf, vp, vp, i64, vp, ci, ci, ci]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def _buffers(self, M: int):
+        b = self._scratch.get(M)
+        if b is None:
+            e = lambda n: torch.empty((M, n), dtype=self.dtype)  # noqa: E731
+            b = (e(self.E), e(self.E), e(self.E), e((self.H + 2 * self.KVH) * self.hd), e(self.H * self.hd),
+                 e(2 * self.I), e(self.I))
+            self._scratch[M] = b
+        return b
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int) -> torch.Tensor:
+        """Run every layer for ``M`` decode tokens, one per sequence.
+
+        Args:
+            hidden: ``[M, E]`` contiguous token embeddings (model dtype).
+            positions, slot_mapping, context_lens: ``[M]`` int64 contiguous.
+            block_tables: ``[M, max_blocks]`` int64, unit last stride.
+            max_context_len: ``max(context_lens)`` (tokens).
+
+        Returns:
+            ``[M, vocab_size]`` logits in the model dtype (a new tensor).
+
+        Raises:
+            ValueError: if ``M`` exceeds ``max_tokens``.
+            MemoryError: if attention's work buffers cannot be allocated.
+        """
+        M = hidden.shape[0]
+        if not 0 < M <= self.max_tokens:
+            raise ValueError(f"DecodeStep takes 1..{self.max_tokens} tokens, got {M}")
+        residual, delta, x, qkv, attn, gu, act = self._buffers(M)
+        logits = torch.empty((M, self.V), dtype=self.dtype)
+        nt = torch.get_num_threads()
+        fin, head, cos, sin = self._ptrs
+        rc = self._fn(ctypes.addressof(self._layers), len(self._layers), self._gemv, M, hidden.data_ptr(), residual.data_ptr(),
+                      delta.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(), act.data_ptr(),
+                      self.E, self.H, self.KVH, self.hd, self.I, self.eps, positions.data_ptr(), cos, sin,
+                      slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                      context_lens.data_ptr(), max_context_len, self.block_size, self.hd**-0.5, fin, head, self.V,
+                      logits.data_ptr(), int(self.dtype == torch.bfloat16), nt,
+                      _threads(M * self.H * max_context_len * self.hd // 64))
+        if rc:
+            raise MemoryError("decode step: could not allocate attention work buffers")
+        return logits

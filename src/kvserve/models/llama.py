@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.attention import AttentionBackend, AttentionMetadata
+from kvserve.attention import AttentionBackend, AttentionMetadata, CPUPagedAttentionBackend
 from kvserve.config import ModelConfig
 from kvserve.kernels import cpu_ops
-from kvserve.layers.linear import Linear
+from kvserve.layers.linear import Linear, cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -40,7 +40,9 @@ class RMSNorm(nn.Module):
         self.fused = fused
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if self.fused and x.dim() == 2:
+        if self.fused and (x.dim() == 2 or residual is None):
+            if x.dim() != 2:  # e.g. per-head q/k norm over [T, heads, head_dim]
+                return cpu_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
             out = cpu_ops.rms_norm(x, self.weight, self.eps, residual=residual)
             return out if residual is None else (out, residual)
         if residual is not None:
@@ -152,8 +154,8 @@ class LlamaAttention(nn.Module):
         self.rotary = [rotary]  # shared by all layers; a list keeps it out of this module's children
         self.qkv_proj: Optional[Linear] = None  # set by load_weights (fused q, k, v)
         self.o_proj: Optional[Linear] = None
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, rotary.fused) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, rotary.fused) if cfg.qk_norm else None
 
     def forward(self, x, rope_inputs, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
@@ -238,6 +240,8 @@ class LlamaForCausalLM(nn.Module):
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
         self.lm_head: Optional[Linear] = None
+        self._decode_step: Optional[cpu_ops.DecodeStep] = None  # built on first use, per KV pool
+        self._decode_step_caches = None
 
     @torch.inference_mode()
     def load_weights(self, state: dict[str, torch.Tensor], quantization: Optional[str] = None) -> None:
@@ -262,6 +266,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(t.shape)}")
             param.copy_(t)
 
+        self._decode_step, self._decode_step_caches = None, None
         put(self.embed_tokens.weight, "model.embed_tokens.weight")
         put(self.norm.weight, "model.norm.weight")
         head = state["model.embed_tokens.weight"] if self.cfg.tie_word_embeddings else state["lm_head.weight"]
@@ -307,9 +312,46 @@ class LlamaForCausalLM(nn.Module):
             ``[S, vocab_size]`` float32 logits.
         """
         h = self.embed_tokens(input_ids)
+        T = h.shape[0]
+        if (not meta.prefills and 0 < T == meta.num_decode_tokens == logits_indices.shape[0]
+                and meta.decode_block_tables is not None):
+            # Decode-only step where every token samples (logits_indices is then 0..T-1).
+            step = self._get_decode_step(kv_caches, T)
+            if step is not None:
+                return step(h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                            meta.decode_max_context_len).float()
         residual = None
         rope_inputs = self.rotary_emb.prepare(positions)
         for layer, kv in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, rope_inputs, kv, meta)
         h, _ = self.norm(h[logits_indices], residual[logits_indices])
         return self.lm_head(h).float()
+
+    def _get_decode_step(self, kv_caches, num_tokens: int) -> Optional[cpu_ops.DecodeStep]:
+        """The one-call C decode step, when it computes exactly what the modules would: fused CPU
+        ops and C attention, and every linear layer on the gemv kernel for ``num_tokens`` rows."""
+        if not self.fused_cpu_ops or not isinstance(self.attn_backend, CPUPagedAttentionBackend):
+            return None
+        if self._decode_step_caches is not kv_caches:  # first use, new KV pool or new weights
+            self._decode_step, self._decode_step_caches = None, kv_caches
+            lins = [self.lm_head] + [m for layer in self.layers for m in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            k = cpu_kernels()
+            max_m = min(lin._gemv_max_m for lin in lins)
+            if k is None or max_m == 0 or any(lin.quantization is not None for lin in lins):
+                return None
+            gemv = k.bf16 if self.dtype == torch.bfloat16 else k.f32
+            layers = []
+            for layer, (kc, vc) in zip(self.layers, kv_caches):
+                a, m = layer.self_attn, layer.mlp
+                layers.append(dict(
+                    ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                    qkv_w=a.qkv_proj.weight, qkv_b=a.qkv_proj.bias, o_w=a.o_proj.weight,
+                    q_norm=None if a.q_norm is None else a.q_norm.weight,
+                    k_norm=None if a.k_norm is None else a.k_norm.weight,
+                    gu_w=m.gate_up_proj.weight, down_w=m.down_proj.weight, k_cache=kc, v_cache=vc))
+            self._decode_step = cpu_ops.DecodeStep(
+                layers, self.norm.weight, self.lm_head.weight, self.rotary_emb.cos_table, self.rotary_emb.sin_table,
+                gemv, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps, max_m)
+        step = self._decode_step
+        return step if step is not None and num_tokens <= step.max_tokens else None
