@@ -146,3 +146,26 @@ def test_kernels_reject_non_2d_input():
         K.silu_and_mul(torch.randn(2, 3, 4))
     with pytest.raises(ValueError, match="even number of columns"):
         K.silu_and_mul(torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("bf16_dot", [True, False])
+def test_paged_attention_bf16_paths_agree(bf16_dot):
+    """bf16 attention on VDPBF16PS (probabilities rounded to bf16, as PyTorch's CPU flash
+    attention does) and on float32 FMAs both stay within bf16 noise of float32 SDPA."""
+    used = K.set_bf16_dot(bf16_dot)
+    try:
+        g = torch.Generator().manual_seed(7)
+        H, KVH, hd, bs, L = 8, 2, 128, 16, 77
+        kc = torch.randn(8, bs, KVH, hd, generator=g).bfloat16()
+        vc = torch.randn(8, bs, KVH, hd, generator=g).bfloat16()
+        q = torch.randn(1, H, hd, generator=g).bfloat16()
+        bt = torch.tensor([[5, 0, 7, 2, 3]])
+        out = K.paged_attention_decode(q, kc, vc, bt, torch.tensor([L]), hd**-0.5)
+        slots = torch.tensor([bt[0, j // bs].item() * bs + j % bs for j in range(L)])
+        k = kc.view(-1, KVH, hd)[slots].transpose(0, 1).float()
+        v = vc.view(-1, KVH, hd)[slots].transpose(0, 1).float()
+        e = F.scaled_dot_product_attention(q[0].float().unsqueeze(1), k, v, scale=hd**-0.5, enable_gqa=True).squeeze(1)
+        torch.testing.assert_close(out[0].float(), e, rtol=1e-2, atol=1e-2)
+        assert used == (bf16_dot and "avx512_bf16" in K.cpu_flags())
+    finally:
+        K.set_bf16_dot(True)

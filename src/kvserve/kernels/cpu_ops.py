@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from kvserve.kernels import load_library
+from kvserve.kernels import cpu_flags, load_library
 
 _C_SOURCE = r"""
 /* kvserve fused CPU ops (see cpu_ops.py). Every function takes `bf` = 1 for bfloat16 data
@@ -199,6 +199,18 @@ void kv_reshape_and_cache(const void* k, int64_t ldk, const void* v, int64_t ldv
  * full reduction each). P @ V keeps its G x NV accumulators in registers when G and NV are
  * small compile-time constants (the common GQA shapes), else in memory. */
 
+/* Software prefetch of rows [j0, j1) (clipped to L) of one KV head through the block table:
+ * `bytes` from element `off` of each token row (rs elements per token). */
+#define KV_PFD 48 /* keys ahead */
+INLINE void prefetch_rows(const void* cache, int64_t esize, const int64_t* bt, int64_t j0, int64_t j1, int64_t L,
+                          int64_t bs, int64_t rs, int64_t off, int64_t bytes) {
+    if (j1 > L) j1 = L;
+    for (int64_t j = j0; j < j1; j++) {
+        const char* p = (const char*)cache + ((bt[j / bs] * bs + j % bs) * rs + off) * esize;
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+}
+
 /* r[i] = sum of the 16 lanes of v[i], i < 16. */
 INLINE TGT __m512 hsum16(const __m512* v) {
     __m512 t[8], u[4];
@@ -220,7 +232,6 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
     /* Software prefetch of upcoming tokens. The KV heads of a token are adjacent and the
      * work items of one sequence run g = 0, 1, ... in turn, so the first one prefetches whole
      * token rows (sequential DRAM reads; the rows stay in L2 for the other heads). */
-    const int64_t pf_off = g == 0 ? 0 : 0 * hd;
     const int64_t pf_bytes = (g == 0 ? rs : hd) * (bf ? 2 : 4);
     for (int64_t h = 0; h < G; h++)
         for (int64_t v = 0; v < NV; v++)
@@ -232,14 +243,7 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
         int64_t n = bs - o0 < 16 ? bs - o0 : 16;
         if (L - j0 < n) n = L - j0;
         const int64_t base = (blk * bs + o0) * rs + g * hd;
-        if (j0 + n < L) { /* prefetch the next chunk's keys (it may start a new block) */
-            const int64_t j1 = j0 + n, b1 = bt[j1 / bs], o1 = j1 % bs;
-            const int64_t n1 = (bs - o1 < 16 ? bs - o1 : 16) < L - j1 ? (bs - o1 < 16 ? bs - o1 : 16) : L - j1;
-            for (int64_t jj = 0; jj < n1; jj++) {
-                const char* pk = (const char*)at(kc, (b1 * bs + o1 + jj) * rs + g * hd - pf_off, bf);
-                for (int64_t b = 0; b < pf_bytes; b += 64) _mm_prefetch(pk + b, _MM_HINT_T0);
-            }
-        }
+        prefetch_rows(kc, bf ? 2 : 4, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
         for (int64_t jj = 0; jj < n; jj++)
             for (int64_t v = 0; v < NV; v++)
                 _mm512_storeu_ps(kt + (jj * NV + v) * 16, ld(kc, base + jj * rs + v * 16, tail_mask(hd - v * 16), bf));
@@ -276,13 +280,7 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
     for (int64_t j0 = 0; j0 < L; j0 += bs) {
         const int64_t blk = bt[j0 / bs], n = (L - j0) < bs ? (L - j0) : bs;
         const int64_t base = blk * bs * rs + g * hd;
-        if (j0 + bs < L) { /* prefetch the next block's values */
-            const int64_t b1 = bt[j0 / bs + 1], n1 = (L - j0 - bs) < bs ? (L - j0 - bs) : bs;
-            for (int64_t o = 0; o < n1; o++) {
-                const char* pv = (const char*)at(vc, (b1 * bs + o) * rs + g * hd - pf_off, bf);
-                for (int64_t b = 0; b < pf_bytes; b += 64) _mm_prefetch(pv + b, _MM_HINT_T0);
-            }
-        }
+        prefetch_rows(vc, bf ? 2 : 4, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
         for (int64_t o = 0; o < n; o++) {
             __m512 vv[NV];
             for (int64_t v = 0; v < NV; v++) vv[v] = ld(vc, base + o * rs + v * 16, tail_mask(hd - v * 16), bf);
@@ -299,10 +297,127 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
                tail_mask(hd - v * 16), bf);
 }
 
+/* bf16 caches on CPUs with AVX512_BF16 (hd % 32 == 0): both products on VDPBF16PS, which
+ * multiplies pairs of bf16 exactly and accumulates in float32. Q·K reads K as stored (no
+ * conversion); P·V pairs consecutive keys, with the probabilities rounded to bf16 as
+ * PyTorch's CPU flash attention does for bf16 inputs, and un-interleaves the dims at the end.
+ * Same loop structure and softmax as attn_core. */
+#define TGT_DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
+
+static inline uint32_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u); /* p in [0, 1]: never NaN */
+    return u >> 16;
+}
+
+INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_t* q, const uint16_t* kc,
+                                const uint16_t* vc, const int64_t* bt, int64_t L, uint16_t* out, int64_t KVH,
+                                int64_t g, int64_t hd, int64_t bs, float scale, float* sc) {
+    const int64_t rs = KVH * hd;
+    const int64_t pf_bytes = (g == 0 ? rs : hd) * 2;
+    __m512bh qv[G][NW];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t w = 0; w < NW; w++) qv[h][w] = (__m512bh)_mm512_loadu_si512(q + (g * G + h) * hd + w * 32);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < L;) {
+        const int64_t blk = bt[j0 / bs], o0 = j0 % bs;
+        int64_t n = bs - o0 < 16 ? bs - o0 : 16;
+        if (L - j0 < n) n = L - j0;
+        const uint16_t* kb = kc + (blk * bs + o0) * rs + g * hd;
+        prefetch_rows(kc, 2, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
+        for (int64_t h = 0; h < G; h++) {
+            __m512 P[16];
+            for (int jj = 0; jj < 16; jj++) P[jj] = _mm512_setzero_ps();
+            for (int64_t jj = 0; jj < n; jj++)
+                for (int64_t w = 0; w < NW; w++)
+                    P[jj] = _mm512_dpbf16_ps(P[jj], qv[h][w], (__m512bh)_mm512_loadu_si512(kb + jj * rs + w * 32));
+            _mm512_mask_storeu_ps(sc + h * L + j0, tail_mask(n), _mm512_mul_ps(hsum16(P), vscale));
+        }
+        j0 += n;
+    }
+    float inv_sum[64];
+    for (int64_t h = 0; h < G; h++) {
+        float* s = sc + h * L;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < L; j += 16) mx = _mm512_mask_max_ps(mx, tail_mask(L - j), mx, _mm512_loadu_ps(s + j));
+        const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; j += 16) {
+            __mmask16 m = tail_mask(L - j);
+            __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmax)));
+            _mm512_mask_storeu_ps(s + j, m, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* P @ V over pairs of keys: lane i of lo/hi holds dim 32w + 8(i/4) + i%4 (+ 4 for hi) */
+    __m512 lo[G][NW], hi[G][NW];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t w = 0; w < NW; w++) lo[h][w] = hi[h][w] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < L; j0 += bs) {
+        const int64_t blk = bt[j0 / bs], n = (L - j0) < bs ? (L - j0) : bs;
+        const uint16_t* vb = vc + blk * bs * rs + g * hd;
+        prefetch_rows(vc, 2, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
+        for (int64_t o = 0; o < n; o += 2) {
+            const int two = o + 1 < n;
+            __m512i a[NW], b[NW];
+            for (int64_t w = 0; w < NW; w++) {
+                __m512i v0 = _mm512_loadu_si512(vb + o * rs + w * 32);
+                __m512i v1 = two ? _mm512_loadu_si512(vb + (o + 1) * rs + w * 32) : _mm512_setzero_si512();
+                a[w] = _mm512_unpacklo_epi16(v0, v1);
+                b[w] = _mm512_unpackhi_epi16(v0, v1);
+            }
+            for (int64_t h = 0; h < G; h++) {
+                const float* s = sc + h * L + j0 + o;
+                const uint32_t pp = bf16_bits(s[0]) | (two ? bf16_bits(s[1]) << 16 : 0u);
+                const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp);
+                for (int64_t w = 0; w < NW; w++) {
+                    lo[h][w] = _mm512_dpbf16_ps(lo[h][w], (__m512bh)a[w], pv);
+                    hi[h][w] = _mm512_dpbf16_ps(hi[h][w], (__m512bh)b[w], pv);
+                }
+            }
+        }
+    }
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t h = 0; h < G; h++) {
+        const __m512 is = _mm512_set1_ps(inv_sum[h]);
+        uint16_t* oh = out + (g * G + h) * hd;
+        for (int64_t w = 0; w < NW; w++) {
+            _mm256_storeu_si256((__m256i*)(oh + w * 32), ps_to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo[h][w], i0, hi[h][w]), is)));
+            _mm256_storeu_si256((__m256i*)(oh + w * 32 + 16), ps_to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo[h][w], i1, hi[h][w]), is)));
+        }
+    }
+}
+
+/* Set once at load time from Python: 1 when the CPU has AVX512_BF16. */
+static int kv_bf16_dot = 0;
+void kv_set_bf16_dot(int on) { kv_bf16_dot = on; }
+
+static __attribute__((noinline)) TGT_DP void attn_one_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                                                         const int64_t* bt, int64_t L, uint16_t* out, int64_t G,
+                                                         int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale,
+                                                         float* sc) {
+    const int64_t nw = hd / 32;
+#define KV_DP_CASE(GC, NC) \
+    if (G == GC && nw == NC) { attn_core_dp(GC, NC, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc); return; }
+    KV_DP_CASE(1, 2) KV_DP_CASE(2, 2) KV_DP_CASE(3, 2) KV_DP_CASE(4, 2) KV_DP_CASE(5, 2) KV_DP_CASE(6, 2)
+    KV_DP_CASE(8, 2) KV_DP_CASE(1, 4) KV_DP_CASE(2, 4) KV_DP_CASE(3, 4) KV_DP_CASE(4, 4) KV_DP_CASE(1, 8)
+    KV_DP_CASE(2, 8)
+#undef KV_DP_CASE
+    attn_core_dp(G, nw, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc);
+}
+
 INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const int64_t* bt, int64_t L, void* out,
                          int64_t G, int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc,
                          float* qf, float* kt, int bf) {
     const int64_t nv = (hd + 15) / 16;
+    if (bf && kv_bf16_dot && hd % 32 == 0) {
+        attn_one_dp((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, bt, L, (uint16_t*)out, G, KVH, g,
+                    hd, bs, scale, sc);
+        return;
+    }
 #define KV_ATTN_CASE(GC, NC) \
     if (G == GC && nv == NC) { attn_core(GC, NC, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc, qf, kt, NULL, bf); return; }
     KV_ATTN_CASE(1, 4) KV_ATTN_CASE(2, 4) KV_ATTN_CASE(3, 4) KV_ATTN_CASE(4, 4) KV_ATTN_CASE(5, 4) KV_ATTN_CASE(6, 4)
@@ -444,9 +559,27 @@ class _Lib:
 
 
 @functools.lru_cache(maxsize=None)
+def _raw_lib() -> Optional[ctypes.CDLL]:
+    return load_library("cpu_ops", _C_SOURCE)
+
+
+@functools.lru_cache(maxsize=None)
 def _lib() -> Optional[_Lib]:
-    lib = load_library("cpu_ops", _C_SOURCE)
-    return None if lib is None else _Lib(lib)
+    lib = _raw_lib()
+    if lib is None:
+        return None
+    set_bf16_dot(True)
+    return _Lib(lib)
+
+
+def set_bf16_dot(on: bool) -> bool:
+    """Use AVX512_BF16 dot products (``VDPBF16PS``) in bf16 decode attention when the CPU has
+    them (the default); ``False`` forces the float32-FMA path. Returns what is now in effect."""
+    lib = _raw_lib()
+    eff = bool(on) and "avx512_bf16" in cpu_flags()
+    if lib is not None:
+        lib.kv_set_bf16_dot(int(eff))
+    return eff
 
 
 def available() -> bool:
