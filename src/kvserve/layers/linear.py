@@ -2,7 +2,7 @@
 
 A Llama-style model spends nearly all of its FLOPs and bytes in ``y = x @ W^T + b``. Which
 kernel computes that best depends on how many tokens ``M`` share one pass over ``W``
-(measurements: ``notes/perf_study.md``, 2-core AVX-512/AMX Xeon, 2 threads):
+(measured on a 2-core AVX-512/AMX Xeon, 2 threads; ``tests/test_linear.py`` checks the numerics):
 
 * **Decode (M <= 4 in bf16, M <= 8 in float32)**: every weight is read for only a few tokens,
   so the limit is memory bandwidth (~30 GB/s here). Eager ``F.linear`` in bf16 reaches only
