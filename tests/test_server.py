@@ -470,11 +470,28 @@ def test_disconnects_free_kv_blocks(server):
 
 def test_non_streaming_disconnect_aborts(server):
     free_before = server.engine_call(lambda e: e.kv.num_free_blocks)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/v1/completions", timeout=0.3,
-                   json={"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "n": 4})
-    server.wait_idle(timeout=30)
+    key = "kvserve:request_success_total{finished_reason=abort}"
+    aborted_before = _metrics(server)[key]
+
+    def slow_down(e):  # 5 ms per step: the request outlives the client's timeout on any machine
+        step = e.step
+
+        def slow_step():
+            time.sleep(0.005)
+            return step()
+
+        e.step = slow_step
+
+    server.engine_call(slow_down)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base_url + "/v1/completions", timeout=0.3,
+                       json={"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "n": 4})
+        server.wait_idle(timeout=30)
+    finally:
+        server.engine_call(lambda e: delattr(e, "step"))
     assert server.engine_call(lambda e: e.kv.num_free_blocks) == free_before
+    assert _metrics(server)[key] > aborted_before  # cancelled, not run to the end
 
 
 # ------------------------------------------------------------------ metrics

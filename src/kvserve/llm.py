@@ -13,7 +13,11 @@ PromptType = Union[str, Sequence[int]]
 
 
 class GenerationError(ValueError):
-    """Some prompts of a batch were invalid; the valid ones still ran.
+    """Some prompts of a batch were invalid.
+
+    From ``generate(...)`` the valid prompts still ran and ``outputs`` holds their results;
+    from ``generate(..., stream=True)`` nothing ran (it is raised at the first iteration,
+    before any token is generated) and ``outputs`` is all None.
 
     Attributes:
         errors: prompt index → error message.
@@ -32,7 +36,8 @@ class LLM:
 
     Args:
         model: GGUF file or Hugging Face folder; None means the default SmolLM2-135M-Instruct.
-        dtype: "bfloat16" (default) or "float32".
+        dtype: "bfloat16" (default) or "float32"; "float16" is accepted too (meant for CUDA:
+            on CPU it runs without the fused kernels and is slower).
         **kwargs: any other :class:`kvserve.engine.EngineArgs` field (``kv_cache_memory``,
             ``max_model_len``, ``max_num_batched_tokens``, ``max_num_seqs``, ``block_size``,
             ``num_blocks``, ``enable_prefix_caching``, ``device``, ``quantization``, ``seed``).
@@ -85,8 +90,9 @@ class LLM:
             metrics with TTFT and decode tokens/s).
 
         Raises:
-            GenerationError: some prompts were invalid (after the valid ones finished;
-                ``.outputs`` holds their results).
+            GenerationError: some prompts were invalid. Without ``stream``, raised after the
+                valid ones finished (``.outputs`` holds their results); with ``stream``, raised
+                at the first iteration and no prompt runs.
         """
         ids, errors = self._submit(prompts, sampling_params)
         if stream:

@@ -30,7 +30,8 @@ class RMSNorm(nn.Module):
     x + residual)``; the fused CPU kernel updates ``residual`` in place.
 
     Args:
-        fused: use the fused CPU kernel (:func:`kvserve.kernels.cpu_ops.rms_norm`) for 2-D input.
+        fused: use the fused CPU kernel (:func:`kvserve.kernels.cpu_ops.rms_norm`) (any input
+            without ``residual``, 2-D input with it).
     """
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None, fused: bool = False) -> None:
