@@ -169,3 +169,13 @@ def test_paged_attention_bf16_paths_agree(bf16_dot):
         assert used == (bf16_dot and "avx512_bf16" in K.cpu_flags())
     finally:
         K.set_bf16_dot(True)
+
+
+def test_default_backend_falls_back_for_shapes_the_kernel_does_not_handle():
+    from kvserve.attention import CPUPagedAttentionBackend, TorchSDPABackend, default_backend
+
+    cpu = torch.device("cpu")
+    assert isinstance(default_backend(cpu, torch.bfloat16, 9, 3, 64), CPUPagedAttentionBackend)
+    assert type(default_backend(cpu, torch.bfloat16, 8, 2, 512)) is TorchSDPABackend  # head_dim > 256
+    assert type(default_backend(cpu, torch.float32, 128, 1, 64)) is TorchSDPABackend  # 128 heads per KV head
+    assert type(default_backend(cpu, torch.float16, 9, 3, 64)) is TorchSDPABackend

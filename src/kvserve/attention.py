@@ -184,9 +184,12 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
         return out
 
 
-def default_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+def default_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                    head_dim: int) -> AttentionBackend:
     """The fastest backend that runs here: :class:`CPUPagedAttentionBackend` on CPU in float32 or
-    bfloat16 when the kernels are available, else :class:`TorchSDPABackend`."""
-    if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_ops.available():
+    bfloat16 when the kernels are available and support the shape (``head_dim`` <= 256, at most
+    64 query heads per KV head), else :class:`TorchSDPABackend`."""
+    if (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and cpu_ops.supports_attention_shape(num_heads, num_kv_heads, head_dim) and cpu_ops.available()):
         return CPUPagedAttentionBackend()
     return TorchSDPABackend()

@@ -163,7 +163,8 @@ class LLMEngine:
             if getattr(args, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(args, name)}")
         self.max_model_len = max_len
-        self.model = LlamaForCausalLM(cfg, default_backend(self.device, self.dtype), self.dtype, self.device, max_positions=max_len)
+        backend = default_backend(self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.model = LlamaForCausalLM(cfg, backend, self.dtype, self.device, max_positions=max_len)
         self.model.load_weights(state, quantization=args.quantization)
         del state
         self.model.eval()

@@ -197,7 +197,7 @@ void kv_reshape_and_cache(const void* k, int64_t ldk, const void* v, int64_t ldv
  * Scores are computed 16 keys at a time: 16 partial-product vectors are summed horizontally
  * together by a transpose-and-add tree (45 shuffles/adds for 16 dot products instead of a
  * full reduction each). P @ V keeps its G x NV accumulators in registers when G and NV are
- * small compile-time constants (the common GQA shapes), else in memory. */
+ * small compile-time constants (the common GQA shapes). */
 
 /* Software prefetch of rows [j0, j1) (clipped to L) of one KV head through the block table:
  * `bytes` from element `off` of each token row (rs elements per token). */
@@ -227,7 +227,7 @@ INLINE TGT __m512 hsum16(const __m512* v) {
  * or runtime in the generic instance). kt: scratch for 16 converted keys [16][NV*16]. */
 INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, const void* kc, const void* vc,
                           const int64_t* bt, int64_t L, void* out, int64_t KVH, int64_t g, int64_t hd, int64_t bs,
-                          float scale, float* sc, float* qf, float* kt, float* accm, int bf) {
+                          float scale, float* sc, float* qf, float* kt, int bf) {
     const int64_t rs = KVH * hd; /* elements between consecutive tokens of one KV head */
     /* Software prefetch of upcoming tokens. The KV heads of a token are adjacent and the
      * work items of one sequence run g = 0, 1, ... in turn, so the first one prefetches whole
@@ -290,7 +290,6 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
             }
         }
     }
-    (void)accm;
     for (int64_t h = 0; h < G; h++)
         for (int64_t v = 0; v < NV; v++)
             st(out, (g * G + h) * hd + v * 16, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h])),
@@ -419,12 +418,12 @@ INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const in
         return;
     }
 #define KV_ATTN_CASE(GC, NC) \
-    if (G == GC && nv == NC) { attn_core(GC, NC, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc, qf, kt, NULL, bf); return; }
+    if (G == GC && nv == NC) { attn_core(GC, NC, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf); return; }
     KV_ATTN_CASE(1, 4) KV_ATTN_CASE(2, 4) KV_ATTN_CASE(3, 4) KV_ATTN_CASE(4, 4) KV_ATTN_CASE(5, 4) KV_ATTN_CASE(6, 4)
     KV_ATTN_CASE(1, 8) KV_ATTN_CASE(2, 8) KV_ATTN_CASE(3, 8) KV_ATTN_CASE(4, 8)
     KV_ATTN_CASE(1, 2) KV_ATTN_CASE(2, 2) KV_ATTN_CASE(4, 2) KV_ATTN_CASE(8, 2)
 #undef KV_ATTN_CASE
-    attn_core(G, nv, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc, qf, kt, NULL, bf);
+    attn_core(G, nv, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf);
 }
 
 /* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete). */
@@ -593,6 +592,12 @@ def supports(t: torch.Tensor) -> bool:
             and available())
 
 
+def supports_attention_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`paged_attention_decode` (and :class:`DecodeStep`) handle this shape."""
+    return (0 < head_dim <= MAX_HEAD_DIM and num_kv_heads > 0 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GQA_GROUP)
+
+
 def _threads(work: int) -> int:
     return torch.get_num_threads() if work >= _PARALLEL_MIN_ELEMENTS else 1
 
@@ -714,7 +719,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     D, H, hd = q.shape
     KVH, bs = k_cache.shape[2], k_cache.shape[1]
-    if hd > MAX_HEAD_DIM or H % KVH or H // KVH > MAX_GQA_GROUP:
+    if not supports_attention_shape(H, KVH, hd):
         raise ValueError(f"paged_attention_decode: unsupported shape (heads {H}, kv_heads {KVH}, head_dim {hd})")
     if out is None:
         out = torch.empty((D, H, hd), dtype=q.dtype)
