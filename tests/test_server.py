@@ -393,6 +393,44 @@ def test_prompt_beyond_context_window(client, server):
     assert "512" in ei.value.body["message"] and "tokens" in ei.value.body["message"]
 
 
+@pytest.mark.parametrize("prompt, words", [
+    ([[1, 2], [99999999]], "99999999"),
+    (["Hi", ""], "prompt is empty"),
+    ([[5, 6], [5] * 600], "600 tokens"),
+    ([[5, 6], [5] * 500], "500 tokens"),  # fits, but not with max_tokens
+])
+def test_batch_with_one_bad_prompt_runs_nothing(server, prompt, words):
+    server.wait_idle()
+    adds = []
+
+    def spy(engine):
+        def add_request(*args, **kwargs):
+            adds.append(args)
+            return type(engine).add_request(engine, *args, **kwargs)
+        engine.add_request = add_request
+
+    server.engine_call(spy)
+    try:
+        before = _metrics(server)
+        stats_before = server.engine_call(lambda e: e.stats())
+        r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                       json={"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 400, r.text
+        assert words in r.json()["error"]["message"] and "prompt 1 of the batch" in r.json()["error"]["message"]
+        time.sleep(0.2)  # an engine step, if anything had been queued
+        server.wait_idle()
+        after = _metrics(server)
+        stats_after = server.engine_call(lambda e: e.stats())
+    finally:
+        server.engine_call(lambda e: e.__dict__.pop("add_request", None))
+    assert adds == []
+    assert not server.engine_call(lambda e: e.has_unfinished_requests() or e.groups)
+    for name in ("prompt_tokens_total", "generation_tokens_total", "request_success_total{finished_reason=abort}"):
+        assert after.get(f"kvserve:{name}", 0.0) == before.get(f"kvserve:{name}", 0.0), name
+    for key in ("prompt_tokens_computed", "generated_tokens", "num_running", "num_waiting"):
+        assert stats_after[key] == stats_before[key], key
+
+
 def test_unknown_model_404(client):
     with pytest.raises(openai.NotFoundError) as ei:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
@@ -435,6 +473,22 @@ def test_queue_full_503(tiny_folder):
         s.api.async_engine.resume()
         t.join(30)
         assert first["r"].usage.completion_tokens == 2
+
+
+def test_batch_that_overfills_the_queue_runs_nothing(tiny_folder):
+    with ServerThread(_engine(tiny_folder, num_blocks=64, max_waiting=2), names=["tiny"]) as s:
+        s.api.async_engine.pause()  # nothing leaves the waiting queue
+        r = httpx.post(s.base_url + "/v1/completions", timeout=60,
+                       json={"prompt": [[5, 6], [7, 8], [9, 10]], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert s.engine_call(lambda e: (len(e.scheduler.waiting), len(e.groups))) == (0, 0)
+        s.api.async_engine.resume()
+        r = httpx.post(s.base_url + "/v1/completions", timeout=60,
+                       json={"prompt": [[5, 6], [7, 8]], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        metrics = _metrics(s)
+        assert metrics.get("kvserve:request_success_total{finished_reason=abort}", 0.0) == 0.0
+        assert metrics["kvserve:prompt_tokens_total"] == 4
 
 
 # -------------------------------------------------------------- disconnects

@@ -251,21 +251,19 @@ class OpenAIServer:
 
     async def _submit(self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
                       cache_salt: Optional[str], arrival: float, prompt_param: str) -> _Submitted:
+        """Hand every prompt to the engine, all or nothing: if one is rejected, none runs."""
         q: asyncio.Queue = asyncio.Queue()
         rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         sub = _Submitted(rids, prompts, q, self.async_engine)
-        for i, (rid, ids) in enumerate(zip(rids, prompts)):
-            try:
-                await self.async_engine.add_request(rid, ids, params, q, tag=i, priority=priority,
-                                                    cache_salt=cache_salt, arrival=arrival)
-            except (ValueError, TypeError, QueueFullError, EngineStoppedError) as e:
-                for j in range(i):
-                    self.async_engine.abort(rids[j])
-                raise self._engine_error(e, prompt_param) from None
-            except BaseException:
-                for j in range(i + 1):
-                    self.async_engine.abort(rids[j])
-                raise
+        try:
+            await self.async_engine.add_requests([(rid, ids, i) for i, (rid, ids) in enumerate(zip(rids, prompts))],
+                                                 params, q, priority=priority, cache_salt=cache_salt, arrival=arrival)
+        except (ValueError, TypeError, QueueFullError, EngineStoppedError) as e:
+            err = self._engine_error(e, prompt_param)
+            index = getattr(e, "request_index", None)
+            if len(prompts) > 1 and index is not None and err.status == 400:
+                raise _in_batch(err, index) from None
+            raise err from None
         return sub
 
     async def _collect(self, sub: _Submitted, request: Request) -> list[RequestOutput]:
@@ -430,8 +428,11 @@ class OpenAIServer:
                 lambda: [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts])
         else:
             ids_list = [list(p) for p in prompts]
-        for ids in ids_list:
-            self._check_length(ids, "prompt")
+        for i, ids in enumerate(ids_list):
+            try:
+                self._check_length(ids, "prompt")
+            except APIError as e:
+                raise (_in_batch(e, i) if len(ids_list) > 1 else e) from None
         base = f"cmpl-{uuid.uuid4().hex}"
         sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt")
         created = int(time.time())
@@ -562,6 +563,13 @@ class OpenAIServer:
             return {"index": o.index, "delta": delta, "logprobs": logprobs, "finish_reason": o.finish_reason}
 
         return self._stream(sub, req, base, "chat.completion.chunk", created, opening, choice, "messages")
+
+
+def _in_batch(err: APIError, index: int) -> APIError:
+    """``err`` about prompt ``index`` of a batch, saying which prompt it is."""
+    return APIError(err.status, f"{err.message} (prompt {index} of the batch)", type=err.type, param=err.param,
+                    code=err.code)
+
 
 def _prompt_list(prompt) -> list:
     """Normalize OpenAI's prompt forms (str, [str], [int], [[int]]) into a list of prompts."""

@@ -122,16 +122,43 @@ class AsyncEngine:
             QueueFullError: the waiting queue is full.
             EngineStoppedError: the engine is not running.
         """
+        await self.add_requests([(request_id, prompt_token_ids, tag)], params, out_queue, priority=priority,
+                                cache_salt=cache_salt, arrival=arrival)
+
+    async def add_requests(
+        self,
+        requests: Sequence[tuple[str, Sequence[int], Any]],
+        params: SamplingParams,
+        out_queue: asyncio.Queue,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+        arrival: Optional[float] = None,
+    ) -> None:
+        """Queue several requests ``(request_id, prompt_token_ids, tag)`` all or nothing.
+
+        The engine thread checks every request before it adds any (and takes back the ones it
+        added if a later one still fails, before any step), so a rejected batch leaves no
+        trace: nothing runs and no metric moves. Outputs then arrive on ``out_queue`` as
+        ``(tag, RequestOutput)``.
+
+        Raises:
+            ValueError: the engine rejected a request (prompt too long, bad token ids...).
+            QueueFullError: the waiting queue is full.
+            EngineStoppedError: the engine is not running.
+            The exception's ``request_index`` attribute is the position in ``requests`` of the
+            request it is about.
+        """
         if not self.is_running:
             raise EngineStoppedError("the engine is not running")
         fut = asyncio.get_running_loop().create_future()
         arrival = time.perf_counter() if arrival is None else arrival
-        self._cmds.put(("add", request_id, list(prompt_token_ids), params, out_queue, tag, priority,
-                        cache_salt, arrival, fut))
+        items = [(rid, list(ids), tag) for rid, ids, tag in requests]
+        self._cmds.put(("add", items, params, out_queue, priority, cache_salt, arrival, fut))
         try:
             await fut
         except asyncio.CancelledError:
-            self.abort(request_id)  # commands run in order: this abort follows the add
+            for rid, _, _ in items:
+                self.abort(rid)  # commands run in order: these aborts follow the add
             raise
 
     def abort(self, request_id: str) -> None:
@@ -201,14 +228,7 @@ class AsyncEngine:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, out_queue, tag, priority, salt, arrival, fut = cmd
-            try:
-                self.engine.add_request(ids, params, request_id=rid, priority=priority, cache_salt=salt)
-            except Exception as e:  # noqa: BLE001 - handed to the handler
-                self._resolve(fut, error=e)
-                return
-            self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, beam=params.use_beam_search)
-            self._resolve(fut)
+            self._add(*cmd[1:])
         elif kind == "abort":
             rid = cmd[1]
             self.engine.abort_request(rid)
@@ -231,6 +251,29 @@ class AsyncEngine:
             self._paused = True
         elif kind == "resume":
             self._paused = False
+
+    def _add(self, items: list[tuple[str, list[int], Any]], params: SamplingParams, out_queue: asyncio.Queue,
+             priority: int, salt: Optional[str], arrival: float, fut: asyncio.Future) -> None:
+        """Add every request of ``items`` or none (see :meth:`add_requests`)."""
+        engine = self.engine
+        added: list[str] = []
+        index: Optional[int] = None
+        try:
+            if len(items) > 1:  # check them all first: a bad one must not start the others
+                for index, (rid, ids, _) in enumerate(items):
+                    engine.validate_request(ids, params)
+            for index, (rid, ids, _) in enumerate(items):
+                engine.add_request(ids, params, request_id=rid, priority=priority, cache_salt=salt)
+                added.append(rid)
+        except Exception as e:  # noqa: BLE001 - handed to the handler
+            for rid in added:  # e.g. the batch overfilled the waiting queue: no step ran yet
+                engine.abort_request(rid)
+            e.request_index = index
+            self._resolve(fut, error=e)
+            return
+        for rid, _, tag in items:
+            self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, beam=params.use_beam_search)
+        self._resolve(fut)
 
     def _resolve(self, fut: asyncio.Future, value: Any = None, error: Optional[BaseException] = None) -> None:
         def set_it():
