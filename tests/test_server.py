@@ -522,6 +522,47 @@ def test_disconnects_free_kv_blocks(server):
     assert generated < 16 * 400 / 2  # cancelled long before the end
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_disconnect_while_sending_the_body_logs_no_traceback(server, client):
+    import socket
+
+    handler = _Records()
+    # uvicorn's loggers do not propagate to the root logger: listen on them directly
+    loggers = [logging.getLogger(n) for n in ("kvserve", "uvicorn", "uvicorn.access")]
+    server_logger = logging.getLogger("kvserve.server")
+    old_level = server_logger.level
+    for lg in loggers:
+        lg.addHandler(handler)
+    server_logger.setLevel(logging.DEBUG)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+            time.sleep(0.2)  # the handler is reading the body
+        deadline = time.monotonic() + 10
+        while not any("disconnected" in r.getMessage() for r in handler.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in handler.records]
+            time.sleep(0.02)
+        r = client.completions.create(model="tiny", prompt=PROMPT, **_greedy(3))
+        assert r.usage.completion_tokens == 3
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+        server_logger.setLevel(old_level)
+    bad = [r for r in handler.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not bad, [(r.name, r.getMessage()) for r in bad]
+    notes = [r for r in handler.records if "disconnected" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelno <= logging.INFO and "\n" not in notes[0].getMessage()
+
+
 def test_non_streaming_disconnect_aborts(server):
     free_before = server.engine_call(lambda e: e.kv.num_free_blocks)
     key = "kvserve:request_success_total{finished_reason=abort}"

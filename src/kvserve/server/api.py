@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvserve.engine import LLMEngine, QueueFullError
 from kvserve.metrics import CONTENT_TYPE, ServerMetrics
@@ -193,12 +194,16 @@ class OpenAIServer:
             raise APIError(413, f"the request body is {length} bytes; the limit is {self.max_body_bytes}",
                            code="request_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise APIError(413, f"the request body exceeds the limit of {self.max_body_bytes} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise APIError(413, f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+                                   code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # nobody to answer: no traceback, nothing submitted
+            logger.debug("client disconnected while sending the request body (%d bytes received)", size)
+            raise APIError(499, "client disconnected while sending the request body") from None
         return b"".join(chunks)
 
     async def _parse(self, cls, request: Request):
