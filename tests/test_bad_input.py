@@ -158,8 +158,31 @@ def test_bad_device_and_max_model_len(tiny_model_dir):
             LLM(model=str(folder), device="cuda")
     with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 512\]"):
         LLM(model=str(folder), max_model_len=999999)
-    with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 512\]"):
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[2, the model's context length\], got 0"):
         LLM(model=str(folder), max_model_len=0)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"max_model_len": 0}, r"max_model_len must be in \[2, the model's context length\], got 0"),
+    ({"max_model_len": -5}, r"max_model_len must be in \[2, the model's context length\], got -5"),
+    ({"block_size": 0}, "block_size must be ≥ 1, got 0"),
+    ({"max_num_seqs": -1}, "max_num_seqs must be ≥ 1, got -1"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be ≥ 1, got 0"),
+    ({"kv_cache_memory": 0}, r"kv_cache_memory must be > 0 GiB \(and finite\), got 0"),
+    ({"kv_cache_memory": -1.5}, r"kv_cache_memory must be > 0 GiB \(and finite\), got -1.5"),
+    ({"kv_cache_memory": float("inf")}, r"kv_cache_memory must be > 0 GiB \(and finite\), got inf"),
+    ({"num_blocks": 0}, "num_blocks must be ≥ 1, got 0"),
+    ({"max_waiting": -1}, "max_waiting must be ≥ 0"),
+])
+def test_bad_engine_args_fail_before_the_model_loads(kwargs, words, tmp_path):
+    # a model path that does not exist: the argument must be checked before the model is looked at
+    with pytest.raises(ValueError, match=words):
+        LLM(model=str(tmp_path / "nope.gguf"), **kwargs)
+
+
+def test_kv_cache_memory_is_ignored_with_num_blocks(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    assert LLM(model=str(folder), dtype="float32", num_blocks=8, kv_cache_memory=0).engine.kv.num_blocks == 8
 
 
 def test_prompt_of_wrong_type(tiny_llm):
@@ -181,6 +204,32 @@ def test_cli_rejects_empty_message_before_loading_the_model(argv, words, tmp_pat
     err = capsys.readouterr().err
     assert rc == 2
     assert words in err and "does not exist" not in err
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat", "hi"], ["serve", "--port", "0"]])
+@pytest.mark.parametrize("option, value, words", [
+    ("--max-model-len", "0", "--max-model-len must be in [2, the model's context length], got 0"),
+    ("--max-model-len", "-3", "--max-model-len must be in [2, the model's context length], got -3"),
+    ("--block-size", "0", "--block-size must be ≥ 1, got 0"),
+    ("--block-size", "-16", "--block-size must be ≥ 1, got -16"),
+    ("--kv-cache-memory", "0", "--kv-cache-memory must be > 0 GiB (and finite), got 0.0"),
+    ("--kv-cache-memory", "-2", "--kv-cache-memory must be > 0 GiB (and finite), got -2.0"),
+    ("--max-num-seqs", "0", "--max-num-seqs must be ≥ 1, got 0"),
+])
+def test_cli_rejects_bad_engine_options_before_loading_the_model(command, option, value, words, tmp_path, capsys):
+    from kvserve.cli import main
+
+    rc = main(command + [option, value, "--model", str(tmp_path / "nope.gguf")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err == f"error: {words}\n"
+
+
+def test_cli_serve_rejects_negative_max_waiting(tmp_path, capsys):
+    from kvserve.cli import main
+
+    rc = main(["serve", "--port", "0", "--max-waiting", "-1", "--model", str(tmp_path / "nope.gguf")])
+    assert rc == 2 and capsys.readouterr().err == "error: --max-waiting must be ≥ 0 (0: unbounded), got -1\n"
 
 
 def test_cli_quantization_choices_read_well(capsys):

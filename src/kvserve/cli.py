@@ -38,6 +38,13 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     )
 
 
+def _check_engine_args(a: argparse.Namespace, engine_kwargs: dict) -> None:
+    """The engine options' range checks, before the model loads (ValueError naming the option)."""
+    from kvserve.engine import EngineArgs
+
+    EngineArgs(model=a.model, dtype=a.dtype, **engine_kwargs).check(option_names=True)
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -82,7 +89,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if not a.prompt:
         raise ValueError("the prompt is empty; give a non-empty PROMPT to complete")
     params = _params(a)
-    llm = LLM(model=a.model, dtype=a.dtype, **_engine_kwargs(a))
+    kwargs = _engine_kwargs(a)
+    _check_engine_args(a, kwargs)
+    llm = LLM(model=a.model, dtype=a.dtype, **kwargs)
     out = _stream_to_terminal(llm.generate([a.prompt], params, stream=True))
     _print_stats(out, True)
     return 0
@@ -94,7 +103,9 @@ def cmd_chat(a: argparse.Namespace) -> int:
     if a.message is not None and not a.message.strip():
         raise ValueError("the chat message is empty; give a non-empty MESSAGE, or none for an interactive chat")
     params = _params(a)
-    llm = LLM(model=a.model, dtype=a.dtype, **_engine_kwargs(a))
+    kwargs = _engine_kwargs(a)
+    _check_engine_args(a, kwargs)
+    llm = LLM(model=a.model, dtype=a.dtype, **kwargs)
     messages = []
     if a.system:
         messages.append({"role": "system", "content": a.system})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -112,6 +113,31 @@ class EngineArgs:
     quantization: Optional[str] = None
     seed: Optional[int] = None
 
+    def check(self, option_names: bool = False) -> None:
+        """The range checks that need no model; :class:`LLMEngine` runs them before it loads one.
+
+        Args:
+            option_names: name the fields as command-line options (``--max-model-len``).
+
+        Raises:
+            ValueError: naming the first field out of range and its allowed range.
+        """
+        def name(field: str) -> str:
+            return "--" + field.replace("_", "-") if option_names else field
+
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"{name('max_model_len')} must be in [2, the model's context length], "
+                             f"got {self.max_model_len}")
+        for field in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{name(field)} must be ≥ 1, got {getattr(self, field)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"{name('num_blocks')} must be ≥ 1, got {self.num_blocks}")
+        if self.num_blocks is None and not 0 < self.kv_cache_memory < math.inf:
+            raise ValueError(f"{name('kv_cache_memory')} must be > 0 GiB (and finite), got {self.kv_cache_memory}")
+        if self.max_waiting < 0:
+            raise ValueError(f"{name('max_waiting')} must be ≥ 0 (0: unbounded), got {self.max_waiting}")
+
 
 class RequestGroup:
     """The sequences of one user request (n / best_of samples, or the live beams)."""
@@ -141,6 +167,7 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs) -> None:
+        args.check()  # before the model loads, which takes a while
         self.args = args
         self.dtype = parse_dtype(args.dtype)
         self.device = parse_device(args.device)
@@ -159,9 +186,6 @@ class LLMEngine:
         if cfg.sliding_window is not None and max_len > cfg.sliding_window:
             logger.warning("max_model_len capped at the sliding window (%d tokens)", cfg.sliding_window)
             max_len = cfg.sliding_window
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"{name} must be ≥ 1, got {getattr(args, name)}")
         self.max_model_len = max_len
         backend = default_backend(self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.model = LlamaForCausalLM(cfg, backend, self.dtype, self.device, max_positions=max_len)

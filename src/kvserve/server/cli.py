@@ -75,10 +75,14 @@ def default_served_name(model: str | None, engine) -> str:
 
 
 def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict]) -> int:
-    check_listen_address(a.host, a.port)  # before loading the model, which can take a while
+    from kvserve.engine import EngineArgs, LLMEngine
+
+    # before loading the model, which can take a while
+    args = EngineArgs(model=a.model, dtype=a.dtype, max_waiting=a.max_waiting, **engine_kwargs(a))
+    args.check(option_names=True)
+    check_listen_address(a.host, a.port)
     import uvicorn
 
-    from kvserve.engine import EngineArgs, LLMEngine
     from kvserve.server.api import build_app
 
     level = getattr(logging, a.log_level.upper())
@@ -86,7 +90,7 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvserve.server").setLevel(level)
-    engine = LLMEngine(EngineArgs(model=a.model, dtype=a.dtype, max_waiting=a.max_waiting, **engine_kwargs(a)))
+    engine = LLMEngine(args)
     names = a.served_model_name or [default_served_name(a.model, engine)]
     app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes)
     print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}) "
