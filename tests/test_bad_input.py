@@ -195,6 +195,8 @@ def test_prompt_of_wrong_type(tiny_llm):
     (["chat", ""], "chat message is empty"),
     (["chat", "  \n"], "chat message is empty"),
     (["generate", ""], "prompt is empty"),
+    (["generate", "   "], "prompt is empty"),
+    (["generate", " \n\t "], "prompt is empty"),
 ])
 def test_cli_rejects_empty_message_before_loading_the_model(argv, words, tmp_path, capsys):
     from kvserve.cli import main

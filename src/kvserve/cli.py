@@ -86,7 +86,7 @@ def _print_stats(out, verbose: bool) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
-    if not a.prompt:
+    if not a.prompt.strip():
         raise ValueError("the prompt is empty; give a non-empty PROMPT to complete")
     params = _params(a)
     kwargs = _engine_kwargs(a)
