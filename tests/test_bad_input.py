@@ -234,6 +234,19 @@ def test_cli_serve_rejects_negative_max_waiting(tmp_path, capsys):
     assert rc == 2 and capsys.readouterr().err == "error: --max-waiting must be ≥ 0 (0: unbounded), got -1\n"
 
 
+def test_cli_help_states_the_max_model_len_default(capsys):
+    from kvserve.cli import build_parser
+
+    parser = build_parser()
+    for cmd in ("generate", "chat", "serve"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([cmd, "--help"])
+        help_text = " ".join(capsys.readouterr().out.split())
+        start = help_text.rindex("--max-model-len MAX_MODEL_LEN")  # the entry, not the usage line
+        entry = help_text[start:help_text.index(" --", start + 1)]
+        assert "(default: the model's context length, at most 4096)" in entry, entry
+
+
 def test_cli_quantization_choices_read_well(capsys):
     from kvserve.cli import _engine_kwargs, build_parser
 

