@@ -2,8 +2,8 @@
 
 Batch layout: all scheduled tokens of all requests are flattened into one batch of ``T``
 tokens — decode rows (one new token) first, then prefill chunks. Per token we build
-``input_ids``, ``positions`` and ``slot_mapping``; per decode row the slots of its whole
-context (from its block table) for attention. Logits are computed only for the last token of
+``input_ids``, ``positions`` and ``slot_mapping``; per decode row its block table and context
+length, or, for backends that gather (``uses_context_slots``), the slots of its whole context. Logits are computed only for the last token of
 requests whose every known token is now computed (they sample), plus prompt positions of
 requests that asked for prompt logprobs.
 """

@@ -223,6 +223,25 @@ INLINE TGT __m512 hsum16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xdd));
 }
 
+/* Softmax numerators in place over G rows of L scores (sc[h * L + j]), exact max-shifted
+ * float32; inv_sum[h] = 1 / sum of row h. */
+INLINE TGT void softmax_rows(float* sc, int64_t G, int64_t L, float* inv_sum) {
+    for (int64_t h = 0; h < G; h++) {
+        float* s = sc + h * L;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < L; j += 16) mx = _mm512_mask_max_ps(mx, tail_mask(L - j), mx, _mm512_loadu_ps(s + j));
+        const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; j += 16) {
+            __mmask16 m = tail_mask(L - j);
+            __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmax)));
+            _mm512_mask_storeu_ps(s + j, m, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+}
+
 /* G, NV: query heads per KV head and 16-float vectors per head (compile-time after inlining,
  * or runtime in the generic instance). kt: scratch for 16 converted keys [16][NV*16]. */
 INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, const void* kc, const void* vc,
@@ -257,22 +276,8 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
         }
         j0 += n;
     }
-    /* softmax numerator and denominator per head */
     float inv_sum[64];
-    for (int64_t h = 0; h < G; h++) {
-        float* s = sc + h * L;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < L; j += 16) mx = _mm512_mask_max_ps(mx, tail_mask(L - j), mx, _mm512_loadu_ps(s + j));
-        const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < L; j += 16) {
-            __mmask16 m = tail_mask(L - j);
-            __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmax)));
-            _mm512_mask_storeu_ps(s + j, m, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
+    softmax_rows(sc, G, L, inv_sum);
     /* pass 2: P @ V, accumulators in registers when G * NV is a small constant */
     __m512 acc[G][NV];
     for (int64_t h = 0; h < G; h++)
@@ -336,20 +341,7 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
         j0 += n;
     }
     float inv_sum[64];
-    for (int64_t h = 0; h < G; h++) {
-        float* s = sc + h * L;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < L; j += 16) mx = _mm512_mask_max_ps(mx, tail_mask(L - j), mx, _mm512_loadu_ps(s + j));
-        const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < L; j += 16) {
-            __mmask16 m = tail_mask(L - j);
-            __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmax)));
-            _mm512_mask_storeu_ps(s + j, m, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
+    softmax_rows(sc, G, L, inv_sum);
     /* P @ V over pairs of keys: lane i of lo/hi holds dim 32w + 8(i/4) + i%4 (+ 4 for hi) */
     __m512 lo[G][NW], hi[G][NW];
     for (int64_t h = 0; h < G; h++)
