@@ -123,6 +123,39 @@ static inline uint16_t f32_to_bf16(float f) {
         }                                                                                \
     } while (0)
 
+/* The driver shared by every kernel: blocks of R weight rows split across OpenMP threads;
+ * for each, the input rows in groups of up to MB, BLK(nm, ...) computing the dot products
+ * s[i][r] = dot(x[m0 + i], w[n0 + r]) (nm is a constant in each case, so BLK is specialised),
+ * then STORE writing output (row, col) from the float32 sum v. Expects x, ldx, w, M, N, K and
+ * nthreads in scope. */
+#define GEMV_DRIVER(WT, XT, BLK, STORE)                                                   \
+    const int64_t nblk = (N + R - 1) / R;                                                \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                   \
+    for (int64_t b = 0; b < nblk; b++) {                                                 \
+        const int64_t n0 = b * R;                                                        \
+        const int64_t nr = (N - n0) < R ? (N - n0) : R;                                  \
+        const WT* wr[R];                                                                 \
+        for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < nr ? r : 0)) * K;             \
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {                                         \
+            const int64_t nm = (M - m0) < MB ? (M - m0) : MB;                            \
+            const XT* xm = x + m0 * ldx;                                                 \
+            const int pf = m0 == 0;                                                      \
+            float s[MB][R];                                                              \
+            switch (nm) {                                                                \
+                case 1: BLK(1, xm, ldx, wr, K, pf, s); break;                            \
+                case 2: BLK(2, xm, ldx, wr, K, pf, s); break;                            \
+                case 3: BLK(3, xm, ldx, wr, K, pf, s); break;                            \
+                default: BLK(4, xm, ldx, wr, K, pf, s); break;                           \
+            }                                                                            \
+            for (int64_t i = 0; i < nm; i++)                                             \
+                for (int64_t r = 0; r < nr; r++) {                                       \
+                    const int64_t row = m0 + i, col = n0 + r;                            \
+                    const float v = s[i][r];                                             \
+                    STORE;                                                               \
+                }                                                                        \
+        }                                                                                \
+    }
+
 /* ---- bf16 ------------------------------------------------------------------------------ */
 
 /* out[i][r] = dot(x[i], w[r]) for i < nm (a compile-time constant after inlining). */
@@ -155,31 +188,8 @@ INLINE TGT_BF16 void blk_bf16(const int nm, const uint16_t* x, int64_t ldx, cons
 
 TGT_BF16 void kv_gemv_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias,
                            uint16_t* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t nblk = (N + R - 1) / R;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < nblk; b++) {
-        const int64_t n0 = b * R;
-        const int64_t nr = (N - n0) < R ? (N - n0) : R;
-        const uint16_t* wr[R];
-        for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < nr ? r : 0)) * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int64_t nm = (M - m0) < MB ? (M - m0) : MB;
-            const uint16_t* xm = x + m0 * ldx;
-            const int pf = m0 == 0;
-            float s[MB][R];
-            switch (nm) {
-                case 1: blk_bf16(1, xm, ldx, wr, K, pf, s); break;
-                case 2: blk_bf16(2, xm, ldx, wr, K, pf, s); break;
-                case 3: blk_bf16(3, xm, ldx, wr, K, pf, s); break;
-                default: blk_bf16(4, xm, ldx, wr, K, pf, s); break;
-            }
-            for (int i = 0; i < nm; i++) {
-                uint16_t* ym = y + (m0 + i) * ldy + n0;
-                for (int r = 0; r < nr; r++)
-                    ym[r] = f32_to_bf16(bias ? s[i][r] + bf16_to_f32(bias[n0 + r]) : s[i][r]);
-            }
-        }
-    }
+    GEMV_DRIVER(uint16_t, uint16_t, blk_bf16,
+                y[row * ldy + col] = f32_to_bf16(bias ? v + bf16_to_f32(bias[col]) : v))
 }
 
 /* ---- f32 ------------------------------------------------------------------------------- */
@@ -213,30 +223,7 @@ INLINE TGT_F32 void blk_f32(const int nm, const float* x, int64_t ldx, const flo
 
 TGT_F32 void kv_gemv_f32(const float* x, int64_t ldx, const float* w, const float* bias,
                          float* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t nblk = (N + R - 1) / R;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < nblk; b++) {
-        const int64_t n0 = b * R;
-        const int64_t nr = (N - n0) < R ? (N - n0) : R;
-        const float* wr[R];
-        for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < nr ? r : 0)) * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int64_t nm = (M - m0) < MB ? (M - m0) : MB;
-            const float* xm = x + m0 * ldx;
-            const int pf = m0 == 0;
-            float s[MB][R];
-            switch (nm) {
-                case 1: blk_f32(1, xm, ldx, wr, K, pf, s); break;
-                case 2: blk_f32(2, xm, ldx, wr, K, pf, s); break;
-                case 3: blk_f32(3, xm, ldx, wr, K, pf, s); break;
-                default: blk_f32(4, xm, ldx, wr, K, pf, s); break;
-            }
-            for (int i = 0; i < nm; i++) {
-                float* ym = y + (m0 + i) * ldy + n0;
-                for (int r = 0; r < nr; r++) ym[r] = bias ? s[i][r] + bias[n0 + r] : s[i][r];
-            }
-        }
-    }
+    GEMV_DRIVER(float, float, blk_f32, y[row * ldy + col] = bias ? v + bias[col] : v)
 }
 
 /* ---- weight-only int8 ------------------------------------------------------------------ */
@@ -276,35 +263,13 @@ INLINE TGT_F32 void blk_i8(const int nm, const float* x, int64_t ldx, const int8
 TGT_F32 void kv_gemv_i8(const float* x, int64_t ldx, const int8_t* w, const float* scale,
                         const float* bias, void* y, int64_t ldy, int out_bf16, int64_t M, int64_t N,
                         int64_t K, int nthreads) {
-    const int64_t nblk = (N + R - 1) / R;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < nblk; b++) {
-        const int64_t n0 = b * R;
-        const int64_t nr = (N - n0) < R ? (N - n0) : R;
-        const int8_t* wr[R];
-        for (int r = 0; r < R; r++) wr[r] = w + (n0 + (r < nr ? r : 0)) * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int64_t nm = (M - m0) < MB ? (M - m0) : MB;
-            const float* xm = x + m0 * ldx;
-            const int pf = m0 == 0;
-            float s[MB][R];
-            switch (nm) {
-                case 1: blk_i8(1, xm, ldx, wr, K, pf, s); break;
-                case 2: blk_i8(2, xm, ldx, wr, K, pf, s); break;
-                case 3: blk_i8(3, xm, ldx, wr, K, pf, s); break;
-                default: blk_i8(4, xm, ldx, wr, K, pf, s); break;
-            }
-            for (int i = 0; i < nm; i++) {
-                for (int r = 0; r < nr; r++) {
-                    float v = s[i][r] * scale[n0 + r] + (bias ? bias[n0 + r] : 0.0f);
-                    if (out_bf16)
-                        ((uint16_t*)y)[(m0 + i) * ldy + n0 + r] = f32_to_bf16(v);
-                    else
-                        ((float*)y)[(m0 + i) * ldy + n0 + r] = v;
-                }
-            }
-        }
-    }
+    GEMV_DRIVER(int8_t, float, blk_i8, {
+        const float t = v * scale[col] + (bias ? bias[col] : 0.0f);
+        if (out_bf16)
+            ((uint16_t*)y)[row * ldy + col] = f32_to_bf16(t);
+        else
+            ((float*)y)[row * ldy + col] = t;
+    })
 }
 """
 
