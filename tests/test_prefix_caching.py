@@ -136,6 +136,16 @@ def test_outputs_identical_under_eviction_and_preemption(reference_outputs):
 
 
 # ----------------------------------------------------------------------------- edge cases
+def _run_to_end(eng) -> dict:
+    """Step the engine until every request finished; request id -> final output."""
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
 def _gen(llm: LLM, prompts, params: SamplingParams, salt=None, adapter_id=None):
     """Run prompts through the engine with a cache salt; returns outputs in order."""
     eng = llm.engine
@@ -145,11 +155,7 @@ def _gen(llm: LLM, prompts, params: SamplingParams, salt=None, adapter_id=None):
         if adapter_id is not None:  # the adapter hook of the namespace (no adapters yet)
             for r in eng.groups[ids[-1]].seqs:
                 r.adapter_id = adapter_id
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = _run_to_end(eng)
     return [final[i] for i in ids]
 
 
@@ -217,11 +223,7 @@ def test_preempted_request_hits_the_cache_on_resumption(off_llm):
 def _gen_mixed(llm: LLM, prompts, params):
     eng = llm.engine
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = _run_to_end(eng)
     return [final[i] for i in ids]
 
 
@@ -241,11 +243,7 @@ def test_requests_in_one_step_sharing_an_uncomputed_prefix(off_llm):
     a = eng.add_request(prompts[0], params, cache_salt="chunk")
     eng.step()  # a computes 100 of its ~155 prompt tokens: 6 full blocks
     b = eng.add_request(prompts[1], params, cache_salt="chunk")  # next step: a 55 tokens, b 45
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = _run_to_end(eng)
     assert final[b].num_cached_tokens == 96  # the block a is still filling is not shared
     assert [final[a].token_ids, final[b].token_ids] == expected
     eng.kv.check_invariants()
