@@ -105,12 +105,21 @@ def test_reshape_and_cache(dtype):
     assert torch.equal(kc.view(-1, KVH, hd), ek) and torch.equal(vc.view(-1, KVH, hd), ev)
 
 
+@pytest.fixture(params=[True, False], ids=["amx", "avx512"])
+def amx(request):
+    """Run a test with the AMX decode-attention path on (where the CPU has it) and off."""
+    used = K.set_amx(request.param)
+    yield used
+    K.set_amx(True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H,KVH,hd", [(9, 3, 64), (4, 4, 80), (8, 2, 128), (16, 1, 32)])
-def test_paged_attention_decode_matches_sdpa(dtype, H, KVH, hd):
+@pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (9, 3, 64, 32), (4, 4, 80, 16), (8, 2, 128, 16),
+                                         (16, 1, 32, 16), (32, 2, 64, 16)])
+def test_paged_attention_decode_matches_sdpa(dtype, H, KVH, hd, bs, amx):
     g = torch.Generator().manual_seed(H * hd)
-    bs, nb = 16, 64
-    ctx = [1, 15, 16, 17, 100, 333]
+    nb = 1024 // bs
+    ctx = [1, 15, 16, 17, 31, 100, 333]
     kc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
     vc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
     perm = torch.randperm(nb, generator=g).tolist()
@@ -119,12 +128,20 @@ def test_paged_attention_decode_matches_sdpa(dtype, H, KVH, hd):
         nblk = math.ceil(n / bs)
         tables.append(perm[i : i + nblk])
         i += nblk
-    width = max(map(len, tables)) + 2
+    # Slots outside every context hold NaN: kernels that load whole tiles or blocks must not
+    # let them reach the output.
+    used = torch.zeros(nb * bs, dtype=torch.bool)
+    for t, n in zip(tables, ctx):
+        used[torch.tensor([t[j // bs] * bs + j % bs for j in range(n)])] = True
+    kc.view(nb * bs, -1)[~used] = float("nan")
+    vc.view(nb * bs, -1)[~used] = float("nan")
+    width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     qkv = torch.randn(len(ctx), (H + 2 * KVH) * hd, generator=g).to(dtype)
     q = qkv[:, : H * hd].view(len(ctx), H, hd)  # strided rows, as in the model
     scale = hd**-0.5
     out = K.paged_attention_decode(q, kc, vc, bt, torch.tensor(ctx), scale)
+    assert not out.isnan().any()
     for d, n in enumerate(ctx):
         slots = torch.tensor([tables[d][j // bs] * bs + j % bs for j in range(n)])
         k = kc.view(-1, KVH, hd)[slots].transpose(0, 1).float()  # [KVH, n, hd]
@@ -146,6 +163,14 @@ def test_kernels_reject_non_2d_input():
         K.silu_and_mul(torch.randn(2, 3, 4))
     with pytest.raises(ValueError, match="even number of columns"):
         K.silu_and_mul(torch.randn(2, 5))
+
+
+def test_set_amx_reports_what_is_in_effect():
+    try:
+        assert K.set_amx(False) is False
+        assert K.set_amx(True) == ({"amx_tile", "amx_bf16", "avx512_bf16"} <= K.cpu_flags())
+    finally:
+        K.set_amx(True)
 
 
 @pytest.mark.parametrize("bf16_dot", [True, False])

@@ -1,5 +1,5 @@
 """Fused CPU kernels for the model's non-matmul ops: RMSNorm, SiLU-and-mul, RoPE, KV write,
-paged decode attention.
+paged decode attention (AVX-512, and AMX tiles for bf16 attention where the CPU has them).
 
 Why: a decode step of a small model is a few hundred tiny ops; in eager PyTorch each costs
 5-50 us of dispatch, allocation and a separate pass over memory, which for SmolLM2 is more
@@ -418,12 +418,243 @@ INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const in
     attn_core(G, nv, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf);
 }
 
+/* ---- Paged decode attention on AMX tiles (bf16 caches, CPUs with AMX-BF16) ----------------
+ * The vector kernels above are compute-bound at ~15-20 GB/s of KV on the development CPU (a
+ * dot product per head per key, horizontal sums, scalar probability conversions). Here one
+ * work item is a sequence and a set of `ns` KV heads whose query heads fit one tile's 16
+ * columns (ns * G <= 16), and both products run as TDPBF16PS:
+ *   scores^T [16 keys x 16 cols] += K rows [16 keys x 32 dims] * Qbd [32 dims x 16 cols],
+ *     Qbd block-diagonal (column n = query head n of the set, zero outside its KV head's dims),
+ *     so one pass over the set's K row slices scores every head (K read as stored, 16 rows
+ *     of a block per tile);
+ *   out [16 heads x 16 dims] += P [16 heads x 32 keys] * V [32 keys x 16 dims] (V repacked to
+ *     pairs of keys; lanes come out in unpacklo/unpackhi order and are put back at the end).
+ * Softmax runs key-major (one vector per key holds all heads of the set), exact float32 with
+ * probabilities rounded to bf16 for the P @ V product, as the VDPBF16PS kernel does.
+ * Needs block_size % 16 == 0 and head_dim % 32 == 0. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16,amx-tile,amx-bf16")))
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} kv_tilecfg_t;
+
+static int kv_amx = 0;
+
+/* Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) and
+ * enable the AMX path if granted (on = 1); on = 0 disables it. Returns whether it is enabled. */
+int kv_set_amx(int on) {
+    kv_amx = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return kv_amx;
+}
+
+/* r[i] <- column i of the 16 x 16 matrix with rows r[0..15]. */
+INLINE TGT void transpose16(__m512* r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        __m512 a = t[4 * i], b = t[4 * i + 1], c = t[4 * i + 2], d = t[4 * i + 3];
+        r[4 * i] = _mm512_shuffle_ps(a, c, 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(a, c, 0xee);
+        r[4 * i + 2] = _mm512_shuffle_ps(b, d, 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(b, d, 0xee);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            __m512 a = r[8 * i + j], b = r[8 * i + 4 + j];
+            t[8 * i + j] = _mm512_shuffle_f32x4(a, b, 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(a, b, 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* One sequence (q: its H * hd query row) and KV heads [g0, g0 + ns). Scratch (per thread):
+ * qb [NC][16][32] u16, sc [Lp][16] f32, p [16][Lp] u16, vb [4][16][32] u16, ct [4][16][16] f32
+ * with NC = ns * hd / 32 and Lp = L rounded up to 32. */
+static TGT_AMX void attn_amx_one(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* bt,
+                                 int64_t L, uint16_t* out, int64_t KVH, int64_t G, int64_t hd, int64_t bs,
+                                 float scale, int64_t g0, int64_t ns, uint16_t* qb, float* sc, uint16_t* p,
+                                 uint16_t* vb, float* ct) {
+    const int64_t rs = KVH * hd, nq = ns * G, NC = ns * hd / 32, Lp = (L + 31) & ~(int64_t)31;
+    /* Qbd: chunk c covers dims [32c, 32c + 32) of the set's row slice, i.e. local KV head
+     * c * 32 / hd; row k of its tile holds dims (2k, 2k + 1) of every column's query head. */
+    memset(qb, 0, (size_t)NC * 1024);
+    for (int64_t c = 0; c < NC; c++) {
+        const int64_t gl = c * 32 / hd, d0 = (c * 32) % hd;
+        for (int64_t i = 0; i < G; i++) {
+            const uint32_t* qh = (const uint32_t*)(q + ((g0 + gl) * G + i) * hd + d0);
+            uint32_t* col = (uint32_t*)(qb + c * 512) + gl * G + i;
+            for (int64_t k = 0; k < 16; k++) col[k * 16] = qh[k];
+        }
+    }
+    /* scores, 16 keys (one tile of a block) at a time */
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const uint16_t* kb = kc + (bt[j0 / bs] * bs + j0 % bs) * rs + g0 * hd;
+        if (j0 + 32 < L) { /* prefetch the set's K slices two tiles ahead */
+            const char* nx = (const char*)(kc + (bt[(j0 + 32) / bs] * bs + (j0 + 32) % bs) * rs + g0 * hd);
+            for (int64_t r = 0; r < 16; r++)
+                for (int64_t b = 0; b < ns * hd * 2; b += 64) _mm_prefetch(nx + r * rs * 2 + b, _MM_HINT_T0);
+        }
+        _tile_zero(0);
+        for (int64_t c = 0; c < NC; c++) {
+            _tile_loadd(1, kb + c * 32, rs * 2);
+            _tile_loadd(2, qb + c * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sc + j0 * 16, 64);
+    }
+    /* softmax over keys, one lane per query head */
+    const __m512 vs = _mm512_set1_ps(scale);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < L; j++) {
+        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sc + j * 16), vs);
+        _mm512_storeu_ps(sc + j * 16, s);
+        mx = _mm512_max_ps(mx, s);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j++) {
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + j * 16), mx));
+        _mm512_storeu_ps(sc + j * 16, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    for (int64_t j = L; j < Lp; j++) _mm512_storeu_ps(sc + j * 16, _mm512_setzero_ps());
+    float inv_sum[16];
+    _mm512_storeu_ps(inv_sum, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+    /* P [16 heads][Lp keys] in bf16 (rows >= nq zero) */
+    for (int64_t j0 = 0; j0 < Lp; j0 += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(sc + (j0 + i) * 16);
+        transpose16(r);
+        for (int64_t h = 0; h < 16; h++)
+            _mm256_storeu_si256((__m256i*)(p + h * Lp + j0),
+                                h < nq ? (__m256i)_mm512_cvtneps_pbh(r[h]) : _mm256_setzero_si256());
+    }
+    /* P @ V per KV head of the set, 64 dims (4 tiles) at a time */
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t gl = 0; gl < ns; gl++)
+        for (int64_t dc = 0; dc < hd; dc += 64) {
+            const int64_t nw = hd - dc >= 64 ? 2 : 1; /* 32-dim words */
+            const int64_t off = (g0 + gl) * hd + dc;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t k0 = 0; k0 < Lp; k0 += 32) {
+                /* rows of keys k0 .. k0 + 15 and k0 + 16 .. k0 + 31 (each half within one block) */
+                const uint16_t* half[2] = {vc + (bt[k0 / bs] * bs + k0 % bs) * rs + off,
+                                           k0 + 16 < L ? vc + (bt[(k0 + 16) / bs] * bs + (k0 + 16) % bs) * rs + off
+                                                       : NULL};
+                if (k0 + 32 + 16 < L) { /* prefetch V rows two tiles ahead */
+                    const int64_t kn = k0 + 32 + 16;
+                    const char* nx = (const char*)(vc + (bt[kn / bs] * bs + kn % bs) * rs + off);
+                    for (int64_t r = 0; r < 16; r++)
+                        for (int64_t b = 0; b < nw * 64; b += 64) _mm_prefetch(nx + r * rs * 2 + b, _MM_HINT_T0);
+                }
+                for (int64_t pp = 0; pp < 16; pp++) {
+                    const int64_t ka = k0 + 2 * pp, kb = ka + 1;
+                    const uint16_t* ra = ka < L ? half[pp >> 3] + (2 * pp & 15) * rs : NULL;
+                    const uint16_t* rb = kb < L ? half[pp >> 3] + ((2 * pp + 1) & 15) * rs : NULL;
+                    for (int64_t w = 0; w < nw; w++) {
+                        const __m512i a = ra ? _mm512_loadu_si512(ra + w * 32) : _mm512_setzero_si512();
+                        const __m512i b = rb ? _mm512_loadu_si512(rb + w * 32) : _mm512_setzero_si512();
+                        _mm512_storeu_si512(vb + (2 * w) * 512 + pp * 32, _mm512_unpacklo_epi16(a, b));
+                        _mm512_storeu_si512(vb + (2 * w + 1) * 512 + pp * 32, _mm512_unpackhi_epi16(a, b));
+                    }
+                }
+                _tile_loadd(4, p + k0, Lp * 2);
+                _tile_loadd(5, vb, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(5, vb + 512, 64);
+                _tile_dpbf16ps(1, 4, 5);
+                if (nw == 2) {
+                    _tile_loadd(5, vb + 1024, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(5, vb + 1536, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, ct, 64); _tile_stored(1, ct + 256, 64);
+            _tile_stored(2, ct + 512, 64); _tile_stored(3, ct + 768, 64);
+            for (int64_t i = 0; i < G; i++) {
+                const int64_t n = gl * G + i;
+                const __m512 is = _mm512_set1_ps(inv_sum[n]);
+                uint16_t* oh = out + ((g0 + gl) * G + i) * hd + dc;
+                for (int64_t w = 0; w < nw; w++) {
+                    const __m512 lo = _mm512_loadu_ps(ct + (2 * w) * 256 + n * 16);
+                    const __m512 hi = _mm512_loadu_ps(ct + (2 * w + 1) * 256 + n * 16);
+                    _mm256_storeu_si256((__m256i*)(oh + w * 32),
+                                        ps_to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, i0, hi), is)));
+                    _mm256_storeu_si256((__m256i*)(oh + w * 32 + 16),
+                                        ps_to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, i1, hi), is)));
+                }
+            }
+        }
+}
+
+/* AMX decode attention over D sequences; same contract as kv_paged_attention_decode (bf16).
+ * ns: KV heads per work item (divides KVH, ns * G <= 16). */
+static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc,
+                                 const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, uint16_t* out,
+                                 int64_t ldo, int64_t D, int64_t KVH, int64_t G, int64_t hd, int64_t bs,
+                                 float scale, int64_t ns, int nthreads) {
+    int64_t maxL = 0;
+    for (int64_t d = 0; d < D; d++) maxL = ctx[d] > maxL ? ctx[d] : maxL;
+    const int64_t Lp = (maxL + 31) & ~(int64_t)31, NC = ns * hd / 32, nsets = KVH / ns;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const size_t bytes = (size_t)NC * 1024 + (size_t)Lp * 64 + (size_t)Lp * 32 + 4096 + 4096;
+        char* buf = (char*)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            kv_tilecfg_t cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette_id = 1;
+            for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+            _tile_loadconfig(&cfg);
+        }
+        uint16_t* qb = (uint16_t*)buf;
+        float* sc = (float*)(buf + NC * 1024);
+        uint16_t* p = (uint16_t*)(buf + NC * 1024 + Lp * 64);
+        uint16_t* vb = (uint16_t*)(buf + NC * 1024 + Lp * 96);
+        float* ct = (float*)(buf + NC * 1024 + Lp * 96 + 4096);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < D * nsets; i++) {
+            if (!buf) continue;
+            const int64_t d = i / nsets, s = i % nsets;
+            attn_amx_one(q + d * ldq, kc, vc, block_tables + d * bt_stride, ctx[d], out + d * ldo, KVH, G, hd, bs,
+                         scale, s * ns, ns, qb, sc, p, vb, ct);
+        }
+        if (buf) _tile_release();
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
 /* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete). */
 TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
                                   int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs, float scale,
                                   int bf, int nthreads) {
     const int64_t G = H / KVH, nv = (hd + 15) / 16;
+    if (bf && kv_amx && hd % 32 == 0 && bs % 16 == 0 && G <= 16) {
+        /* the most KV heads per work item, fewer when that would leave threads idle */
+        int64_t ns = 1;
+        for (int64_t c = KVH; c > 1; c--)
+            if (KVH % c == 0 && c * G <= 16 && D * (KVH / c) >= 2 * nthreads) { ns = c; break; }
+        return attention_amx((const uint16_t*)q, ldq, (const uint16_t*)k_cache, (const uint16_t*)v_cache,
+                             block_tables, bt_stride, ctx, (uint16_t*)out, ldo, D, KVH, G, hd, bs, scale, ns,
+                             nthreads);
+    }
     int64_t maxL = 0;
     for (int64_t d = 0; d < D; d++) maxL = ctx[d] > maxL ? ctx[d] : maxL;
     int failed = 0;
@@ -560,6 +791,7 @@ def _lib() -> Optional[_Lib]:
     if lib is None:
         return None
     set_bf16_dot(True)
+    set_amx(True)
     return _Lib(lib)
 
 
@@ -571,6 +803,17 @@ def set_bf16_dot(on: bool) -> bool:
     if lib is not None:
         lib.kv_set_bf16_dot(int(eff))
     return eff
+
+
+def set_amx(on: bool) -> bool:
+    """Run bf16 decode attention on AMX tiles (``TDPBF16PS``) when the CPU has AMX-BF16 and
+    Linux grants the tile state (the default); ``False`` forces the AVX-512 kernels. Returns
+    what is now in effect. AMX is used for ``head_dim % 32 == 0`` and ``block_size % 16 == 0``."""
+    lib = _raw_lib()
+    if lib is None:
+        return False
+    want = bool(on) and {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags()
+    return bool(lib.kv_set_amx(int(want)))
 
 
 def available() -> bool:
@@ -704,6 +947,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Returns:
         ``out`` (or a new tensor) with ``softmax(q·Kᵀ·scale)·V`` per head, in ``q.dtype``.
+
+    bfloat16 runs on AMX tiles where the CPU has them (:func:`set_amx`; ~2x the AVX-512
+    kernel at 64 sequences of 450 tokens on the development machine, 29 vs 13 GB/s of KV),
+    else on AVX512-BF16 dot products (:func:`set_bf16_dot`); float32 on AVX-512 FMAs.
 
     Raises:
         ValueError: for head_dim > 256, a GQA group > 64 or heads not divisible by KV heads.
