@@ -13,11 +13,16 @@ KERNELS = cpu_kernels()
 HAS_BF16 = KERNELS is not None and KERNELS.has_bf16
 HAS_F32 = KERNELS is not None and KERNELS.has_f32
 HAS_ONEDNN = onednn_available()
+HAS_AMX = KERNELS is not None and KERNELS.has_amx
 
 # (M, K, N): decode-sized and odd shapes (K tails that are not a multiple of the vector width,
 # N not a multiple of the 4-row block), plus M above the gemv threshold (eager path).
 SHAPES = [(1, 576, 960), (1, 1536, 576), (3, 64, 5), (8, 33, 7), (5, 1, 3), (2, 100, 1), (1, 576, 192),
-          (L.GEMV_MAX_M_BF16, 80, 12), (L.GEMV_MAX_M_F32 + 1, 80, 12), (40, 96, 33)]
+          (L.GEMV_MAX_M_BF16, 80, 12), (L.GEMV_MAX_M_F32 + 1, 80, 12), (40, 96, 33),
+          # AMX-eligible (N % 16 == 0, K % 32 == 0): one partial tile of rows, full tiles,
+          # the largest M it takes, and the first M past it
+          (L.GEMV_MAX_M_BF16 + 1, 576, 960), (16, 64, 32), (21, 1536, 576), (L.AMX_MAX_M_BF16, 96, 48),
+          (L.AMX_MAX_M_BF16 + 1, 64, 16)]
 
 
 def _data(M, K, N, dtype, bias, seed=0):
@@ -55,6 +60,31 @@ def test_resolved_backend():
     assert Linear(w.bfloat16(), backend="gemv").backend == ("gemv" if HAS_BF16 else "eager")
     assert Linear(w.double()).backend == "eager"  # no kernel for float64: plain F.linear
     assert Linear(w).quantization is None  # int8 only on request
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_path_runs_for_batched_decode_and_matches_f_linear(bias, monkeypatch):
+    x, w, b = _data(L.AMX_MAX_M_BF16 + 1, 576, 960, torch.bfloat16, bias, seed=3)
+    layer = Linear(w, b)
+    assert layer.backend == "+".join(["gemv", "amx"] + (["onednn"] if HAS_ONEDNN else []))
+    calls = []
+    real = L.amx_linear
+    monkeypatch.setattr(L, "amx_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for M in (1, L.GEMV_MAX_M_BF16 + 1, 17, L.AMX_MAX_M_BF16, L.AMX_MAX_M_BF16 + 1):
+        ref = F.linear(x[:M].float(), w.float(), None if b is None else b.float())
+        y = layer(x[:M])
+        # float32 accumulation and one rounding: within one bf16 ulp of the exact product
+        torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-3)
+        torch.testing.assert_close(y, F.linear(x[:M], w, b), rtol=1.6e-2, atol=1e-2)
+    assert calls == [L.GEMV_MAX_M_BF16 + 1, 17, L.AMX_MAX_M_BF16]
+
+
+def test_amx_pack_rejects_unsupported_weights():
+    with pytest.raises(ValueError, match="N % 16 == 0 and K % 32 == 0"):
+        L.amx_pack(torch.randn(24, 64).bfloat16())
+    with pytest.raises(ValueError, match="float32"):
+        L.amx_pack(torch.randn(32, 64))
 
 
 def test_falls_back_off_cpu():
