@@ -76,19 +76,29 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_c_decode_step_is_bit_identical_to_the_module_path(tiny_model_dir, arch, dtype, monkeypatch):
-    """The one-call C decode step (small decode batches) gives exactly the logits of running the
-    model's modules: same tokens and bit-equal logprobs, with the step asserted to have run."""
+@pytest.mark.parametrize("batch", ["small", "large"])
+def test_c_decode_step_is_bit_identical_to_the_module_path(tiny_model_dir, arch, dtype, batch, monkeypatch):
+    """The one-call C decode step gives exactly the logits of running the model's modules: same
+    tokens and bit-equal logprobs, with the step asserted to have run. "large": 12 sequences
+    (the AMX linears in bf16 where the CPU has them) with 16-token blocks (AMX attention)."""
     if not cpu_ops.available():
         pytest.skip("needs the CPU kernels")
+    from kvserve.layers import linear
     from kvserve.models.llama import LlamaForCausalLM
 
     folder, _ = tiny_model_dir(arch)
     prompts = [[5, 17, 99, 3, 250, 40, 41], [300, 301], [77] * 9]
+    block_size = 4
+    if batch == "large":
+        prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(12)]
+        block_size = 16
+        k = linear.cpu_kernels()
+        if dtype == "float32" or k is None or not k.has_amx:
+            pytest.skip("batches above the gemv limit run in C only on the AMX linears (bf16)")
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
 
     def run():
-        llm = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=4)
+        llm = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=block_size)
         return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].logprobs])
                 for o in llm.generate(prompts, params)]
 

@@ -691,32 +691,49 @@ TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cach
  *   attn = paged_attention(q); delta = attn @ Wo^T
  *   residual += delta; x = rms_norm(residual); delta = down(silu(gate(x)) * up(x))
  * then residual += delta; x = rms_norm(residual); logits = x @ Wlm^T.
- * It calls exactly the kernels the PyTorch-level model calls for these shapes (the gemv
- * kernel through `gemv`, and the functions above), so its logits are bit-identical to it. */
+ * It calls exactly the kernels the PyTorch-level model calls for these shapes (the linear
+ * layer's choice of the gemv kernel, `gemv`, or the AMX kernel, `amx`, and the functions
+ * above), so its logits are bit-identical to it. */
 typedef void (*gemv_fn)(const void*, int64_t, const void*, const void*, void*, int64_t, int64_t, int64_t, int64_t, int);
+/* kv_amx_linear of the linear library: same arguments with the packed weight, returns 0 or -1. */
+typedef int (*amx_fn)(const void*, int64_t, const void*, const void*, void*, int64_t, int64_t, int64_t, int64_t, int);
 
 typedef struct {
     const void *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *ln2, *gu_w, *down_w;
     void *k_cache, *v_cache;
+    const void *qkv_p, *o_p, *gu_p, *down_p; /* AMX-packed weights (NULL: none) */
 } kv_layer_t;
 
-TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv, int64_t M, const void* hidden,
+/* The linear layer's choice for M rows: gemv up to gemv_max, else the AMX kernel. */
+#define KV_LINEAR(X, LDX, W, WP, B, Y, LDY, N, K)                                         \
+    do {                                                                                  \
+        if (M <= gemv_max || !(WP)) gemv(X, LDX, W, B, Y, LDY, M, N, K, nthreads);        \
+        else if (amx(X, LDX, WP, B, Y, LDY, M, N, K, nthreads)) return -1;               \
+    } while (0)
+/* Row-wise loops run on all threads once there is enough work (results do not depend on it). */
+static inline int rows_nt(int64_t work, int nthreads) { return work >= (1 << 14) ? nthreads : 1; }
+
+TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv, amx_fn amx, int64_t gemv_max,
+                       int64_t M, const void* hidden,
                        void* residual, void* delta, void* x, void* qkv, void* attn, void* gu, void* act,
                        int64_t E, int64_t H, int64_t KVH, int64_t hd, int64_t I, float eps, const int64_t* pos,
                        const void* cos, const void* sin, const int64_t* slots, const int64_t* bt, int64_t bt_stride,
                        const int64_t* ctx, int64_t max_ctx, int64_t bs, float scale, const void* final_norm,
-                       const void* lm_head, int64_t V, void* logits, int bf, int nthreads, int attn_threads) {
+                       const void* lm_head, const void* lm_head_p, int64_t V, void* logits, int bf, int nthreads,
+                       int attn_threads) {
     const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4;
     memcpy(residual, hidden, (size_t)(M * E * es));
     for (int64_t l = 0; l < n_layers; l++) {
         const kv_layer_t* L = layers + l;
+#pragma omp parallel for num_threads(rows_nt(M * E, nthreads)) schedule(static)
         for (int64_t m = 0; m < M; m++) { /* layer 0 normalizes the embeddings themselves */
             if (bf) rms_norm_row(l ? at(delta, m * E, 1) : at(residual, m * E, 1), l ? atw(residual, m * E, 1) : NULL,
                                  L->ln1, atw(x, m * E, 1), E, eps, 1);
             else rms_norm_row(l ? at(delta, m * E, 0) : at(residual, m * E, 0), l ? atw(residual, m * E, 0) : NULL,
                               L->ln1, atw(x, m * E, 0), E, eps, 0);
         }
-        gemv(x, E, L->qkv_w, L->qkv_b, qkv, NQKV, M, NQKV, E, nthreads);
+        KV_LINEAR(x, E, L->qkv_w, L->qkv_p, L->qkv_b, qkv, NQKV, NQKV, E);
+#pragma omp parallel for num_threads(rows_nt(M * NQKV, nthreads)) schedule(static)
         for (int64_t m = 0; m < M; m++) {
             void* row = atw(qkv, m * NQKV, bf);
             if (L->q_norm) {
@@ -734,23 +751,26 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
         if (kv_paged_attention_decode(qkv, NQKV, L->k_cache, L->v_cache, bt, bt_stride, ctx, attn, H * hd, M, H, KVH,
                                       hd, bs, scale, bf, attn_threads))
             return -1;
-        gemv(attn, H * hd, L->o_w, NULL, delta, E, M, E, H * hd, nthreads);
+        KV_LINEAR(attn, H * hd, L->o_w, L->o_p, NULL, delta, E, E, H * hd);
+#pragma omp parallel for num_threads(rows_nt(M * E, nthreads)) schedule(static)
         for (int64_t m = 0; m < M; m++) {
             if (bf) rms_norm_row(at(delta, m * E, 1), atw(residual, m * E, 1), L->ln2, atw(x, m * E, 1), E, eps, 1);
             else rms_norm_row(at(delta, m * E, 0), atw(residual, m * E, 0), L->ln2, atw(x, m * E, 0), E, eps, 0);
         }
-        gemv(x, E, L->gu_w, NULL, gu, 2 * I, M, 2 * I, E, nthreads);
+        KV_LINEAR(x, E, L->gu_w, L->gu_p, NULL, gu, 2 * I, 2 * I, E);
+#pragma omp parallel for num_threads(rows_nt(M * I, nthreads)) schedule(static)
         for (int64_t m = 0; m < M; m++) {
             if (bf) silu_mul_row(at(gu, m * 2 * I, 1), atw(act, m * I, 1), I, 1);
             else silu_mul_row(at(gu, m * 2 * I, 0), atw(act, m * I, 0), I, 0);
         }
-        gemv(act, I, L->down_w, NULL, delta, E, M, E, I, nthreads);
+        KV_LINEAR(act, I, L->down_w, L->down_p, NULL, delta, E, E, I);
     }
+#pragma omp parallel for num_threads(rows_nt(M * E, nthreads)) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         if (bf) rms_norm_row(at(delta, m * E, 1), atw(residual, m * E, 1), final_norm, atw(x, m * E, 1), E, eps, 1);
         else rms_norm_row(at(delta, m * E, 0), atw(residual, m * E, 0), final_norm, atw(x, m * E, 0), E, eps, 0);
     }
-    gemv(x, E, lm_head, NULL, logits, V, M, V, E, nthreads);
+    KV_LINEAR(x, E, lm_head, lm_head_p, NULL, logits, V, V, E);
     return 0;
 }
 """
@@ -975,7 +995,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 class _LayerPtrs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in
-                ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "ln2", "gu_w", "down_w", "k_cache", "v_cache")]
+                ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "ln2", "gu_w", "down_w", "k_cache", "v_cache",
+                 "qkv_p", "o_p", "gu_p", "down_p")]
 
 
 class DecodeStep:
@@ -983,51 +1004,58 @@ class DecodeStep:
 
     For a few tokens the per-op overhead of eager PyTorch (5-20 us per op, ~15 ops per layer)
     costs more than the matmuls; this runs the same kernels the model's modules run for such
-    batches (gemv linears, fused RMSNorm/RoPE/SiLU, KV write, paged decode attention) from C,
-    so the logits are bit-identical to the module path.
+    batches (gemv or AMX linears, fused RMSNorm/RoPE/SiLU, KV write, paged decode attention)
+    from C, so the logits are bit-identical to the module path.
 
     Args:
         layers: per layer a dict of contiguous CPU tensors in the model dtype: ``ln1``, ``ln2``
             ``[E]``; ``qkv_w`` ``[(H + 2·KVH)·hd, E]``, ``qkv_b`` (or None), ``o_w`` ``[E, H·hd]``,
             ``gu_w`` ``[2·I, E]``, ``down_w`` ``[E, I]``, ``q_norm``/``k_norm`` ``[hd]`` (or None),
-            ``k_cache``/``v_cache`` ``[num_blocks, block_size, KVH, hd]``.
+            ``k_cache``/``v_cache`` ``[num_blocks, block_size, KVH, hd]``; and, when ``amx`` is
+            given, ``qkv_p``, ``o_p``, ``gu_p``, ``down_p``: the weights packed by
+            ``kvserve.layers.linear.amx_pack``.
         final_norm: ``[E]``; lm_head: ``[V, E]``; cos, sin: RoPE tables ``[max_positions, hd]``.
-        gemv: the ctypes gemv function for the dtype (``kvserve.layers.linear``).
+        gemv: the ctypes gemv function for the dtype (``kvserve.layers.linear``), used for up to
+            ``gemv_max_tokens`` tokens.
         num_heads, num_kv_heads, head_dim, eps: the model's attention shape and RMSNorm epsilon.
         max_tokens: largest batch (tokens) this step accepts.
+        gemv_max_tokens: the gemv limit (defaults to ``max_tokens``); above it the linears run on
+            ``amx`` (the ctypes ``kv_amx_linear``) with the packed weights.
+        amx: optional AMX linear function; lm_head_packed: the packed LM head for it.
     """
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, gemv, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 max_tokens: int) -> None:
-        self._keep = (layers, final_norm, lm_head, cos, sin)  # the C side holds raw pointers
+                 max_tokens: int, gemv_max_tokens: Optional[int] = None, amx=None,
+                 lm_head_packed: Optional[torch.Tensor] = None) -> None:
+        self._keep = (layers, final_norm, lm_head, cos, sin, lm_head_packed)  # the C side holds raw pointers
         self.dtype = lm_head.dtype
         self.E, self.V = final_norm.shape[0], lm_head.shape[0]
         self.H, self.KVH, self.hd = num_heads, num_kv_heads, head_dim
         self.I = layers[0]["down_w"].shape[1]
         self.eps, self.max_tokens = float(eps), max_tokens
+        self.gemv_max_tokens = max_tokens if gemv_max_tokens is None else gemv_max_tokens
+        if self.gemv_max_tokens < max_tokens and (amx is None or lm_head_packed is None
+                                                  or any(l.get("qkv_p") is None for l in layers)):
+            raise ValueError("DecodeStep: batches above gemv_max_tokens need amx and packed weights")
         self.block_size = layers[0]["k_cache"].shape[1]
         self._layers = (_LayerPtrs * len(layers))(*[
             _LayerPtrs(*[None if l.get(n) is None else l[n].data_ptr() for n, _ in _LayerPtrs._fields_])
             for l in layers])
         self._gemv = ctypes.cast(gemv, ctypes.c_void_p).value
-        self._ptrs = (final_norm.data_ptr(), lm_head.data_ptr(), cos.data_ptr(), sin.data_ptr())
-        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._amx = None if amx is None else ctypes.cast(amx, ctypes.c_void_p).value
+        self._ptrs = (final_norm.data_ptr(), lm_head.data_ptr(), None if lm_head_packed is None
+                      else lm_head_packed.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        e = lambda n: torch.empty((max_tokens, n), dtype=self.dtype)  # noqa: E731
+        # Work buffers for the largest batch; a batch of M uses their first M rows.
+        self._scratch = (e(self.E), e(self.E), e(self.E), e((self.H + 2 * self.KVH) * self.hd),
+                         e(self.H * self.hd), e(2 * self.I), e(self.I))
         fn = _lib().lib.kv_decode_step
         i64, vp, cf, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-        fn.argtypes = [vp, i64, vp, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, cf, vp, vp, vp, vp,
-                       vp, i64, vp, i64, i64, cf, vp, vp, i64, vp, ci, ci, ci]
+        fn.argtypes = [vp, i64, vp, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, cf, vp,
+                       vp, vp, vp, vp, i64, vp, i64, i64, cf, vp, vp, vp, i64, vp, ci, ci, ci]
         fn.restype = ctypes.c_int
         self._fn = fn
-
-    def _buffers(self, M: int):
-        b = self._scratch.get(M)
-        if b is None:
-            e = lambda n: torch.empty((M, n), dtype=self.dtype)  # noqa: E731
-            b = (e(self.E), e(self.E), e(self.E), e((self.H + 2 * self.KVH) * self.hd), e(self.H * self.hd),
-                 e(2 * self.I), e(self.I))
-            self._scratch[M] = b
-        return b
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int) -> torch.Tensor:
@@ -1044,22 +1072,23 @@ class DecodeStep:
 
         Raises:
             ValueError: if ``M`` exceeds ``max_tokens``.
-            MemoryError: if attention's work buffers cannot be allocated.
+            MemoryError: if attention's or the AMX linears' work buffers cannot be allocated.
         """
         M = hidden.shape[0]
         if not 0 < M <= self.max_tokens:
             raise ValueError(f"DecodeStep takes 1..{self.max_tokens} tokens, got {M}")
-        residual, delta, x, qkv, attn, gu, act = self._buffers(M)
+        residual, delta, x, qkv, attn, gu, act = self._scratch
         logits = torch.empty((M, self.V), dtype=self.dtype)
         nt = torch.get_num_threads()
-        fin, head, cos, sin = self._ptrs
-        rc = self._fn(ctypes.addressof(self._layers), len(self._layers), self._gemv, M, hidden.data_ptr(), residual.data_ptr(),
-                      delta.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(), act.data_ptr(),
+        fin, head, head_p, cos, sin = self._ptrs
+        rc = self._fn(ctypes.addressof(self._layers), len(self._layers), self._gemv, self._amx, self.gemv_max_tokens,
+                      M, hidden.data_ptr(), residual.data_ptr(), delta.data_ptr(), x.data_ptr(), qkv.data_ptr(),
+                      attn.data_ptr(), gu.data_ptr(), act.data_ptr(),
                       self.E, self.H, self.KVH, self.hd, self.I, self.eps, positions.data_ptr(), cos, sin,
                       slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                      context_lens.data_ptr(), max_context_len, self.block_size, self.hd**-0.5, fin, head, self.V,
-                      logits.data_ptr(), int(self.dtype == torch.bfloat16), nt,
+                      context_lens.data_ptr(), max_context_len, self.block_size, self.hd**-0.5, fin, head, head_p,
+                      self.V, logits.data_ptr(), int(self.dtype == torch.bfloat16), nt,
                       _threads(M * self.H * max_context_len * self.hd // 64))
         if rc:
-            raise MemoryError("decode step: could not allocate attention work buffers")
+            raise MemoryError("decode step: could not allocate attention or linear work buffers")
         return logits

@@ -19,6 +19,7 @@ from torch import nn
 from kvserve.attention import AttentionBackend, AttentionMetadata, CPUPagedAttentionBackend
 from kvserve.config import ModelConfig
 from kvserve.kernels import cpu_ops
+from kvserve.layers import linear
 from kvserve.layers.linear import Linear, cpu_kernels
 
 
@@ -330,7 +331,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _get_decode_step(self, kv_caches, num_tokens: int) -> Optional[cpu_ops.DecodeStep]:
         """The one-call C decode step, when it computes exactly what the modules would: fused CPU
-        ops and C attention, and every linear layer on the gemv kernel for ``num_tokens`` rows."""
+        ops and C attention, and every linear layer on the gemv kernel (or, above its limit, the
+        AMX kernel) for ``num_tokens`` rows."""
         if not self.fused_cpu_ops or not isinstance(self.attn_backend, CPUPagedAttentionBackend):
             return None
         if self._decode_step_caches is not kv_caches:  # first use, new KV pool or new weights
@@ -338,9 +340,12 @@ class LlamaForCausalLM(nn.Module):
             lins = [self.lm_head] + [m for layer in self.layers for m in (
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             k = cpu_kernels()
-            max_m = min(lin._gemv_max_m for lin in lins)
-            if k is None or max_m == 0 or any(lin.quantization is not None for lin in lins):
+            gemv_max = min(lin._gemv_max_m for lin in lins)
+            if k is None or gemv_max == 0 or any(lin.quantization is not None for lin in lins):
                 return None
+            # Above the gemv limit the linears run on AMX (when every one of them has it), as
+            # Linear.forward would for up to AMX_MAX_M_BF16 tokens.
+            use_amx = all(lin._amx is not None for lin in lins)
             gemv = k.bf16 if self.dtype == torch.bfloat16 else k.f32
             layers = []
             for layer, (kc, vc) in zip(self.layers, kv_caches):
@@ -350,9 +355,12 @@ class LlamaForCausalLM(nn.Module):
                     qkv_w=a.qkv_proj.weight, qkv_b=a.qkv_proj.bias, o_w=a.o_proj.weight,
                     q_norm=None if a.q_norm is None else a.q_norm.weight,
                     k_norm=None if a.k_norm is None else a.k_norm.weight,
-                    gu_w=m.gate_up_proj.weight, down_w=m.down_proj.weight, k_cache=kc, v_cache=vc))
+                    gu_w=m.gate_up_proj.weight, down_w=m.down_proj.weight, k_cache=kc, v_cache=vc,
+                    qkv_p=a.qkv_proj._amx, o_p=a.o_proj._amx, gu_p=m.gate_up_proj._amx, down_p=m.down_proj._amx))
             self._decode_step = cpu_ops.DecodeStep(
                 layers, self.norm.weight, self.lm_head.weight, self.rotary_emb.cos_table, self.rotary_emb.sin_table,
-                gemv, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps, max_m)
+                gemv, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps,
+                max_tokens=linear.AMX_MAX_M_BF16 if use_amx else gemv_max, gemv_max_tokens=gemv_max,
+                amx=k.amx_linear if use_amx else None, lm_head_packed=self.lm_head._amx)
         step = self._decode_step
         return step if step is not None and num_tokens <= step.max_tokens else None
