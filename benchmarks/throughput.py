@@ -5,7 +5,10 @@ output lengths uniform in [64, 256] with EOS ignored, seed 0, on SmolLM2-135M-In
 transformers runs it the way its users batch: left-padded static batches of 32 in arrival
 order, each batch generating its longest request's length; only each request's own tokens
 count. Also: single-stream decode tokens/s and TTFT for a 128-token prompt, the memory-
-bandwidth roofline for decode and the compute roofline for the workload.
+bandwidth roofline for decode, the compute roofline for the workload (2 · params FLOPs per
+prompt and output token at the measured bf16 matmul peak) and the workload's attainable floor
+(``kvserve.roofline.attainable_seconds``: compute-bound prefill plus, per decode step, the
+larger of the weight + KV-cache bytes at the measured bandwidth and the step's FLOPs).
 
 Usage:
     python benchmarks/throughput.py [--dtype bfloat16 float32] [--sampling] [--json out.json]
@@ -26,7 +29,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.default_model import default_model_path
-from kvserve.roofline import measure_matmul_flops, measure_memory_bandwidth
+from kvserve.roofline import attainable_seconds, measure_matmul_flops, measure_memory_bandwidth
 
 
 def workload(n: int, vocab: int, seed: int = 0):
@@ -114,8 +117,11 @@ def main(argv=None) -> int:
         params = cfg.num_parameters()
         weight_bytes = params * torch.empty((), dtype=tdt).element_size()
         flops = 2 * params * (sum(map(len, prompts)) + sum(outs))
+        floor = attainable_seconds([len(p) for p in prompts], outs, params, weight_bytes,
+                                   cfg.kv_bytes_per_token(tdt), peak, bw)
         r = {"matmul_peak_GFLOPs": peak / 1e9, "weight_bytes": weight_bytes,
-             "decode_roofline_tok_s": bw / weight_bytes, "compute_roofline_s": flops / peak}
+             "decode_roofline_tok_s": bw / weight_bytes, "compute_roofline_s": flops / peak,
+             "attainable_floor_s": floor["total_s"], "attainable_floor": floor}
         run_kvserve(llm, prompts, [4] * len(outs), sampling=False)  # warm-up: oneDNN primitives, kernels
         r["kvserve"] = run_kvserve(llm, prompts, outs, sampling=False)
         r["kvserve_single"] = single_stream_kvserve(llm, vocab)
@@ -138,6 +144,7 @@ def main(argv=None) -> int:
             "transformers out tok/s": f"{r['transformers']['output_tok_s']:.1f}" if "transformers" in r else "-",
             "ratio": f"{k['output_tok_s'] / r['transformers']['output_tok_s']:.2f}x" if "transformers" in r else "-",
             "compute roofline share": f"{share * 100:.1f}%",
+            "attainable floor share": f"{r['attainable_floor_s'] / k['seconds'] * 100:.1f}%",
             "kvserve 1-stream decode tok/s": f"{ks['decode_tok_s']:.1f}",
             "transformers 1-stream decode tok/s": f"{r['transformers_single']['decode_tok_s']:.1f}" if "transformers_single" in r else "-",
             "decode ratio": f"{ks['decode_tok_s'] / r['transformers_single']['decode_tok_s']:.2f}x" if "transformers_single" in r else "-",

@@ -83,3 +83,35 @@ def decode_roofline_tokens_per_s(weight_bytes: float, bandwidth: float) -> float
 def compute_roofline_tokens_per_s(params: float, flops: float) -> float:
     """Upper bound on batched throughput: ``flops / (2 · params)`` (tokens/s)."""
     return flops / (2.0 * params)
+
+
+def attainable_seconds(prompt_lens: list[int], output_lens: list[int], params: float, weight_bytes: float,
+                       kv_bytes_per_token: float, flops: float, bandwidth: float) -> dict[str, float]:
+    """Lower bound on the wall time of an offline batch where every request starts at once.
+
+    Prefill is compute-bound (``2 · params`` FLOPs per prompt token at ``flops``). After it,
+    decode step ``s`` (``s = 1 .. max(output_lens) - 1``; the first output token comes from
+    prefill) runs every request with ``output_len > s`` and costs at least the larger of
+    reading all weights plus each running request's KV cache (``prompt_len + s`` tokens) at
+    ``bandwidth``, and ``2 · params`` FLOPs per running request at ``flops`` (the roofline per
+    step). Attention FLOPs and everything else are free, so no engine can beat this.
+
+    Args:
+        prompt_lens, output_lens: tokens per request (same length lists).
+        params: parameter count; weight_bytes: bytes read per step for the weights.
+        kv_bytes_per_token: ``2 · layers · kv_heads · head_dim · dtype_bytes``.
+        flops: matmul rate (FLOP/s); bandwidth: memory bandwidth (bytes/s).
+
+    Returns:
+        ``{"prefill_s", "decode_s", "total_s", "decode_memory_bound_steps"}``.
+    """
+    prefill = 2.0 * params * sum(prompt_lens) / flops
+    decode, mem_bound = 0.0, 0
+    for s in range(1, max(output_lens, default=0)):
+        running = [p for p, o in zip(prompt_lens, output_lens) if o > s]
+        mem = (weight_bytes + kv_bytes_per_token * sum(p + s for p in running)) / bandwidth
+        comp = 2.0 * params * len(running) / flops
+        decode += max(mem, comp)
+        mem_bound += mem >= comp
+    return {"prefill_s": prefill, "decode_s": decode, "total_s": prefill + decode,
+            "decode_memory_bound_steps": mem_bound}
