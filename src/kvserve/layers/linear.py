@@ -286,8 +286,8 @@ TGT_F32 void kv_gemv_i8(const float* x, int64_t ldx, const int8_t* w, const floa
 /* ---- Batched-decode GEMM on AMX tiles (bf16, CPUs with AMX-BF16) ---------------------------
  * For 5-64 tokens oneDNN streams the weights at ~8-13 GB/s on the development machine; this
  * kernel reaches ~9-19 GB/s (more at fewer tokens; measured with 200 MB of weights, so from
- * DRAM). The weight is packed once (kv_amx_pack) into 1 KiB TDPBF16PS B tiles [N/16][K/32][16 k-pairs][16 n][2],
- * so each thread streams its share of output columns as one contiguous, software-prefetched
+ * DRAM). The weight is packed once (kv_amx_pack) into 1 KiB TDPBF16PS B tiles
+ * [N/16][K/32][16 k-pairs][16 n][2], so each thread streams its share of output columns as one contiguous, software-prefetched
  * run; every B tile is multiplied with up to 4 tiles of 16 input rows (C tiles 0-3, A tiles
  * loaded from x in place, rows past M from a zero-padded copy). float32 accumulation, bias
  * added in float32, one rounding to bf16 (RNE), like oneDNN. Needs N % 16 == 0, K % 32 == 0. */
