@@ -151,6 +151,55 @@ def test_paged_attention_decode_matches_sdpa(dtype, H, KVH, hd, bs, amx):
         torch.testing.assert_close(out[d].float(), e, rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(not K.amx_prefill_supported(torch.bfloat16, 9, 3, 64, 16), reason="needs AMX-BF16")
+@pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (16, 8, 128, 32), (4, 1, 32, 16), (32, 2, 64, 16)])
+def test_paged_attention_prefill_matches_causal_sdpa(H, KVH, hd, bs):
+    """Chunks with and without cached context before them (chunked prefill, prefix hits), one
+    token, lengths that are not multiples of a tile; NaN in every slot no context covers."""
+    g = torch.Generator().manual_seed(H + hd)
+    nb = 2048 // bs
+    kc = torch.randn(nb, bs, KVH, hd, generator=g).bfloat16()
+    vc = torch.randn(nb, bs, KVH, hd, generator=g).bfloat16()
+    chunks = [(7, 0), (20, 5), (33, 0), (1, 17), (64, 60), (130, 0)]  # (tokens, num_past)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for n, past in chunks:
+        k = math.ceil((n + past) / bs)
+        tables.append(perm[i : i + k])
+        i += k
+    used = torch.zeros(nb * bs, dtype=torch.bool)
+    for t, (n, past) in zip(tables, chunks):
+        used[torch.tensor([t[j // bs] * bs + j % bs for j in range(n + past)])] = True
+    kc.view(nb * bs, -1)[~used] = float("nan")
+    vc.view(nb * bs, -1)[~used] = float("nan")
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    T = sum(n for n, _ in chunks)
+    qkv = torch.randn(T, (H + 2 * KVH) * hd, generator=g).bfloat16()
+    q = qkv[:, : H * hd].view(T, H, hd)  # strided rows, as in the model
+    starts = [sum(n for n, _ in chunks[:p]) for p in range(len(chunks))]
+    info = torch.tensor([[s, n, past] for s, (n, past) in zip(starts, chunks)])
+    out = torch.full((T, H, hd), float("nan"), dtype=torch.bfloat16)
+    K.paged_attention_prefill(q, kc, vc, bt, info, hd**-0.5, out)
+    for p, (s, (n, past)) in enumerate(zip(starts, chunks)):
+        L = n + past
+        slots = torch.tensor([tables[p][j // bs] * bs + j % bs for j in range(L)])
+        k = kc.view(-1, KVH, hd)[slots].transpose(0, 1).float()
+        v = vc.view(-1, KVH, hd)[slots].transpose(0, 1).float()
+        mask = torch.arange(L).unsqueeze(0) <= (past + torch.arange(n)).unsqueeze(1)
+        e = F.scaled_dot_product_attention(q[s : s + n].float().transpose(0, 1), k, v, attn_mask=mask,
+                                           scale=hd**-0.5, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[s : s + n].float(), e, rtol=1e-2, atol=1e-2)
+
+
+def test_paged_attention_prefill_rejects_what_it_cannot_run():
+    q = torch.randn(4, 4, 80).bfloat16()
+    kc = torch.randn(2, 16, 2, 80).bfloat16()
+    with pytest.raises(ValueError, match="head_dim 80"):
+        K.paged_attention_prefill(q, kc, kc, torch.zeros(1, 1, dtype=torch.long), torch.tensor([[0, 4, 0]]), 0.1,
+                                  torch.empty_like(q))
+
+
 def test_paged_attention_decode_rejects_unsupported_shapes():
     q = torch.randn(1, 6, 64)
     kc = torch.randn(2, 16, 4, 64)

@@ -115,3 +115,32 @@ def test_c_decode_step_is_bit_identical_to_the_module_path(tiny_model_dir, arch,
     assert calls and all(calls)  # every decode-only step ran in C
     monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", lambda self, kv, n: None)
     assert run() == fast
+
+
+def test_amx_prefill_attention_close_to_sdpa(tiny_model_dir, monkeypatch):
+    """bf16 prefill on the AMX attention kernel (Qwen3's head_dim 32, 16-token blocks) stays
+    within bf16 noise of the SDPA path, and the kernel really ran."""
+    if not cpu_ops.amx_prefill_supported(torch.bfloat16, 4, 2, 32, 16):
+        pytest.skip("needs the CPU kernels on a CPU with AMX-BF16")
+    folder, _ = tiny_model_dir("qwen3")
+    llm = LLM(model=str(folder), dtype="bfloat16", num_blocks=16, block_size=16)
+    eng = llm.engine
+    ids = list(range(3, 43))
+    T = len(ids)
+
+    def logits(amx: bool) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=torch.arange(T), prefills=[PrefillSegment(0, T, 0)])
+        if amx:
+            meta.prefill_block_tables = torch.tensor([[0, 1, 2]])
+            meta.prefill_chunks = torch.tensor([[0, T, 0]])
+        with torch.inference_mode():
+            return eng.model(torch.tensor(ids), torch.arange(T), eng.kv_caches, meta, torch.arange(T))
+
+    calls = []
+    real = cpu_ops.paged_attention_prefill
+    monkeypatch.setattr(cpu_ops, "paged_attention_prefill", lambda *a: calls.append(1) or real(*a))
+    a = logits(amx=True)
+    assert len(calls) == eng.model_config.num_layers
+    b = logits(amx=False)
+    assert len(calls) == eng.model_config.num_layers
+    assert (a - b).abs().max() < 0.05 * b.abs().max()

@@ -63,6 +63,10 @@ class AttentionMetadata:
             request, including its new token.
         decode_max_context_len: ``max(decode_context_lens)``.
         prefills: the prefill chunks, in batch order after the decodes.
+        prefill_block_tables: ``[P, max_blocks]`` int64 block table of each prefill chunk's
+            request (padded with block 0); built when the backend reads block tables.
+        prefill_chunks: ``[P, 3]`` int64 (first row in the batch, tokens, ``num_past``) per chunk;
+            built with ``prefill_block_tables``.
 
     A backend says which decode inputs it reads (:attr:`AttentionBackend.uses_context_slots`);
     the model runner builds only those.
@@ -76,6 +80,8 @@ class AttentionMetadata:
     decode_context_lens: Optional[torch.Tensor] = None
     decode_max_context_len: int = 0
     prefills: list[PrefillSegment] = field(default_factory=list)
+    prefill_block_tables: Optional[torch.Tensor] = None
+    prefill_chunks: Optional[torch.Tensor] = None
 
 
 class AttentionBackend:
@@ -162,7 +168,9 @@ class TorchSDPABackend(AttentionBackend):
 class CPUPagedAttentionBackend(TorchSDPABackend):
     """CPU backend: the KV write and decode attention run on the fused C kernels of
     :mod:`kvserve.kernels.cpu_ops` (reading K/V through the block tables, no gather, GQA
-    without repeating KV); prefill chunks use SDPA as in :class:`TorchSDPABackend`.
+    without repeating KV). Prefill chunks run on the AMX prefill kernel where it applies
+    (bf16, AMX CPUs: :func:`kvserve.kernels.cpu_ops.amx_prefill_supported`; 2-3x SDPA on
+    SmolLM2's prompts) and on SDPA as in :class:`TorchSDPABackend` otherwise.
 
     Requires float32/bfloat16 CPU tensors and :func:`kvserve.kernels.cpu_ops.available`.
     """
@@ -179,8 +187,13 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
                                            max_context_len=meta.decode_max_context_len)
         if meta.prefills:
             num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-            self.prefill(q, k, v, k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim),
-                         meta, scale, out)
+            if meta.prefill_chunks is not None and cpu_ops.amx_prefill_supported(
+                    q.dtype, q.shape[1], num_kv_heads, head_dim, k_cache.shape[1]):
+                cpu_ops.paged_attention_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_chunks,
+                                                scale, out)
+            else:
+                self.prefill(q, k, v, k_cache.view(-1, num_kv_heads, head_dim),
+                             v_cache.view(-1, num_kv_heads, head_dim), meta, scale, out)
         return out
 
 

@@ -154,6 +154,13 @@ class ModelRunner:
             maybe_sample(r, start + n - 1, n)
             start += n
 
+        if prefills and not self.uses_context_slots:
+            tables = [self.block_tables[r.request_id] for r, _ in prefills]
+            width = max(len(t) for t in tables)
+            meta.prefill_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                     dtype=torch.long, device=self.device)
+            meta.prefill_chunks = torch.tensor([[seg.start, seg.end - seg.start, seg.num_past]
+                                                for seg in meta.prefills], dtype=torch.long, device=self.device)
         meta.slot_mapping = torch.cat(slot_parts).to(self.device)
         return BatchInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),

@@ -450,6 +450,7 @@ int kv_set_amx(int on) {
     kv_amx = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     return kv_amx;
 }
+int kv_amx_enabled(void) { return kv_amx; }
 
 /* r[i] <- column i of the 16 x 16 matrix with rows r[0..15]. */
 INLINE TGT void transpose16(__m512* r) {
@@ -477,22 +478,29 @@ INLINE TGT void transpose16(__m512* r) {
     }
 }
 
-/* One sequence (q: its H * hd query row) and KV heads [g0, g0 + ns). Scratch (per thread):
- * qb [NC][16][32] u16, sc [Lp][16] f32, p [16][Lp] u16, vb [4][16][32] u16, ct [4][16][16] f32
- * with NC = ns * hd / 32 and Lp = L rounded up to 32. */
-static TGT_AMX void attn_amx_one(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* bt,
-                                 int64_t L, uint16_t* out, int64_t KVH, int64_t G, int64_t hd, int64_t bs,
-                                 float scale, int64_t g0, int64_t ns, uint16_t* qb, float* sc, uint16_t* p,
-                                 uint16_t* vb, float* ct) {
-    const int64_t rs = KVH * hd, nq = ns * G, NC = ns * hd / 32, Lp = (L + 31) & ~(int64_t)31;
+/* Up to 16 query columns over the KV heads [g0, g0 + ns) of one sequence (block table bt).
+ * Column n: query qn[n] and output on[n] (hd values each), local KV head gl[n] in [0, ns),
+ * attending to the first Ln[n] tokens (Ln[n] = 0 for unused columns n >= nq). Decode uses
+ * one token's heads as columns; prefill uses G heads of a few consecutive tokens with causal
+ * lengths. Scratch (per thread): qb [NC][16][32] u16, sc [Lp][16] f32, p [16][Lp] u16,
+ * vb [4][16][32] u16, ct [4][16][16] f32, NC = ns * hd / 32, Lp = max(Ln) rounded up to 32. */
+static TGT_AMX void attn_amx_cols(const uint16_t* kc, const uint16_t* vc, const int64_t* bt, int64_t nq,
+                                  const uint16_t* const* qn, uint16_t* const* on, const int64_t* gl_n,
+                                  const int32_t* Ln, int64_t KVH, int64_t hd, int64_t bs, float scale, int64_t g0,
+                                  int64_t ns, uint16_t* qb, float* sc, uint16_t* p, uint16_t* vb, float* ct) {
+    const int64_t rs = KVH * hd, NC = ns * hd / 32;
+    int64_t L = 0;
+    for (int64_t n = 0; n < nq; n++) L = Ln[n] > L ? Ln[n] : L;
+    const int64_t Lp = (L + 31) & ~(int64_t)31;
     /* Qbd: chunk c covers dims [32c, 32c + 32) of the set's row slice, i.e. local KV head
-     * c * 32 / hd; row k of its tile holds dims (2k, 2k + 1) of every column's query head. */
+     * c * 32 / hd; row k of its tile holds dims (2k, 2k + 1) of every column of that head. */
     memset(qb, 0, (size_t)NC * 1024);
     for (int64_t c = 0; c < NC; c++) {
         const int64_t gl = c * 32 / hd, d0 = (c * 32) % hd;
-        for (int64_t i = 0; i < G; i++) {
-            const uint32_t* qh = (const uint32_t*)(q + ((g0 + gl) * G + i) * hd + d0);
-            uint32_t* col = (uint32_t*)(qb + c * 512) + gl * G + i;
+        for (int64_t n = 0; n < nq; n++) {
+            if (gl_n[n] != gl) continue;
+            const uint32_t* qh = (const uint32_t*)(qn[n] + d0);
+            uint32_t* col = (uint32_t*)(qb + c * 512) + n;
             for (int64_t k = 0; k < 16; k++) col[k * 16] = qh[k];
         }
     }
@@ -512,31 +520,34 @@ static TGT_AMX void attn_amx_one(const uint16_t* q, const uint16_t* kc, const ui
         }
         _tile_stored(0, sc + j0 * 16, 64);
     }
-    /* softmax over keys, one lane per query head */
+    /* softmax over keys, one lane per column; key j counts for column n iff j < Ln[n] */
+    const __m512i lens = _mm512_loadu_si512(Ln);
     const __m512 vs = _mm512_set1_ps(scale);
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < L; j++) {
-        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sc + j * 16), vs);
+        const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)j), lens);
+        const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), m, _mm512_loadu_ps(sc + j * 16), vs);
         _mm512_storeu_ps(sc + j * 16, s);
         mx = _mm512_max_ps(mx, s);
     }
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; j++) {
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + j * 16), mx));
+        const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)j), lens);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + j * 16), mx)));
         _mm512_storeu_ps(sc + j * 16, e);
         sum = _mm512_add_ps(sum, e);
     }
     for (int64_t j = L; j < Lp; j++) _mm512_storeu_ps(sc + j * 16, _mm512_setzero_ps());
     float inv_sum[16];
     _mm512_storeu_ps(inv_sum, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
-    /* P [16 heads][Lp keys] in bf16 (rows >= nq zero) */
+    /* P [16 columns][Lp keys] in bf16 (rows >= nq zero) */
     for (int64_t j0 = 0; j0 < Lp; j0 += 16) {
         __m512 r[16];
         for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(sc + (j0 + i) * 16);
         transpose16(r);
-        for (int64_t h = 0; h < 16; h++)
-            _mm256_storeu_si256((__m256i*)(p + h * Lp + j0),
-                                h < nq ? (__m256i)_mm512_cvtneps_pbh(r[h]) : _mm256_setzero_si256());
+        for (int64_t n = 0; n < 16; n++)
+            _mm256_storeu_si256((__m256i*)(p + n * Lp + j0),
+                                n < nq ? (__m256i)_mm512_cvtneps_pbh(r[n]) : _mm256_setzero_si256());
     }
     /* P @ V per KV head of the set, 64 dims (4 tiles) at a time */
     const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -582,10 +593,10 @@ static TGT_AMX void attn_amx_one(const uint16_t* q, const uint16_t* kc, const ui
             }
             _tile_stored(0, ct, 64); _tile_stored(1, ct + 256, 64);
             _tile_stored(2, ct + 512, 64); _tile_stored(3, ct + 768, 64);
-            for (int64_t i = 0; i < G; i++) {
-                const int64_t n = gl * G + i;
+            for (int64_t n = 0; n < nq; n++) {
+                if (gl_n[n] != gl) continue;
                 const __m512 is = _mm512_set1_ps(inv_sum[n]);
-                uint16_t* oh = out + ((g0 + gl) * G + i) * hd + dc;
+                uint16_t* oh = on[n] + dc;
                 for (int64_t w = 0; w < nw; w++) {
                     const __m512 lo = _mm512_loadu_ps(ct + (2 * w) * 256 + n * 16);
                     const __m512 hi = _mm512_loadu_ps(ct + (2 * w + 1) * 256 + n * 16);
@@ -598,6 +609,27 @@ static TGT_AMX void attn_amx_one(const uint16_t* q, const uint16_t* kc, const ui
         }
 }
 
+/* Per-thread scratch of attn_amx_cols for NC chunks and contexts up to maxL tokens, with the
+ * tile configuration loaded (all 8 tiles 16 rows x 64 bytes). NULL if allocation failed. */
+static TGT_AMX char* amx_attn_begin(int64_t NC, int64_t maxL, uint16_t** qb, float** sc, uint16_t** p,
+                                    uint16_t** vb, float** ct) {
+    const int64_t Lp = (maxL + 31) & ~(int64_t)31;
+    const size_t bytes = (size_t)NC * 1024 + (size_t)Lp * 96 + 8192;
+    char* buf = (char*)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    if (!buf) return NULL;
+    kv_tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+    *qb = (uint16_t*)buf;
+    *sc = (float*)(buf + NC * 1024);
+    *p = (uint16_t*)(buf + NC * 1024 + Lp * 64);
+    *vb = (uint16_t*)(buf + NC * 1024 + Lp * 96);
+    *ct = (float*)(buf + NC * 1024 + Lp * 96 + 4096);
+    return buf;
+}
+
 /* AMX decode attention over D sequences; same contract as kv_paged_attention_decode (bf16).
  * ns: KV heads per work item (divides KVH, ns * G <= 16). */
 static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc,
@@ -606,33 +638,92 @@ static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const uint16_t*
                                  float scale, int64_t ns, int nthreads) {
     int64_t maxL = 0;
     for (int64_t d = 0; d < D; d++) maxL = ctx[d] > maxL ? ctx[d] : maxL;
-    const int64_t Lp = (maxL + 31) & ~(int64_t)31, NC = ns * hd / 32, nsets = KVH / ns;
+    const int64_t nsets = KVH / ns;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        const size_t bytes = (size_t)NC * 1024 + (size_t)Lp * 64 + (size_t)Lp * 32 + 4096 + 4096;
-        char* buf = (char*)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        uint16_t *qb, *p, *vb;
+        float *sc, *ct;
+        char* buf = amx_attn_begin(ns * hd / 32, maxL, &qb, &sc, &p, &vb, &ct);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
-        } else {
-            kv_tilecfg_t cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette_id = 1;
-            for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-            _tile_loadconfig(&cfg);
         }
-        uint16_t* qb = (uint16_t*)buf;
-        float* sc = (float*)(buf + NC * 1024);
-        uint16_t* p = (uint16_t*)(buf + NC * 1024 + Lp * 64);
-        uint16_t* vb = (uint16_t*)(buf + NC * 1024 + Lp * 96);
-        float* ct = (float*)(buf + NC * 1024 + Lp * 96 + 4096);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < D * nsets; i++) {
             if (!buf) continue;
-            const int64_t d = i / nsets, s = i % nsets;
-            attn_amx_one(q + d * ldq, kc, vc, block_tables + d * bt_stride, ctx[d], out + d * ldo, KVH, G, hd, bs,
-                         scale, s * ns, ns, qb, sc, p, vb, ct);
+            const int64_t d = i / nsets, g0 = (i % nsets) * ns, nq = ns * G;
+            const uint16_t* qn[16];
+            uint16_t* on[16];
+            int64_t gl[16];
+            int32_t Ln[16] = {0};
+            for (int64_t n = 0; n < nq; n++) {
+                qn[n] = q + d * ldq + (g0 * G + n) * hd;
+                on[n] = out + d * ldo + (g0 * G + n) * hd;
+                gl[n] = n / G;
+                Ln[n] = (int32_t)ctx[d];
+            }
+            attn_amx_cols(kc, vc, block_tables + d * bt_stride, nq, qn, on, gl, Ln, KVH, hd, bs, scale, g0, ns, qb,
+                          sc, p, vb, ct);
+        }
+        if (buf) _tile_release();
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Causal prefill attention on AMX tiles (bf16 caches, AMX enabled, hd % 32 == 0,
+ * bs % 16 == 0, G <= 16): for each of P chunks, seg[3p .. 3p + 2] = (first row of the chunk
+ * in q/out, its tokens n, tokens of the sequence already cached before it); the chunk's K/V
+ * must already be in the cache. Token t of a chunk attends to the first num_past + t + 1
+ * tokens of its sequence (block table row p). Work items: a chunk, a KV head and 16 / G
+ * consecutive tokens, whose G query heads each are the tile columns. Returns 0, -1 when a
+ * work buffer could not be allocated, -2 when the AMX path is not available for the shape. */
+TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                                       const int64_t* block_tables, int64_t bt_stride, const int64_t* seg, int64_t P,
+                                       void* out, int64_t ldo, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
+                                       float scale, int nthreads) {
+    const int64_t G = H / KVH;
+    if (!kv_amx || hd % 32 || bs % 16 || G > 16) return -2;
+    const int64_t TQ = 16 / G;
+    int64_t maxL = 0, items = 0;
+    for (int64_t i = 0; i < P; i++) {
+        const int64_t L = seg[3 * i + 2] + seg[3 * i + 1];
+        maxL = L > maxL ? L : maxL;
+        items += KVH * ((seg[3 * i + 1] + TQ - 1) / TQ);
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint16_t *qb, *p, *vb;
+        float *sc, *ct;
+        char* buf = amx_attn_begin(hd / 32, maxL, &qb, &sc, &p, &vb, &ct);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!buf) continue;
+            /* item -> (chunk, token block, KV head); later token blocks (longer contexts) first */
+            int64_t rest = it, c = 0;
+            while (rest >= KVH * ((seg[3 * c + 1] + TQ - 1) / TQ)) rest -= KVH * ((seg[3 * c + 1] + TQ - 1) / TQ), c++;
+            const int64_t start = seg[3 * c], n_tok = seg[3 * c + 1], past = seg[3 * c + 2];
+            const int64_t nblk = (n_tok + TQ - 1) / TQ, tb = nblk - 1 - rest / KVH, g = rest % KVH;
+            const int64_t t0 = tb * TQ, t1 = t0 + TQ < n_tok ? t0 + TQ : n_tok, nq = (t1 - t0) * G;
+            const uint16_t* qn[16];
+            uint16_t* on[16];
+            int64_t gl[16];
+            int32_t Ln[16] = {0};
+            for (int64_t n = 0; n < nq; n++) {
+                const int64_t t = t0 + n / G, h = g * G + n % G;
+                qn[n] = (const uint16_t*)q + (start + t) * ldq + h * hd;
+                on[n] = (uint16_t*)out + (start + t) * ldo + h * hd;
+                gl[n] = 0;
+                Ln[n] = (int32_t)(past + t + 1);
+            }
+            attn_amx_cols((const uint16_t*)k_cache, (const uint16_t*)v_cache, block_tables + c * bt_stride, nq, qn,
+                          on, gl, Ln, KVH, hd, bs, scale, g, 1, qb, sc, p, vb, ct);
         }
         if (buf) _tile_release();
         free(buf);
@@ -792,11 +883,12 @@ class _Lib:
             "kv_rope": [vp, i64, i64, i64, i64, vp, vp, vp, ci, ci],
             "kv_reshape_and_cache": [vp, i64, vp, i64, vp, vp, vp, i64, i64, i64],
             "kv_paged_attention_decode": [vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, i64, cf, ci, ci],
+            "kv_paged_attention_prefill": [vp, i64, vp, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, cf, ci],
         }
         for name, args in spec.items():
             fn = getattr(lib, name)
             fn.argtypes = args
-            fn.restype = ctypes.c_int if name == "kv_paged_attention_decode" else None
+            fn.restype = ctypes.c_int if name.startswith("kv_paged_attention") else None
             setattr(self, name[3:], fn)
 
 
@@ -991,6 +1083,55 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if rc:
         raise MemoryError("paged_attention_decode: could not allocate work buffers")
     return out
+
+
+def amx_prefill_supported(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                          block_size: int) -> bool:
+    """Whether :func:`paged_attention_prefill` runs here for this shape: bf16, AMX enabled
+    (:func:`set_amx`), ``head_dim % 32 == 0``, ``block_size % 16 == 0``, GQA group <= 16."""
+    lib = _raw_lib()
+    return (dtype == torch.bfloat16 and lib is not None and available() and bool(lib.kv_amx_enabled())
+            and head_dim % 32 == 0 and block_size % 16 == 0 and num_kv_heads > 0
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16)
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, chunks: torch.Tensor, scale: float,
+                            out: torch.Tensor) -> None:
+    """Causal attention of prefill chunks over their paged context, on AMX tiles.
+
+    Same math as :func:`paged_attention_decode` applied to every token of a chunk (token ``t``
+    of a chunk attends to the first ``num_past + t + 1`` tokens of its sequence, exact float32
+    softmax, probabilities rounded to bf16 for P·V), with 16 / G tokens' query heads sharing
+    each K/V tile. Needs :func:`amx_prefill_supported`.
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` bf16, heads contiguous within a row (row stride free).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` bf16 contiguous,
+            already holding the chunks' own K/V.
+        block_tables: ``[P, max_blocks]`` int64, unit last stride: row p for chunk p.
+        chunks: ``[P, 3]`` int64 contiguous: (first row of the chunk in ``q``, its tokens,
+            tokens of its sequence cached before it).
+        scale: softmax scale.
+        out: ``[T, num_heads, head_dim]`` bf16 destination (rows of the chunks are written).
+
+    Raises:
+        ValueError: if the AMX path does not support the shape or dtype here.
+        MemoryError: if work buffers cannot be allocated.
+    """
+    T, H, hd = q.shape
+    KVH, bs = k_cache.shape[2], k_cache.shape[1]
+    if not amx_prefill_supported(q.dtype, H, KVH, hd, bs):
+        raise ValueError(f"paged_attention_prefill: unsupported here (dtype {q.dtype}, heads {H}, kv_heads {KVH}, "
+                         f"head_dim {hd}, block_size {bs}; needs bf16 on AMX)")
+    rc = _lib().paged_attention_prefill(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), chunks.data_ptr(), chunks.shape[0], out.data_ptr(), out.stride(0), H, KVH, hd, bs,
+        float(scale), torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("paged_attention_prefill: could not allocate work buffers")
+    if rc:
+        raise ValueError("paged_attention_prefill: AMX path unavailable")
 
 
 class _LayerPtrs(ctypes.Structure):
