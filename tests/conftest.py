@@ -7,7 +7,9 @@ import torch
 
 torch.set_num_threads(2)
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2_greedy.json"
+#: transformers' fp32 greedy outputs for SmolLM2 on the same GGUF (a copy of the project's
+#: shared/reference/smollm2_greedy.json, kept here so that a clean clone runs the comparison).
+REFERENCE = Path(__file__).resolve().parent / "data" / "smollm2_greedy.json"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,7 +1,7 @@
 """Tokenizer loading, chat template and incremental detokenization on SmolLM2's real tokenizer.
 
 No model forward: known token id sequences (tokenizer.encode of texts, and the greedy
-ids of /work/shared/reference/smollm2_greedy.json) are fed token by token.
+ids of tests/data/smollm2_greedy.json) are fed token by token.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import apply_chat_template, load_tokenizer
 
-REFERENCE = Path("/work/shared/reference/smollm2_greedy.json")
+REFERENCE = Path(__file__).resolve().parent / "data" / "smollm2_greedy.json"
 EOS = 2  # <|im_end|>
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]

@@ -150,3 +150,26 @@ def test_best_of_returns_highest_cumulative_logprob(llm_fp32):
     all5 = llm_fp32.generate(["The weather today is"], SamplingParams(n=5, max_tokens=6, temperature=1.0, seed=3))[0]
     best = sorted((o.cumulative_logprob for o in all5.outputs), reverse=True)[:2]
     assert [o.cumulative_logprob for o in out.outputs] == pytest.approx(best)
+
+
+def test_streams_only_yield_their_own_requests_and_closing_one_aborts_it(llm_fp32):
+    """A paused stream's requests keep their outputs for it while another call runs; a stream
+    closed early (``break``) cancels its unfinished requests instead of leaking them into the
+    next call."""
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = {p: llm_fp32.generate([p], sp)[0].outputs[0].text for p in ("Hello", "The capital of France is")}
+    paused = llm_fp32.generate(["Hello"], sp, stream=True)
+    first = next(paused)
+    others = list(llm_fp32.generate(["The capital of France is"], sp, stream=True))
+    assert {o.request_id for o in others} == {others[-1].request_id} != first.request_id
+    assert others[-1].outputs[0].text == want["The capital of France is"]
+    assert llm_fp32.generate(["The capital of France is"], sp)[0].outputs[0].text == want["The capital of France is"]
+    rest = list(paused)
+    assert {o.request_id for o in rest} == {first.request_id}
+    assert rest[-1].finished and rest[-1].outputs[0].text == want["Hello"]
+    assert first.outputs[0].delta_text + "".join(o.outputs[0].delta_text for o in rest) == want["Hello"]
+
+    for _ in llm_fp32.generate(["Hello", "Hello"], sp, stream=True):
+        break  # the generator is closed here: both requests are aborted
+    assert not llm_fp32.engine.has_unfinished_requests()
+    assert llm_fp32.generate(["Hello"], sp)[0].outputs[0].text == want["Hello"]

@@ -51,6 +51,9 @@ class LLM:
     def __init__(self, model: Optional[str] = None, dtype: str = "bfloat16", **kwargs) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        # Outputs of requests whose stream is paused, produced while another call stepped the
+        # engine; each stream drains its own when it resumes.
+        self._pending: dict[str, list[RequestOutput]] = {}
 
     def _submit(self, prompts, params) -> tuple[list[Optional[str]], dict[int, str]]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -98,10 +101,9 @@ class LLM:
         if stream:
             return self._stream(ids, errors)
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        for out in self._run(ids):
+            if out.finished:
+                final[out.request_id] = out
         outputs = [final.get(i) if i is not None else None for i in ids]
         if errors:
             raise GenerationError(errors, outputs)
@@ -113,8 +115,37 @@ class LLM:
                 if i is not None:
                     self.engine.abort_request(i)
             raise GenerationError(errors, [None] * len(ids))
-        while self.engine.has_unfinished_requests():
-            yield from self.engine.step()
+        yield from self._run(ids)
+
+    def _run(self, ids: list[Optional[str]]) -> Iterator[RequestOutput]:
+        """Step the engine until the requests ``ids`` finish, yielding only their outputs.
+
+        Other requests in the engine (a paused stream's) keep running; their outputs are kept
+        for their own stream. Closing this iterator early (``break`` out of a stream) aborts
+        the requests that have not finished, so they cost nothing afterwards.
+        """
+        mine = {i for i in ids if i is not None}
+        left = set(mine)
+        try:
+            while left:
+                for rid in sorted(left):  # outputs another call stepped for us
+                    for out in self._pending.pop(rid, ()):
+                        if out.finished:
+                            left.discard(rid)
+                        yield out
+                if not left or not self.engine.has_unfinished_requests():
+                    break
+                for out in self.engine.step():
+                    if out.request_id in mine:
+                        if out.finished:
+                            left.discard(out.request_id)
+                        yield out
+                    else:
+                        self._pending.setdefault(out.request_id, []).append(out)
+        finally:
+            for rid in left:
+                self.engine.abort_request(rid)
+                self._pending.pop(rid, None)
 
     def chat(
         self,
