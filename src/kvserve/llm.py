@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, Optional, Sequence, Union
 
 from kvserve.engine import EngineArgs, LLMEngine
@@ -49,6 +50,11 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, dtype: str = "bfloat16", **kwargs) -> None:
+        fields = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}; engine arguments are "
+                            f"{sorted(fields - {'model', 'dtype'})}")
         self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
         # Outputs of requests whose stream is paused, produced while another call stepped the
