@@ -266,3 +266,11 @@ def test_cli_quantization_choices_read_well(capsys):
     assert _engine_kwargs(parser.parse_args(["generate", "x"]))["quantization"] is None
     assert _engine_kwargs(parser.parse_args(["generate", "x", "--quantization", "none"]))["quantization"] is None
     assert _engine_kwargs(parser.parse_args(["serve", "--quantization", "int8"]))["quantization"] == "int8"
+
+
+def test_generation_error_wording_for_one_and_several_prompts():
+    from kvserve.llm import GenerationError
+
+    assert str(GenerationError({0: "prompt is empty"}, [None])) == "prompt is empty"
+    e = GenerationError({1: "prompt is empty"}, [None, None])
+    assert str(e) == "1 of 2 requests were rejected: prompt 1: prompt is empty" and e.errors == {1: "prompt is empty"}

@@ -28,6 +28,9 @@ class GenerationError(ValueError):
     def __init__(self, errors: dict[int, str], outputs: list[Optional[RequestOutput]]) -> None:
         self.errors = errors
         self.outputs = outputs
+        if len(outputs) == 1:  # one prompt: its own message says it all
+            super().__init__(next(iter(errors.values())))
+            return
         detail = "; ".join(f"prompt {i}: {m}" for i, m in sorted(errors.items()))
         super().__init__(f"{len(errors)} of {len(outputs)} requests were rejected: {detail}")
 
