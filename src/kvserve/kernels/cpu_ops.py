@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from kvserve.kernels import cpu_flags, load_library
+from kvserve.kernels import AMX_C_SOURCE, cpu_flags, load_library
 
 _C_SOURCE = r"""
 /* kvserve fused CPU ops (see cpu_ops.py). Every function takes `bf` = 1 for bfloat16 data
@@ -432,22 +432,14 @@ INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const in
  * Softmax runs key-major (one vector per key holds all heads of the set), exact float32 with
  * probabilities rounded to bf16 for the P @ V product, as the VDPBF16PS kernel does.
  * Needs block_size % 16 == 0 and head_dim % 32 == 0. */
-#include <sys/syscall.h>
-#include <unistd.h>
 #define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16,amx-tile,amx-bf16")))
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} kv_tilecfg_t;
-
+/*@AMX_C_SOURCE@*/
 static int kv_amx = 0;
 
-/* Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) and
- * enable the AMX path if granted (on = 1); on = 0 disables it. Returns whether it is enabled. */
+/* Enable the AMX path if Linux grants the tile state (on = 1); on = 0 disables it. Returns
+ * whether it is enabled. */
 int kv_set_amx(int on) {
-    kv_amx = on && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    kv_amx = on && kv_amx_request();
     return kv_amx;
 }
 int kv_amx_enabled(void) { return kv_amx; }
@@ -617,11 +609,7 @@ static TGT_AMX char* amx_attn_begin(int64_t NC, int64_t maxL, uint16_t** qb, flo
     const size_t bytes = (size_t)NC * 1024 + (size_t)Lp * 96 + 8192;
     char* buf = (char*)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
     if (!buf) return NULL;
-    kv_tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-    _tile_loadconfig(&cfg);
+    kv_amx_config();
     *qb = (uint16_t*)buf;
     *sc = (float*)(buf + NC * 1024);
     *p = (uint16_t*)(buf + NC * 1024 + Lp * 64);
@@ -894,7 +882,7 @@ class _Lib:
 
 @functools.lru_cache(maxsize=None)
 def _raw_lib() -> Optional[ctypes.CDLL]:
-    return load_library("cpu_ops", _C_SOURCE)
+    return load_library("cpu_ops", _C_SOURCE.replace("/*@AMX_C_SOURCE@*/", AMX_C_SOURCE))
 
 
 @functools.lru_cache(maxsize=None)

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import cpu_flags, load_library
+from kvserve.kernels import AMX_C_SOURCE, cpu_flags, load_library
 
 #: Largest number of tokens (rows of ``x``) sent to the bf16 gemv kernel; above it oneDNN's
 #: AMX/AVX-512 GEMM wins (measured crossover: gemv faster at M <= 4 on every model shape,
@@ -97,8 +97,6 @@ _C_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define R 4
 #define MB 4
@@ -301,9 +299,9 @@ INLINE TGT_AMX __m512 bf16x16_to_f32(__m256i h) {
 /* float32 -> bf16, round to nearest even (NaN stays NaN), as f32_to_bf16. */
 INLINE TGT_AMX __m256i f32x16_to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
-/* Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
- * Returns 1 if granted. */
-int kv_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+/*@AMX_C_SOURCE@*/
+/* 1 if Linux grants the AMX tile state. */
+int kv_amx_init(void) { return kv_amx_request(); }
 
 void kv_amx_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
     const int64_t KB = K / 32;
@@ -315,12 +313,6 @@ void kv_amx_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
                 for (int64_t n = 0; n < 16; n++) memcpy(t + kp * 16 + n, w + (nb * 16 + n) * K + kb * 32 + 2 * kp, 4);
         }
 }
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} kv_tilecfg_t;
 
 /* Returns 0, or -1 when a work buffer could not be allocated (y is then incomplete). */
 TGT_AMX int kv_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
@@ -334,11 +326,7 @@ TGT_AMX int kv_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed
 #pragma omp atomic write
             failed = 1;
         } else {
-            kv_tilecfg_t cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette_id = 1;
-            for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-            _tile_loadconfig(&cfg);
+            kv_amx_config();
             if (rem) {
                 memset(xpad, 0, (size_t)(16 * K * 2));
                 for (int64_t r = 0; r < rem; r++) memcpy(xpad + r * K, x + (M - rem + r) * ldx, (size_t)(K * 2));
@@ -425,7 +413,7 @@ def cpu_kernels() -> Optional[_Kernels]:
 
     Returns None where they cannot be used (see :mod:`kvserve.kernels`).
     """
-    lib = load_library("gemv", _C_SOURCE)
+    lib = load_library("gemv", _C_SOURCE.replace("/*@AMX_C_SOURCE@*/", AMX_C_SOURCE))
     return None if lib is None else _Kernels(lib, cpu_flags())
 
 
