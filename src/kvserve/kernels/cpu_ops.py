@@ -37,7 +37,13 @@ _C_SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
+/* KV_AVX512BF16 (defined by cpu_ops.py on CPUs with AVX512_BF16): float32 -> bf16 rounding
+ * by VCVTNEPS2BF16, one instruction instead of seven (SiLU-and-mul and RMSNorm ~1.3x faster). */
+#ifdef KV_AVX512BF16
+#define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
+#else
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#endif
 #define INLINE static inline __attribute__((always_inline))
 #define MAXV 16 /* head_dim <= 256 */
 
@@ -47,14 +53,19 @@ INLINE TGT __m512 bf16x16_to_ps(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* float32 -> bfloat16, round to nearest even, NaN kept quiet (as c10::BFloat16). */
+/* float32 -> bfloat16, round to nearest even, NaN kept quiet (as c10::BFloat16; VCVTNEPS2BF16
+ * also flushes float32 denormals, below 1.2e-38 in magnitude, to zero). */
 INLINE TGT __m256i ps_to_bf16x16(__m512 v) {
+#ifdef KV_AVX512BF16
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
 }
 
 INLINE TGT __m512 ld(const void* p, int64_t i, __mmask16 m, int bf) {
@@ -144,6 +155,33 @@ TGT void kv_silu_and_mul(const void* x, int64_t ldx, void* out, int64_t ldo, int
     for (int64_t m = 0; m < M; m++) {
         if (bf) silu_mul_row(at(x, m * ldx, 1), atw(out, m * ldo, 1), I, 1);
         else silu_mul_row(at(x, m * ldx, 0), atw(out, m * ldo, 0), I, 0);
+    }
+}
+
+/* ---- Log partition of float32 logit rows (the sampler's logprobs) -------------------------
+ * out[m] = log(sum_v exp(x[m, v] - mx[m])), mx[m] the row maximum (finite); -inf logits add 0. */
+TGT void kv_log_sum_exp(const float* x, int64_t ldx, const float* mx, float* out, int64_t M, int64_t V,
+                        int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float* row = x + m * ldx;
+        const __m512 vm = _mm512_set1_ps(mx[m]), ninf = _mm512_set1_ps(-INFINITY);
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        int64_t v = 0;
+        for (; v + 32 <= V; v += 32) {
+            const __m512 a = _mm512_loadu_ps(row + v), b = _mm512_loadu_ps(row + v + 16);
+            acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, ninf, _CMP_NEQ_OQ),
+                                                           exp_ps(_mm512_sub_ps(a, vm))));
+            acc1 = _mm512_add_ps(acc1, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(b, ninf, _CMP_NEQ_OQ),
+                                                           exp_ps(_mm512_sub_ps(b, vm))));
+        }
+        for (; v < V; v += 16) {
+            const __mmask16 t = tail_mask(V - v);
+            const __m512 a = _mm512_maskz_loadu_ps(t, row + v);
+            acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps(t & _mm512_cmp_ps_mask(a, ninf, _CMP_NEQ_OQ),
+                                                           exp_ps(_mm512_sub_ps(a, vm))));
+        }
+        out[m] = logf(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)));
     }
 }
 
@@ -868,6 +906,7 @@ class _Lib:
         spec = {
             "kv_rms_norm": [vp, i64, vp, i64, vp, vp, i64, i64, i64, cf, ci, ci],
             "kv_silu_and_mul": [vp, i64, vp, i64, i64, i64, ci, ci],
+            "kv_log_sum_exp": [vp, i64, vp, vp, i64, i64, ci],
             "kv_rope": [vp, i64, i64, i64, i64, vp, vp, vp, ci, ci],
             "kv_reshape_and_cache": [vp, i64, vp, i64, vp, vp, vp, i64, i64, i64],
             "kv_paged_attention_decode": [vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, i64, cf, ci, ci],
@@ -882,7 +921,10 @@ class _Lib:
 
 @functools.lru_cache(maxsize=None)
 def _raw_lib() -> Optional[ctypes.CDLL]:
-    return load_library("cpu_ops", _C_SOURCE.replace("/*@AMX_C_SOURCE@*/", AMX_C_SOURCE))
+    src = _C_SOURCE.replace("/*@AMX_C_SOURCE@*/", AMX_C_SOURCE)
+    if "avx512_bf16" in cpu_flags():
+        src = "#define KV_AVX512BF16 1\n" + src
+    return load_library("cpu_ops", src)
 
 
 @functools.lru_cache(maxsize=None)
@@ -990,6 +1032,29 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((M, inter), dtype=x.dtype)
     _lib().silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), inter, M, inter,
                         int(x.dtype == torch.bfloat16), _threads(M * inter))
+    return out
+
+
+def log_sum_exp(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """``log(sum(exp(x - row_max)))`` per row, in one pass over ``x`` (the log partition of
+    the sampler's logprobs; ``torch`` would write and reread an ``[M, V]`` temporary).
+
+    Args:
+        x: ``[M, V]`` float32, unit last stride, finite or ``-inf`` (``-inf`` adds nothing).
+        row_max: ``[M]`` or ``[M, 1]`` float32, each row's maximum (finite).
+
+    Returns:
+        ``[M, 1]`` float32.
+    """
+    _rows(x, "x")
+    if x.dtype != torch.float32 or row_max.dtype != torch.float32:
+        raise ValueError(f"log_sum_exp needs float32 x and row_max, got {x.dtype} and {row_max.dtype}")
+    M, V = x.shape
+    mx = row_max.reshape(-1).contiguous()
+    if mx.numel() != M:
+        raise ValueError(f"row_max must have {M} elements (one per row of x), got {mx.numel()}")
+    out = torch.empty((M, 1), dtype=torch.float32)
+    _lib().log_sum_exp(x.data_ptr(), x.stride(0), mx.data_ptr(), out.data_ptr(), M, V, _threads(M * V))
     return out
 
 
