@@ -98,11 +98,12 @@ def single_stream_transformers(model, vocab: int, n_out: int = 128) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
-    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"],
+                    help="model dtypes to run, each a row of the table (default: both)")
+    ap.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default 64, issue #2)")
     ap.add_argument("--sampling", action="store_true", help="also run kvserve with the sampling parameters of issue #3")
-    ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-transformers", action="store_true", help="run kvserve only (no peer, no ratios)")
+    ap.add_argument("--json", default=None, help="also write every figure to this JSON file")
     ap.add_argument("--sustained-seconds", type=float, default=8.0,
                     help="seconds of back-to-back matmuls before and after the kvserve run (sustained rate)")
     a = ap.parse_args(argv)

@@ -272,5 +272,11 @@ def test_generation_error_wording_for_one_and_several_prompts():
     from kvserve.llm import GenerationError
 
     assert str(GenerationError({0: "prompt is empty"}, [None])) == "prompt is empty"
+    # stream=True: raised before anything ran
     e = GenerationError({1: "prompt is empty"}, [None, None])
     assert str(e) == "1 of 2 requests were rejected: prompt 1: prompt is empty" and e.errors == {1: "prompt is empty"}
+    # generate(): the valid prompt ran and its output is attached
+    done = object()
+    e = GenerationError({1: "prompt is empty"}, [done, None])
+    assert str(e) == ("1 of 2 requests were rejected: prompt 1: prompt is empty (the other prompts ran; their "
+                      "results are in GenerationError.outputs)") and e.outputs == [done, None]

@@ -32,7 +32,9 @@ class GenerationError(ValueError):
             super().__init__(next(iter(errors.values())))
             return
         detail = "; ".join(f"prompt {i}: {m}" for i, m in sorted(errors.items()))
-        super().__init__(f"{len(errors)} of {len(outputs)} requests were rejected: {detail}")
+        ran = any(o is not None for o in outputs)
+        super().__init__(f"{len(errors)} of {len(outputs)} requests were rejected: {detail}"
+                         + (" (the other prompts ran; their results are in GenerationError.outputs)" if ran else ""))
 
 
 class LLM:
