@@ -139,6 +139,11 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="unsupported architecture 'GPT2LMHeadModel'"):
         LLM(model=str(dst))
+    del cfg["architectures"]
+    cfg.pop("model_type", None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="config.json names no architecture"):
+        LLM(model=str(dst))
 
 
 def test_bad_engine_args(tiny_model_dir):

@@ -88,7 +88,12 @@ class ModelConfig:
         Raises:
             UnsupportedModelError: for an architecture outside the Llama family.
         """
-        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        archs = cfg.get("architectures") or ([cfg["model_type"]] if cfg.get("model_type") else [])
+        if not archs:
+            raise UnsupportedModelError(
+                f"config.json names no architecture (neither 'architectures' nor 'model_type'); kvserve "
+                f"supports {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
