@@ -71,26 +71,22 @@ def test_hardware_and_software_bf16_rounding_agree():
     """On AVX512_BF16 CPUs the library rounds float32 -> bf16 with VCVTNEPS2BF16; built without
     it (other AVX-512 CPUs) it rounds in software. Both are round-to-nearest-even: the same
     bf16 results, bit for bit, for RMSNorm (with residual) and SiLU-and-mul."""
-    import ctypes
+    from kvserve.kernels import load_library
 
-    from kvserve.kernels import AMX_C_SOURCE, load_library
-
-    sw = load_library("cpu_ops_sw_rounding", K._C_SOURCE.replace("/*@AMX_C_SOURCE@*/", AMX_C_SOURCE))
-    assert sw is not None
-    i64, vp, ci, cf = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    sw.kv_rms_norm.argtypes = [vp, i64, vp, i64, vp, vp, i64, i64, i64, cf, ci, ci]
-    sw.kv_silu_and_mul.argtypes = [vp, i64, vp, i64, i64, i64, ci, ci]
+    lib = load_library("cpu_ops_sw_rounding", K._source(hardware_bf16=False))
+    assert lib is not None
+    sw = K._Lib(lib)
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(64, 576, generator=g) * 5).bfloat16()
     res = torch.randn(64, 576, generator=g).bfloat16()
     w = torch.randn(576, generator=g).bfloat16()
     res_hw, res_sw, out_sw = res.clone(), res.clone(), torch.empty_like(x)
     out_hw = K.rms_norm(x, w, 1e-5, residual=res_hw)
-    sw.kv_rms_norm(x.data_ptr(), 576, res_sw.data_ptr(), 576, w.data_ptr(), out_sw.data_ptr(), 576, 64, 576, 1e-5, 1, 1)
+    sw.rms_norm(x.data_ptr(), 576, res_sw.data_ptr(), 576, w.data_ptr(), out_sw.data_ptr(), 576, 64, 576, 1e-5, 1, 1)
     assert torch.equal(res_hw, res_sw) and torch.equal(out_hw, out_sw)
     gu = (torch.randn(64, 2 * 1536, generator=g) * 4).bfloat16()
     act_sw = torch.empty(64, 1536, dtype=torch.bfloat16)
-    sw.kv_silu_and_mul(gu.data_ptr(), 3072, act_sw.data_ptr(), 1536, 64, 1536, 1, 1)
+    sw.silu_and_mul(gu.data_ptr(), 3072, act_sw.data_ptr(), 1536, 64, 1536, 1, 1)
     assert torch.equal(K.silu_and_mul(gu), act_sw)
 
 

@@ -950,12 +950,15 @@ class _Lib:
             setattr(self, name[3:], fn)
 
 
+def _source(hardware_bf16: bool) -> str:
+    """The library's C source; ``hardware_bf16`` rounds float32 -> bf16 with VCVTNEPS2BF16."""
+    src = _C_SOURCE.replace("/*@AMX_C_SOURCE@*/", AMX_C_SOURCE)
+    return "#define KV_AVX512BF16 1\n" + src if hardware_bf16 else src
+
+
 @functools.lru_cache(maxsize=None)
 def _raw_lib() -> Optional[ctypes.CDLL]:
-    src = _C_SOURCE.replace("/*@AMX_C_SOURCE@*/", AMX_C_SOURCE)
-    if "avx512_bf16" in cpu_flags():
-        src = "#define KV_AVX512BF16 1\n" + src
-    return load_library("cpu_ops", src)
+    return load_library("cpu_ops", _source(hardware_bf16="avx512_bf16" in cpu_flags()))
 
 
 @functools.lru_cache(maxsize=None)
