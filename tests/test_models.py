@@ -10,12 +10,13 @@ from tiny_models import ARCHS
 
 
 def _prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits at every position from one prefill through the engine's model and KV pool."""
+    """Logits at every position from one prefill through the engine's model and KV pool (on CPU)."""
     eng = llm.engine
     T = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(T), prefills=[PrefillSegment(0, T, 0)])
+    pos = torch.arange(T, device=eng.device)
+    meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSegment(0, T, 0)])
     with torch.inference_mode():
-        return eng.model(torch.tensor(ids), torch.arange(T), eng.kv_caches, meta, torch.arange(T))
+        return eng.model(torch.tensor(ids, device=eng.device), pos, eng.kv_caches, meta, pos).cpu()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -50,9 +51,11 @@ def _check_greedy_matches_transformers(tiny_model_dir, arch):
 def test_greedy_matches_transformers_generate(tiny_model_dir, arch):
     """Prefill (chunked over steps) + paged decode gives transformers' greedy tokens."""
     llm = _check_greedy_matches_transformers(tiny_model_dir, arch)
-    # On an AVX-512 machine this ran the fused CPU kernels and the C decode attention.
-    assert llm.engine.model.fused_cpu_ops == cpu_ops.available()
-    assert isinstance(llm.engine.model.attn_backend, CPUPagedAttentionBackend) == cpu_ops.available()
+    # On an AVX-512 machine this ran the fused CPU kernels and the C decode attention (on a GPU
+    # machine LLM() picks CUDA, and the PyTorch path).
+    on_cpu_kernels = cpu_ops.available() and llm.engine.device.type == "cpu"
+    assert llm.engine.model.fused_cpu_ops == on_cpu_kernels
+    assert isinstance(llm.engine.model.attn_backend, CPUPagedAttentionBackend) == on_cpu_kernels
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -98,7 +101,7 @@ def test_c_decode_step_is_bit_identical_to_the_module_path(tiny_model_dir, arch,
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
 
     def run():
-        llm = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=block_size)
+        llm = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=block_size, device="cpu")
         return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].logprobs])
                 for o in llm.generate(prompts, params)]
 
@@ -123,7 +126,7 @@ def test_amx_prefill_attention_close_to_sdpa(tiny_model_dir, monkeypatch):
     if not cpu_ops.amx_prefill_supported(torch.bfloat16, 4, 2, 32, 16):
         pytest.skip("needs the CPU kernels on a CPU with AMX-BF16")
     folder, _ = tiny_model_dir("qwen3")
-    llm = LLM(model=str(folder), dtype="bfloat16", num_blocks=16, block_size=16)
+    llm = LLM(model=str(folder), dtype="bfloat16", num_blocks=16, block_size=16, device="cpu")
     eng = llm.engine
     ids = list(range(3, 43))
     T = len(ids)
