@@ -14,6 +14,7 @@ larger of the weight + KV-cache bytes at the measured bandwidth and the step's F
 
 Usage:
     python benchmarks/throughput.py [--dtype bfloat16 float32] [--sampling] [--json out.json]
+    python benchmarks/throughput.py --device cuda --model FOLDER   # e.g. benchmarks/random_model.py's
 
 Prints a markdown table. ``--sampling`` reruns kvserve with temperature=0.8, top_p=0.95,
 top_k=50, repetition_penalty=1.1 and reports its cost against greedy.
@@ -26,6 +27,7 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,18 +59,25 @@ def run_kvserve(llm: LLM, prompts, outs, sampling: bool) -> dict:
             "total_tok_s": (n_out + sum(map(len, prompts))) / dt}
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_transformers(model, prompts, outs, batch_size: int = 32) -> dict:
     pad = 0
+    dev = model.device
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         ps, os_ = prompts[i : i + batch_size], outs[i : i + batch_size]
         L = max(map(len, ps))
-        ids = torch.tensor([[pad] * (L - len(p)) + p for p in ps])
-        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps])
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in ps], device=dev)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps], device=dev)
         n = max(os_)
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=pad)
+    _sync(dev)
     dt = time.perf_counter() - t0
     n_out = sum(outs)
     return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt}
@@ -84,14 +93,17 @@ def single_stream_kvserve(llm: LLM, vocab: int, n_out: int = 128) -> dict:
 
 def single_stream_transformers(model, vocab: int, n_out: int = 128) -> dict:
     rng = random.Random(1)
-    ids = torch.tensor([[rng.randrange(100, vocab) for _ in range(128)]])
+    dev = model.device
+    ids = torch.tensor([[rng.randrange(100, vocab) for _ in range(128)]], device=dev)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)  # warm-up
+        _sync(dev)
         t0 = time.perf_counter()
-        model(ids)
+        model(ids).logits.argmax(-1).tolist()  # the first token, on the host
         ttft = time.perf_counter() - t0
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=0)
+        _sync(dev)
         total = time.perf_counter() - t0
     return {"ttft_s": ttft, "decode_tok_s": (n_out - 1) / max(total - ttft, 1e-9)}
 
@@ -106,17 +118,25 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write every figure to this JSON file")
     ap.add_argument("--sustained-seconds", type=float, default=8.0,
                     help="seconds of back-to-back matmuls before and after the kvserve run (sustained rate)")
+    ap.add_argument("--model", default=None,
+                    help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct's GGUF)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] for kvserve, transformers and the rooflines")
     a = ap.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
-    path = default_model_path()
-    bw = measure_memory_bandwidth()
+    path = Path(a.model).expanduser() if a.model else default_model_path()
+    dev = torch.device(a.device)
+    gpu = dev.type == "cuda"
+    # a GPU needs bigger problems than the CPU to reach its ceilings (its L2 is ~50 MiB)
+    bw = measure_memory_bandwidth(size_bytes=(4 << 30) if gpu else (512 << 20), device=dev)
+    mm_n = 8192 if gpu else 2048
     results = {"bandwidth_GBps": bw / 1e9, "runs": {}}
     rows = []
     for dtype in a.dtype:
         tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-        peak = measure_matmul_flops(tdt)
+        peak = measure_matmul_flops(tdt, n=mm_n, device=dev)
         # Prefix caching off: the greedy and sampling runs reuse the same prompts.
-        llm = LLM(dtype=dtype, max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False)
+        llm = LLM(model=str(path), dtype=dtype, max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False,
+                  device=a.device)
         cfg = llm.engine.model_config
         vocab = cfg.vocab_size
         prompts, outs = workload(a.num_requests, vocab)
@@ -131,9 +151,9 @@ def main(argv=None) -> int:
         run_kvserve(llm, prompts, [4] * len(outs), sampling=False)  # warm-up: oneDNN primitives, kernels
         # the matmul rate this machine sustains right before and right after the run (see
         # measure_matmul_flops_sustained: on a shared VM it can sit far below the best-moment peak)
-        before, trace_b = measure_matmul_flops_sustained(tdt, seconds=a.sustained_seconds)
+        before, trace_b = measure_matmul_flops_sustained(tdt, n=mm_n, seconds=a.sustained_seconds, device=dev)
         r["kvserve"] = run_kvserve(llm, prompts, outs, sampling=False)
-        after, trace_a = measure_matmul_flops_sustained(tdt, seconds=a.sustained_seconds)
+        after, trace_a = measure_matmul_flops_sustained(tdt, n=mm_n, seconds=a.sustained_seconds, device=dev)
         sustained = (before + after) / 2
         trace = sorted(trace_b + trace_a)
         r.update(matmul_sustained_GFLOPs=sustained / 1e9,
@@ -147,7 +167,11 @@ def main(argv=None) -> int:
         if not a.skip_transformers:
             from transformers import AutoModelForCausalLM
 
-            hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=tdt).eval()
+            if path.is_dir():
+                hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=tdt)
+            else:
+                hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=tdt)
+            hf = hf.to(dev).eval()
             r["transformers_single"] = single_stream_transformers(hf, vocab)
             r["transformers"] = run_transformers(hf, prompts, outs)
             del hf
@@ -175,7 +199,8 @@ def main(argv=None) -> int:
             row["sampling cost"] = f"{(1 - s['output_tok_s'] / k['output_tok_s']) * 100:.1f}%"
         rows.append(row)
         print(json.dumps(r, indent=1), file=sys.stderr, flush=True)
-    print(f"\nmachine: {torch.get_num_threads()} threads, memory bandwidth {bw / 1e9:.1f} GB/s; "
+    where = torch.cuda.get_device_name(dev) if gpu else f"{torch.get_num_threads()} threads"
+    print(f"\nmodel: {path.name}; machine: {where}, memory bandwidth {bw / 1e9:.1f} GB/s; "
           + "; ".join(f"{d} matmul peak {r['matmul_peak_GFLOPs']:.0f} GFLOP/s, sustained {r['matmul_sustained_GFLOPs']:.0f}"
                       f" (0.25 s windows: min {r['matmul_windows_GFLOPs']['min']:.0f}, median "
                       f"{r['matmul_windows_GFLOPs']['median']:.0f}, max {r['matmul_windows_GFLOPs']['max']:.0f})"

@@ -9,7 +9,8 @@ A decoder step is bounded by two ceilings (Williams, Waterman & Patterson 2009, 
 
 The benchmark scripts print measured throughput against both. Both measurements here are
 best-of-N (a ceiling, not a typical value) and take about 1-3 s each on the 2-core
-development machine; they use the current ``torch.get_num_threads()``.
+development machine; on CPU they use the current ``torch.get_num_threads()``, on a CUDA
+device they synchronize around each timed call.
 """
 
 from __future__ import annotations
@@ -20,13 +21,23 @@ from typing import Callable
 import torch
 
 
-def _best_time(fn: Callable[[], object], *, min_reps: int, budget_s: float) -> float:
-    """Smallest wall time of ``fn()`` over at least ``min_reps`` runs or ``budget_s`` seconds."""
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """A call that waits for ``device``'s queued work (a no-op on CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _best_time(fn: Callable[[], object], *, min_reps: int, budget_s: float,
+               sync: Callable[[], None] = lambda: None) -> float:
+    """Smallest wall time of ``fn(); sync()`` over at least ``min_reps`` runs or ``budget_s`` seconds."""
     fn()  # warm-up: page faults, kernel selection, caches of primitives
+    sync()
     best, reps, start = float("inf"), 0, time.perf_counter()
     while reps < min_reps or time.perf_counter() - start < budget_s:
         t = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t)
         reps += 1
         if reps >= 10 * min_reps and time.perf_counter() - start >= budget_s:
@@ -34,44 +45,53 @@ def _best_time(fn: Callable[[], object], *, min_reps: int, budget_s: float) -> f
     return best
 
 
-def measure_memory_bandwidth(size_bytes: int = 512 << 20, budget_s: float = 1.5) -> float:
-    """Sustained read bandwidth from main memory, in bytes/s.
+def measure_memory_bandwidth(size_bytes: int = 512 << 20, budget_s: float = 1.5, device: str = "cpu") -> float:
+    """Sustained read bandwidth from main memory (``device``'s memory), in bytes/s.
 
     Streams a ``size_bytes`` float32 matrix ``[size / 16 KiB, 4096]`` through a matrix-vector
     product (MKL ``sgemv``): every byte is read once, almost no compute, the same access
     pattern as a decode step reading its weights. Keep ``size_bytes`` well above the last-level
-    cache (the development machine reports a shared 300 MiB L3; the default is 512 MiB).
+    cache (the development machine reports a shared 300 MiB L3; the default is 512 MiB; a GPU's
+    L2 is tens of MiB).
+
+    Args:
+        device: ``"cpu"`` or a CUDA device (cuBLAS ``sgemv``, synchronized).
 
     Returns:
         Best observed bytes/s (a ceiling for "bytes of weights per second").
     """
+    dev = torch.device(device)
     cols = 4096
     rows = max(1, size_bytes // (4 * cols))
-    w = torch.empty(rows, cols, dtype=torch.float32).uniform_(-1.0, 1.0)
-    x = torch.ones(cols, dtype=torch.float32)
-    y = torch.empty(rows, dtype=torch.float32)
-    t = _best_time(lambda: torch.mv(w, x, out=y), min_reps=3, budget_s=budget_s)
+    w = torch.empty(rows, cols, dtype=torch.float32, device=dev).uniform_(-1.0, 1.0)
+    x = torch.ones(cols, dtype=torch.float32, device=dev)
+    y = torch.empty(rows, dtype=torch.float32, device=dev)
+    t = _best_time(lambda: torch.mv(w, x, out=y), min_reps=3, budget_s=budget_s, sync=_synchronizer(dev))
     return w.numel() * w.element_size() / t
 
 
-def measure_matmul_flops(dtype: torch.dtype = torch.bfloat16, n: int = 2048, budget_s: float = 1.5) -> float:
+def measure_matmul_flops(dtype: torch.dtype = torch.bfloat16, n: int = 2048, budget_s: float = 1.5,
+                         device: str = "cpu") -> float:
     """Peak dense matmul rate of ``torch.matmul`` on ``[n, n] @ [n, n]`` in ``dtype``, in FLOP/s.
 
     On the development CPU bf16 goes through oneDNN (AMX tiles) and float32 through MKL
-    ``sgemm``. ``n = 2048`` was the fastest of 1024/2048/4096 there.
+    ``sgemm``. ``n = 2048`` was the fastest of 1024/2048/4096 there; a datacenter GPU needs
+    ``n = 8192`` to reach its peak (cuBLAS; float32 follows ``torch.backends.cuda.matmul``).
 
     Args:
         dtype: ``torch.bfloat16``, ``torch.float32`` (or ``torch.float16`` where supported).
         n: matrix side.
         budget_s: roughly how long to keep measuring.
+        device: ``"cpu"`` or a CUDA device.
 
     Returns:
         Best observed ``2 · n³ / seconds``.
     """
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    t = _best_time(lambda: torch.matmul(a, b, out=out), min_reps=3, budget_s=budget_s)
+    dev = torch.device(device)
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    out = torch.empty(n, n, dtype=dtype, device=dev)
+    t = _best_time(lambda: torch.matmul(a, b, out=out), min_reps=3, budget_s=budget_s, sync=_synchronizer(dev))
     return 2.0 * n**3 / t
 
 
@@ -104,7 +124,7 @@ def sustained_rate(fn: Callable[[], object], work_per_call: float, seconds: floa
 
 
 def measure_matmul_flops_sustained(dtype: torch.dtype = torch.bfloat16, n: int = 2048,
-                                   seconds: float = 8.0) -> tuple[float, list[float]]:
+                                   seconds: float = 8.0, device: str = "cpu") -> tuple[float, list[float]]:
     """Mean matmul rate (FLOP/s) of ``[n, n] @ [n, n]`` in ``dtype`` run back to back for
     ``seconds``, and the rate of each 0.25 s window.
 
@@ -112,12 +132,20 @@ def measure_matmul_flops_sustained(dtype: torch.dtype = torch.bfloat16, n: int =
     workload gets can be far lower. On the development VM (2 vCPUs) the bf16 rate alternates
     between ~750 and ~2100 GFLOP/s within seconds under sustained load (a 40 s trace: mostly
     ~780, bursts near 2000), so a best-of peak taken in a burst overstates the ceiling of a
-    20 s run about 2x. This mean is the ceiling a perfect engine would see on average.
+    20 s run about 2x. This mean is the ceiling a perfect engine would see on average. On a
+    CUDA ``device`` each call synchronizes (so a window counts finished work only).
     """
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    return sustained_rate(lambda: torch.matmul(a, b, out=out), 2.0 * n**3, seconds)
+    dev = torch.device(device)
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    out = torch.empty(n, n, dtype=dtype, device=dev)
+    sync = _synchronizer(dev)
+
+    def call():
+        torch.matmul(a, b, out=out)
+        sync()
+
+    return sustained_rate(call, 2.0 * n**3, seconds)
 
 
 def decode_roofline_tokens_per_s(weight_bytes: float, bandwidth: float) -> float:
