@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -298,3 +299,33 @@ def test_log_sum_exp_rejects_bad_input():
         K.log_sum_exp(x.bfloat16(), x.amax(1))
     with pytest.raises(ValueError, match="row_max must have 4"):
         K.log_sum_exp(x, torch.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,V", [(1, 49152), (5, 37), (64, 1000)])
+def test_greedy_is_first_argmax_with_the_log_partition_of_log_sum_exp(dtype, M, V):
+    g = torch.Generator().manual_seed(M + V)
+    big = (torch.randn(M, V + 5, generator=g) * 4).to(dtype)
+    x = big[:, 3 : 3 + V]  # row stride V + 5
+    x[0, : V // 2] = float("-inf")
+    if V > 20:  # a tie for the maximum: the first index wins
+        x[-1, 7] = x[-1, V - 2] = x[-1].float().amax() + 1
+    got = K.greedy(x)
+    assert got is not None
+    tokens, row_max, log_z = got
+    xf = x.float()
+    assert torch.equal(tokens, torch.from_numpy(np.argmax(xf.numpy(), axis=1)))
+    assert torch.equal(row_max, xf.amax(dim=1))
+    assert torch.equal(log_z, K.log_sum_exp(xf, row_max).squeeze(1))  # bit for bit
+
+
+def test_greedy_gives_up_on_non_finite_maxima_and_rejects_bad_input():
+    x = torch.randn(3, 100)
+    x[1, 5] = float("nan")
+    assert K.greedy(x) is None
+    x[1, 5] = float("inf")
+    assert K.greedy(x) is None
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        K.greedy(torch.zeros(2, 3, dtype=torch.float16))
+    with pytest.raises(ValueError, match="unit stride"):
+        K.greedy(torch.randn(4, 6).t())

@@ -158,30 +158,69 @@ TGT void kv_silu_and_mul(const void* x, int64_t ldx, void* out, int64_t ldo, int
     }
 }
 
-/* ---- Log partition of float32 logit rows (the sampler's logprobs) -------------------------
- * out[m] = log(sum_v exp(x[m, v] - mx[m])), mx[m] the row maximum (finite); -inf logits add 0. */
+/* ---- Log partition of logit rows (the sampler's logprobs) ----------------------------------
+ * lse_row = log(sum_v exp(x[v] - mx)), mx the row maximum (finite); -inf logits add 0. Float32
+ * or bf16 rows (bf16 values widen exactly, so a bf16 row gives the float of its float32 copy). */
+INLINE TGT float lse_row(const void* row, int64_t V, float mxv, int bf) {
+    const __m512 vm = _mm512_set1_ps(mxv), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t v = 0;
+    for (; v + 32 <= V; v += 32) {
+        const __m512 a = ld(row, v, 0xffff, bf), b = ld(row, v + 16, 0xffff, bf);
+        acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, ninf, _CMP_NEQ_OQ),
+                                                       exp_ps(_mm512_sub_ps(a, vm))));
+        acc1 = _mm512_add_ps(acc1, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(b, ninf, _CMP_NEQ_OQ),
+                                                       exp_ps(_mm512_sub_ps(b, vm))));
+    }
+    for (; v < V; v += 16) {
+        const __mmask16 t = tail_mask(V - v);
+        const __m512 a = ld(row, v, t, bf);
+        acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps(t & _mm512_cmp_ps_mask(a, ninf, _CMP_NEQ_OQ),
+                                                       exp_ps(_mm512_sub_ps(a, vm))));
+    }
+    return logf(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)));
+}
+
+/* out[m] = lse_row of float32 row m with its maximum mx[m]. */
 TGT void kv_log_sum_exp(const float* x, int64_t ldx, const float* mx, float* out, int64_t M, int64_t V,
                         int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) out[m] = lse_row(x + m * ldx, V, mx[m], 0);
+}
+
+/* ---- Greedy choice over logit rows --------------------------------------------------------
+ * Per row m of x (float32 or bf16, stride ldx): token[m] = the first index of the row maximum,
+ * row_max[m] = that maximum and log_z[m] = lse_row (so the token's logprob is -log_z[m]);
+ * token[m] = -1 when the maximum is not finite (a NaN or +-inf in the row's max). */
+TGT void kv_greedy(const void* x, int64_t ldx, int bf, int64_t* token, float* row_max, float* log_z, int64_t M,
+                   int64_t V, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t m = 0; m < M; m++) {
-        const float* row = x + m * ldx;
-        const __m512 vm = _mm512_set1_ps(mx[m]), ninf = _mm512_set1_ps(-INFINITY);
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        int64_t v = 0;
-        for (; v + 32 <= V; v += 32) {
-            const __m512 a = _mm512_loadu_ps(row + v), b = _mm512_loadu_ps(row + v + 16);
-            acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, ninf, _CMP_NEQ_OQ),
-                                                           exp_ps(_mm512_sub_ps(a, vm))));
-            acc1 = _mm512_add_ps(acc1, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(b, ninf, _CMP_NEQ_OQ),
-                                                           exp_ps(_mm512_sub_ps(b, vm))));
-        }
-        for (; v < V; v += 16) {
+        const void* row = at(x, m * ldx, bf);
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (int64_t v = 0; v < V; v += 16) {
             const __mmask16 t = tail_mask(V - v);
-            const __m512 a = _mm512_maskz_loadu_ps(t, row + v);
-            acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps(t & _mm512_cmp_ps_mask(a, ninf, _CMP_NEQ_OQ),
-                                                           exp_ps(_mm512_sub_ps(a, vm))));
+            const __m512 a = ld(row, v, t, bf);
+            nan |= _mm512_mask_cmp_ps_mask(t, a, a, _CMP_UNORD_Q);
+            vmax = _mm512_mask_max_ps(vmax, t, vmax, a);
         }
-        out[m] = logf(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)));
+        const float mxv = _mm512_reduce_max_ps(vmax);
+        row_max[m] = mxv;
+        if (nan || !isfinite(mxv)) {
+            token[m] = -1;
+            log_z[m] = NAN;
+            continue;
+        }
+        const __m512 vm = _mm512_set1_ps(mxv);
+        int64_t idx = -1;
+        for (int64_t v = 0; v < V && idx < 0; v += 16) {
+            const __mmask16 t = tail_mask(V - v);
+            const __mmask16 eq = _mm512_mask_cmp_ps_mask(t, ld(row, v, t, bf), vm, _CMP_EQ_OQ);
+            if (eq) idx = v + __builtin_ctz((unsigned)eq);
+        }
+        token[m] = idx;
+        log_z[m] = lse_row(row, V, mxv, bf);
     }
 }
 
@@ -938,6 +977,7 @@ class _Lib:
             "kv_rms_norm": [vp, i64, vp, i64, vp, vp, i64, i64, i64, cf, ci, ci],
             "kv_silu_and_mul": [vp, i64, vp, i64, i64, i64, ci, ci],
             "kv_log_sum_exp": [vp, i64, vp, vp, i64, i64, ci],
+            "kv_greedy": [vp, i64, ci, vp, vp, vp, i64, i64, ci],
             "kv_rope": [vp, i64, i64, i64, i64, vp, vp, vp, ci, ci],
             "kv_reshape_and_cache": [vp, i64, vp, i64, vp, vp, vp, i64, i64, i64],
             "kv_paged_attention_decode": [vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, i64, cf, ci, ci],
@@ -1090,6 +1130,34 @@ def log_sum_exp(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     out = torch.empty((M, 1), dtype=torch.float32)
     _lib().log_sum_exp(x.data_ptr(), x.stride(0), mx.data_ptr(), out.data_ptr(), M, V, _threads(M * V))
     return out
+
+
+def greedy(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Greedy choice per row in one read of the logits, without upcasting them: the token, the
+    row maximum and the log partition ``log(sum(exp(x - max)))`` (what :func:`log_sum_exp`
+    gives on the float32 copy of the row, bit for bit), so the token's logprob is ``-log_z``.
+
+    Args:
+        logits: ``[M, V]`` float32 or bfloat16, unit last stride.
+
+    Returns:
+        ``(tokens [M] int64 (the first index of the row maximum, as ``numpy.argmax``),
+        row_max [M] float32, log_z [M] float32)``, or None when some row's maximum is not
+        finite (a NaN or an infinity: the caller takes its general path).
+    """
+    _rows(logits, "logits")
+    if logits.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"greedy needs float32 or bfloat16 logits, got {logits.dtype}")
+    M, V = logits.shape
+    tokens = torch.empty(M, dtype=torch.int64)
+    row_max = torch.empty(M, dtype=torch.float32)
+    log_z = torch.empty(M, dtype=torch.float32)
+    if M and V:
+        _lib().greedy(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), tokens.data_ptr(),
+                      row_max.data_ptr(), log_z.data_ptr(), M, V, _threads(M * V))
+    if V == 0 or bool((tokens < 0).any()):
+        return None
+    return tokens, row_max, log_z
 
 
 def rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
