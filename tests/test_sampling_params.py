@@ -55,6 +55,8 @@ INVALID = [
     ("bad_words", dict(bad_words=7)),
     ("seed", dict(seed=1.5)),
     ("seed", dict(seed="42")),
+    ("seed", dict(seed=2**63)),  # 64-bit signed range: larger seeds would alias (seed mod 2**64)
+    ("seed", dict(seed=-(2**63) - 1)),
     ("stop", dict(stop=[""])),
     ("stop", dict(stop=["ok", 3])),
     ("stop", dict(stop=5)),
@@ -105,6 +107,8 @@ VALID = [
     dict(allowed_token_ids=[0]),
     dict(bad_words=[[1], [2, 3]]),
     dict(seed=-5),
+    dict(seed=2**63 - 1),
+    dict(seed=-(2**63)),
     dict(stop_token_ids=[]),
     dict(logprobs=0, prompt_logprobs=MAX_LOGPROBS),
     dict(n=3, best_of=5),

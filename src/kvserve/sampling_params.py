@@ -33,7 +33,8 @@ class SamplingParams:
         logit_bias: token id → additive bias in [-100, 100].
         allowed_token_ids: if set, every other token is masked.
         bad_words: token id sequences that must never be completed.
-        seed: makes the request's samples depend only on its own prompt and params.
+        seed: makes the request's samples depend only on its own prompt and params; a
+            64-bit signed integer, -2**63 ≤ seed < 2**63 (the range of vLLM's OpenAI API).
         stop: strings that end generation (matched across token boundaries).
         stop_token_ids: token ids that end generation besides EOS.
         include_stop_str_in_output: keep the matched stop string in the text.
@@ -121,7 +122,7 @@ class SamplingParams:
                     raise ValueError("bad_words must be a list of non-empty token id lists")
                 for tok in word:
                     _int("bad_words entry", tok, lo=0)
-        _int("seed", self.seed, allow_none=True)
+        _int("seed", self.seed, lo=-(2**63), hi=2**63 - 1, allow_none=True)
         if self.stop is not None:
             for s in self.stop:
                 if not isinstance(s, str) or s == "":
