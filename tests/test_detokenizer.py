@@ -208,6 +208,18 @@ def test_stream_property(tok, prompt, text, chunk):
         assert not any("\ufffd" in d for d in deltas)
 
 
+def test_backend_decode_only_without_clean_up(tok, monkeypatch):
+    """SmolLM2's fast tokenizer is decoded by its Rust backend directly (the stream tests above
+    compare that to transformers' decode); one that cleans up spaces goes through transformers."""
+    from kvserve.detokenizer import _TextDecoder
+
+    assert _TextDecoder(tok, PROMPT_IDS, True)._backend_decode is not None
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True)
+    dec = _TextDecoder(tok, PROMPT_IDS, True)
+    assert dec._backend_decode is None
+    assert dec.add(PARIS_IDS, flush=True) == tok.decode(PARIS_IDS, skip_special_tokens=True)
+
+
 def test_decodes_only_a_small_window(tok):
     class Counting:
         def __init__(self, inner):
