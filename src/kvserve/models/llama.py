@@ -311,7 +311,8 @@ class LlamaForCausalLM(nn.Module):
             logits_indices: ``[S]`` int64 batch positions whose logits are needed.
 
         Returns:
-            ``[S, vocab_size]`` float32 logits.
+            ``[S, vocab_size]`` logits in the model dtype (the sampler upcasts what it needs to
+            float32; a greedy step reads bf16 logits as they are).
         """
         h = self.embed_tokens(input_ids)
         T = h.shape[0]
@@ -321,13 +322,13 @@ class LlamaForCausalLM(nn.Module):
             step = self._get_decode_step(kv_caches, T)
             if step is not None:
                 return step(h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                            meta.decode_max_context_len).float()
+                            meta.decode_max_context_len)
         residual = None
         rope_inputs = self.rotary_emb.prepare(positions)
         for layer, kv in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, rope_inputs, kv, meta)
         h, _ = self.norm(h[logits_indices], residual[logits_indices])
-        return self.lm_head(h).float()
+        return self.lm_head(h)
 
     def _get_decode_step(self, kv_caches, num_tokens: int) -> Optional[cpu_ops.DecodeStep]:
         """The one-call C decode step, when it computes exactly what the modules would: fused CPU
