@@ -285,3 +285,112 @@ def test_generation_error_wording_for_one_and_several_prompts():
     e = GenerationError({1: "prompt is empty"}, [done, None])
     assert str(e) == ("1 of 2 requests were rejected: prompt 1: prompt is empty (the other prompts ran; their "
                       "results are in GenerationError.outputs)") and e.outputs == [done, None]
+
+
+# ------------------------------------------------- from the fresh-user pass (2026-11-29)
+def _folder_with(tiny_model_dir, tmp_path, name, edit):
+    """A copy of the tiny Llama folder whose config.json dict went through ``edit``."""
+    import shutil
+
+    folder, _ = tiny_model_dir("llama")
+    dst = tmp_path / name
+    shutil.copytree(folder, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg = edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: [c], "config.json must hold a JSON object, got a list"),
+    (lambda c: {k: v for k, v in c.items() if k != "num_hidden_layers"}, r"config.json lacks \['num_hidden_layers'\]"),
+    (lambda c: {**c, "hidden_size": -5}, "hidden_size must be a positive integer, got -5"),
+    (lambda c: {**{k: v for k, v in c.items() if k != "head_dim"}, "hidden_size": 65},
+     r"hidden_size \(65\) must be a multiple of num_attention_heads \(4\) when head_dim is not given"),
+    (lambda c: {**c, "num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    (lambda c: {**c, "num_hidden_layers": "2"}, "num_layers must be a positive integer, got '2'"),
+    (lambda c: {**c, "vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+])
+def test_malformed_config_names_the_field(tiny_model_dir, tmp_path, edit, match):
+    """Blamed on the config, before the tokenizer is loaded (it used to say 'cannot load the tokenizer')."""
+    from kvserve.config import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match=match):
+        LLM(model=str(_folder_with(tiny_model_dir, tmp_path, "bad", edit)))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: {**c, "num_hidden_layers": 1}, "the weights have layers beyond the config's num_hidden_layers=1"),
+    (lambda c: {**c, "intermediate_size": 96}, r"mlp.gate_proj.weight: expected shape \(96, 64\)"),
+])
+def test_config_and_weights_disagreeing_is_an_error(tiny_model_dir, tmp_path, edit, match):
+    with pytest.raises(ModelLoadError, match=match):
+        LLM(model=str(_folder_with(tiny_model_dir, tmp_path, "mismatch", edit)), dtype="float32")
+
+
+def test_kv_cache_larger_than_memory(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="kv_cache_memory: the KV pool needs .* GiB is available on cpu"):
+        LLM(model=str(folder), dtype="float32", kv_cache_memory=1 << 20)
+
+
+def test_sampling_params_changed_after_construction_are_checked_again(tiny_llm):
+    """A field set after __init__ is checked when the request is added: the bad request is
+    rejected, the others finish (top_p = 0 used to crash the step and lose them)."""
+    bad = SamplingParams(max_tokens=4, temperature=0.8)
+    bad.top_p = 0.0
+    with pytest.raises(GenerationError, match=r"top_p must satisfy 0.0 < top_p ≤ 1.0, got 0.0") as ei:
+        tiny_llm.generate([[5, 6, 7], [8, 9], [10, 11]], [GOOD, bad, GOOD])
+    outs = ei.value.outputs
+    assert outs[1] is None and len(outs[0].token_ids) == 4 and len(outs[2].token_ids) == 4
+    # and a request keeps the parameters it was added with
+    p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    rid = tiny_llm.engine.add_request([5, 6], p)
+    p.max_tokens = 50
+    outs = []
+    while tiny_llm.engine.has_unfinished_requests():
+        outs += [o for o in tiny_llm.engine.step() if o.request_id == rid and o.finished]
+    assert len(outs[0].outputs[0].token_ids) == 3
+
+
+def test_prompts_as_numpy_and_torch_arrays(tiny_llm):
+    import numpy as np
+    import torch
+
+    ref = tiny_llm.generate([[5, 6, 7]], GOOD)[0].outputs[0].token_ids
+    for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), np.int32(6), 7]):
+        assert tiny_llm.generate(prompt, GOOD)[0].outputs[0].token_ids == ref
+    with pytest.raises(TypeError, match="prompts must be a string, a list of token ids, or a list of those; got int"):
+        tiny_llm.generate(5, GOOD)
+    with pytest.raises(GenerationError, match="must be 1-D integers, got 1-D float32"):
+        tiny_llm.generate([np.array([5.0, 6.0], dtype=np.float32)], GOOD)
+
+
+def test_a_stream_never_iterated_runs_nothing(tiny_llm):
+    streams = [tiny_llm.generate([[5, 6, 7]], GOOD, stream=True) for _ in range(3)]
+    assert not tiny_llm.engine.has_unfinished_requests()
+    del streams
+    out = tiny_llm.generate([[8, 9]], GOOD)
+    assert len(out[0].outputs[0].token_ids) == 4 and not tiny_llm._pending
+
+
+def test_device_with_a_bad_index(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'cpu:5'"):
+        LLM(model=str(folder), device="cpu:5")
+
+
+def test_interactive_chat_survives_a_turn_that_does_not_fit(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A turn whose conversation outgrows max_model_len prints the error; the session goes on."""
+    from kvserve import cli
+
+    folder = _folder_with(tiny_model_dir, tmp_path, "chat", lambda c: c)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    lines = iter(["hi", "the quick brown fox " * 30, "hi again", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    rc = cli.main(["chat", "--model", str(folder), "--max-model-len", "64", "--max-tokens", "3",
+                   "--temperature", "0", "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "max_model_len is 64" in err and "the message was not added" in err
+    assert err.count("error:") == 1

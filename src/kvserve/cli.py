@@ -127,7 +127,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        out = _stream_to_terminal(llm.chat(messages, params, stream=True))
+        try:
+            out = _stream_to_terminal(llm.chat(messages, params, stream=True))
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len: the session goes on
+            messages.pop()
+            print(f"error: {e}\n(the message was not added; an empty line or Ctrl-D quits)", file=sys.stderr)
+            continue
         messages.append({"role": "assistant", "content": out.outputs[0].text if out else ""})
         _print_stats(out, a.verbose)
     return 0

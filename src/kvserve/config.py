@@ -25,6 +25,10 @@ class UnsupportedModelError(ValueError):
     """The model's architecture (or one of its features) is not implemented by kvserve."""
 
 
+class ModelConfigError(ValueError):
+    """The model's configuration is malformed (a missing field, a value out of range)."""
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """Shape and hyper-parameters of a Llama-family decoder.
@@ -76,6 +80,11 @@ class ModelConfig:
             )
         for trait, value in SUPPORTED_ARCHITECTURES[self.architecture].items():
             setattr(self, trait, value)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelConfigError(f"model config: {name} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads != 0:
             raise UnsupportedModelError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -87,7 +96,14 @@ class ModelConfig:
 
         Raises:
             UnsupportedModelError: for an architecture outside the Llama family.
+            ModelConfigError: ``cfg`` is not a dict, lacks a required field or holds a bad value.
         """
+        if not isinstance(cfg, dict):
+            raise ModelConfigError(f"config.json must hold a JSON object, got a {type(cfg).__name__}")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ModelConfigError(f"config.json lacks {missing}")
         archs = cfg.get("architectures") or ([cfg["model_type"]] if cfg.get("model_type") else [])
         if not archs:
             raise UnsupportedModelError(
@@ -100,6 +116,11 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}; kvserve supports {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         num_heads = cfg["num_attention_heads"]
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ModelConfigError(f"model config: num_attention_heads must be a positive integer, got {num_heads!r}")
+        if not cfg.get("head_dim") and (not isinstance(cfg["hidden_size"], int) or cfg["hidden_size"] % num_heads):
+            raise ModelConfigError(f"model config: hidden_size ({cfg['hidden_size']!r}) must be a multiple of "
+                                   f"num_attention_heads ({num_heads}) when head_dim is not given")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         rope_theta = cfg.get("rope_theta")

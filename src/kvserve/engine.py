@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from kvserve.attention import default_backend
@@ -60,10 +61,13 @@ def parse_device(device: Optional[str]) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} is not available: this PyTorch build or machine has no CUDA GPU")
+    if dev.type == "cuda" and dev.index is not None and not dev.index < torch.cuda.device_count():
+        raise ValueError(f"device {device!r} is not available: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s), cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     return dev
 
 
@@ -284,13 +288,25 @@ class LLMEngine:
                 and every other request are unaffected.
         """
         params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        # A checked copy: fields may have been changed since the object was built (SamplingParams
+        # checks them in __post_init__), and later changes must not reach a running request.
+        params = _replace(params)
+        if isinstance(prompt, (np.ndarray, torch.Tensor)):
+            integer = (np.issubdtype(prompt.dtype, np.integer) if isinstance(prompt, np.ndarray)
+                       else not (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool))
+            if prompt.ndim != 1 or not integer:
+                raise TypeError(f"prompt token ids given as an array must be 1-D integers, got {prompt.ndim}-D "
+                                f"{prompt.dtype}")
+            prompt = prompt.tolist()
         if not isinstance(prompt, (str, list, tuple)):
             raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if isinstance(prompt, str):
             text: Optional[str] = prompt
             ids = self.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
+        else:  # numpy integers count as ints
+            text, ids = None, [int(t) if isinstance(t, np.integer) else t for t in prompt]
         max_tokens = self.validate_request(ids, params)
         if params.max_tokens != max_tokens:
             params = _replace(params, max_tokens=max_tokens)

@@ -77,18 +77,48 @@ def plan_kv_cache(cfg: ModelConfig, dtype: torch.dtype, memory_gib: float, block
     return KVCacheSpec(bpt, num_blocks, block_size, max_model_len)
 
 
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes that can still be allocated on ``device``: ``MemAvailable`` of ``/proc/meminfo`` on
+    CPU, the free memory of a CUDA device; None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def allocate_kv_cache(cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Allocate the per-layer K and V pools once, zero-filled.
 
     Returns:
         ``num_layers`` pairs of ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors.
+
+    Raises:
+        ValueError: the pool (``num_blocks · block_size · bytes_per_token`` bytes) is larger than
+            the memory still available on the device, or its allocation failed.
     """
+    need = spec.num_blocks * spec.block_size * spec.bytes_per_token
+    have = available_memory(device)
+    if have is not None and need > have:
+        raise ValueError(f"kv_cache_memory: the KV pool needs {need / GiB:.2f} GiB ({spec.num_blocks} blocks), "
+                         f"but only {have / GiB:.2f} GiB is available on {torch.device(device)}; lower "
+                         f"--kv-cache-memory (or num_blocks)")
     shape = (spec.num_blocks, spec.block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(cfg.num_layers)
-    ]
+    try:
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise ValueError(f"kv_cache_memory: could not allocate the KV pool of {need / GiB:.2f} GiB on "
+                         f"{torch.device(device)} ({e}); lower --kv-cache-memory (or num_blocks)") from e
 
 
 @dataclass(slots=True)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
 
 from kvserve.engine import EngineArgs, LLMEngine
 from kvserve.request import RequestOutput
@@ -67,8 +71,14 @@ class LLM:
         self._pending: dict[str, list[RequestOutput]] = {}
 
     def _submit(self, prompts, params) -> tuple[list[Optional[str]], dict[int, str]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (np.ndarray, torch.Tensor)) and prompts.ndim == 1:
+            prompts = [prompts]  # one prompt of token ids
+        elif isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                          and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
@@ -97,20 +107,23 @@ class LLM:
             prompts: a string, a token-id list, or a list of either.
             sampling_params: one for all prompts, or one per prompt.
             stream: when True, return an iterator of :class:`RequestOutput` updates (each
-                carries ``outputs[i].delta_text``) instead of the final list.
+                carries ``outputs[i].delta_text``) instead of the final list. The prompts are
+                queued when the iteration starts (an iterator never started runs nothing).
 
         Returns:
             One :class:`RequestOutput` per prompt, in order (text, token ids, finish reason,
             metrics with TTFT and decode tokens/s).
 
         Raises:
+            TypeError: ``prompts`` is none of the accepted forms (a 1-D integer numpy array or
+                tensor counts as a token-id list).
             GenerationError: some prompts were invalid. Without ``stream``, raised after the
                 valid ones finished (``.outputs`` holds their results); with ``stream``, raised
                 at the first iteration and no prompt runs.
         """
+        if stream:  # the requests are queued at the first iteration: a stream never iterated costs nothing
+            return self._stream(prompts, sampling_params)
         ids, errors = self._submit(prompts, sampling_params)
-        if stream:
-            return self._stream(ids, errors)
         final: dict[str, RequestOutput] = {}
         for out in self._run(ids):
             if out.finished:
@@ -120,7 +133,8 @@ class LLM:
             raise GenerationError(errors, outputs)
         return outputs
 
-    def _stream(self, ids, errors) -> Iterator[RequestOutput]:
+    def _stream(self, prompts, sampling_params) -> Iterator[RequestOutput]:
+        ids, errors = self._submit(prompts, sampling_params)
         if errors:
             for i in ids:
                 if i is not None:

@@ -262,16 +262,28 @@ class LlamaForCausalLM(nn.Module):
         def lin(w, b=None):
             return Linear(w.to(dev, dt), None if b is None else b.to(dev, dt), quantization=quantization)
 
-        def put(param: torch.Tensor, name: str):
+        def check(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             t = state[name]
-            if tuple(t.shape) != tuple(param.shape):
-                raise ModelLoadError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(t.shape)}")
-            param.copy_(t)
+            if tuple(t.shape) != tuple(shape):
+                raise ModelLoadError(f"{name}: expected shape {tuple(shape)} (from the model config), got "
+                                     f"{tuple(t.shape)}")
+            return t
+
+        def put(param: torch.Tensor, name: str):
+            param.copy_(check(name, param.shape))
+
+        beyond = sorted(n for n in state if n.startswith("model.layers.")
+                        and n.split(".")[2].isdigit() and int(n.split(".")[2]) >= self.cfg.num_layers)
+        if beyond:
+            raise ModelLoadError(f"the weights have layers beyond the config's num_hidden_layers="
+                                 f"{self.cfg.num_layers} (e.g. {beyond[0]!r})")
+        H, I = self.cfg.hidden_size, self.cfg.intermediate_size
 
         self._decode_step, self._decode_step_caches = None, None
         put(self.embed_tokens.weight, "model.embed_tokens.weight")
         put(self.norm.weight, "model.norm.weight")
-        head = state["model.embed_tokens.weight"] if self.cfg.tie_word_embeddings else state["lm_head.weight"]
+        head = (state["model.embed_tokens.weight"] if self.cfg.tie_word_embeddings
+                else check("lm_head.weight", (self.cfg.vocab_size, H)))
         self.lm_head = Linear(head.to(dev, dt), None)  # the LM head is never quantized
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -283,15 +295,17 @@ class LlamaForCausalLM(nn.Module):
             for n, w, e in zip("qkv", ws, expect):
                 if tuple(w.shape) != (e, self.cfg.hidden_size):
                     raise ModelLoadError(f"{p}self_attn.{n}_proj.weight: expected {(e, self.cfg.hidden_size)}, got {tuple(w.shape)}")
-            bias = torch.cat([state[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]) if self.cfg.attention_bias else None
+            bias = (torch.cat([check(p + f"self_attn.{n}_proj.bias", (e,)) for n, e in zip("qkv", expect)])
+                    if self.cfg.attention_bias else None)
             a.qkv_proj = lin(torch.cat(ws), bias)
-            a.o_proj = lin(state[p + "self_attn.o_proj.weight"])
+            a.o_proj = lin(check(p + "self_attn.o_proj.weight", (H, a.q_size)))
             if self.cfg.qk_norm:
                 put(a.q_norm.weight, p + "self_attn.q_norm.weight")
                 put(a.k_norm.weight, p + "self_attn.k_norm.weight")
             m = layer.mlp
-            m.gate_up_proj = lin(torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]))
-            m.down_proj = lin(state[p + "mlp.down_proj.weight"])
+            m.gate_up_proj = lin(torch.cat([check(p + "mlp.gate_proj.weight", (I, H)),
+                                            check(p + "mlp.up_proj.weight", (I, H))]))
+            m.down_proj = lin(check(p + "mlp.down_proj.weight", (H, I)))
 
     def forward(
         self,
