@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[a.dtype]
     path = make_random_model(Path(a.out), a.like, Path(a.tokenizer), dtype, a.seed, a.device)
-    print(path)
+    print(f"wrote {path} (random weights shaped like {a.like}, {a.dtype})")
     return 0
 
 

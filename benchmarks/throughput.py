@@ -16,6 +16,9 @@ Usage:
     python benchmarks/throughput.py [--dtype bfloat16 float32] [--sampling] [--json out.json]
     python benchmarks/throughput.py --device cuda --model FOLDER   # e.g. benchmarks/random_model.py's
 
+Run it on an otherwise idle machine: torch is imported first here, so OpenMP keeps its default
+busy-wait (faster alone, far slower next to another busy process; see the README).
+
 Prints a markdown table. ``--sampling`` reruns kvserve with temperature=0.8, top_p=0.95,
 top_k=50, repetition_penalty=1.1 and reports its cost against greedy.
 """
@@ -117,7 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-transformers", action="store_true", help="run kvserve only (no peer, no ratios)")
     ap.add_argument("--json", default=None, help="also write every figure to this JSON file")
     ap.add_argument("--sustained-seconds", type=float, default=8.0,
-                    help="seconds of back-to-back matmuls before and after the kvserve run (sustained rate)")
+                    help="seconds of back-to-back matmuls before and after the kvserve run (sustained rate; "
+                         "default 8)")
     ap.add_argument("--model", default=None,
                     help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct's GGUF)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] for kvserve, transformers and the rooflines")
