@@ -151,3 +151,13 @@ def test_check_token_ids(field, kwargs):
     with pytest.raises(ValueError, match=field):
         params.check_token_ids(100)
     params.check_token_ids(101)
+
+
+def test_numpy_scalars_count_as_python_numbers():
+    import numpy as np
+
+    p = SamplingParams(max_tokens=np.int64(8), temperature=np.float32(0.5), top_k=np.int32(4), seed=np.uint8(7))
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed) == (8, 0.5, 4, 7)
+    assert type(p.max_tokens) is int and type(p.temperature) is float
+    with pytest.raises(ValueError, match="temperature must satisfy"):
+        SamplingParams(temperature=np.float32(-1.0))

@@ -8,8 +8,10 @@ request is rejected before it reaches the engine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
+
+import numpy as np
 
 MAX_LOGPROBS = 20
 
@@ -78,6 +80,9 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # numpy scalars (np.int64, np.float32, ...) count as Python numbers
+            if isinstance(getattr(self, f.name), np.generic):
+                setattr(self, f.name, getattr(self, f.name).item())
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.logit_bias is not None:
