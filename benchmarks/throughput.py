@@ -37,7 +37,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.default_model import default_model_path
 from kvserve.roofline import (attainable_seconds, measure_matmul_flops, measure_matmul_flops_sustained,
-                              measure_memory_bandwidth)
+                              measure_memory_bandwidth, synchronize)
 
 
 def workload(n: int, vocab: int, seed: int = 0):
@@ -62,11 +62,6 @@ def run_kvserve(llm: LLM, prompts, outs, sampling: bool) -> dict:
             "total_tok_s": (n_out + sum(map(len, prompts))) / dt}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_transformers(model, prompts, outs, batch_size: int = 32) -> dict:
     pad = 0
     dev = model.device
@@ -80,7 +75,7 @@ def run_transformers(model, prompts, outs, batch_size: int = 32) -> dict:
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=pad)
-    _sync(dev)
+    synchronize(dev)
     dt = time.perf_counter() - t0
     n_out = sum(outs)
     return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt}
@@ -100,13 +95,13 @@ def single_stream_transformers(model, vocab: int, n_out: int = 128) -> dict:
     ids = torch.tensor([[rng.randrange(100, vocab) for _ in range(128)]], device=dev)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)  # warm-up
-        _sync(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         model(ids).logits.argmax(-1).tolist()  # the first token, on the host
         ttft = time.perf_counter() - t0
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=0)
-        _sync(dev)
+        synchronize(dev)
         total = time.perf_counter() - t0
     return {"ttft_s": ttft, "decode_tok_s": (n_out - 1) / max(total - ttft, 1e-9)}
 

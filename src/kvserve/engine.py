@@ -307,9 +307,7 @@ class LLMEngine:
             ids = self.encode(prompt)
         else:  # numpy integers count as ints
             text, ids = None, [int(t) if isinstance(t, np.integer) else t for t in prompt]
-        max_tokens = self.validate_request(ids, params)
-        if params.max_tokens != max_tokens:
-            params = _replace(params, max_tokens=max_tokens)
+        params.max_tokens = self.validate_request(ids, params)  # (the request's own copy)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -334,7 +332,7 @@ class LLMEngine:
             seqs.append(seq)
         beam = None
         if params.use_beam_search:
-            beam = BeamSearchState(params.beam_width, max_tokens, params.length_penalty,
+            beam = BeamSearchState(params.beam_width, params.max_tokens, params.length_penalty,
                                    () if params.ignore_eos else self.eos_token_ids)
         group = RequestGroup(rid, params, seqs, beam)
         self.groups[rid] = group

@@ -21,11 +21,10 @@ from typing import Callable
 import torch
 
 
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    """A call that waits for ``device``'s queued work (a no-op on CPU)."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op on CPU): timings of CUDA work need it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _best_time(fn: Callable[[], object], *, min_reps: int, budget_s: float,
@@ -66,7 +65,7 @@ def measure_memory_bandwidth(size_bytes: int = 512 << 20, budget_s: float = 1.5,
     w = torch.empty(rows, cols, dtype=torch.float32, device=dev).uniform_(-1.0, 1.0)
     x = torch.ones(cols, dtype=torch.float32, device=dev)
     y = torch.empty(rows, dtype=torch.float32, device=dev)
-    t = _best_time(lambda: torch.mv(w, x, out=y), min_reps=3, budget_s=budget_s, sync=_synchronizer(dev))
+    t = _best_time(lambda: torch.mv(w, x, out=y), min_reps=3, budget_s=budget_s, sync=lambda: synchronize(dev))
     return w.numel() * w.element_size() / t
 
 
@@ -91,7 +90,7 @@ def measure_matmul_flops(dtype: torch.dtype = torch.bfloat16, n: int = 2048, bud
     a = torch.randn(n, n, device=dev).to(dtype)
     b = torch.randn(n, n, device=dev).to(dtype)
     out = torch.empty(n, n, dtype=dtype, device=dev)
-    t = _best_time(lambda: torch.matmul(a, b, out=out), min_reps=3, budget_s=budget_s, sync=_synchronizer(dev))
+    t = _best_time(lambda: torch.matmul(a, b, out=out), min_reps=3, budget_s=budget_s, sync=lambda: synchronize(dev))
     return 2.0 * n**3 / t
 
 
@@ -139,11 +138,9 @@ def measure_matmul_flops_sustained(dtype: torch.dtype = torch.bfloat16, n: int =
     a = torch.randn(n, n, device=dev).to(dtype)
     b = torch.randn(n, n, device=dev).to(dtype)
     out = torch.empty(n, n, dtype=dtype, device=dev)
-    sync = _synchronizer(dev)
-
     def call():
         torch.matmul(a, b, out=out)
-        sync()
+        synchronize(dev)
 
     return sustained_rate(call, 2.0 * n**3, seconds)
 

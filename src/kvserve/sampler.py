@@ -382,6 +382,12 @@ class SamplingMetadata:
     logprob_rows: Optional[torch.Tensor]  # rows that requested logprobs; None: all
     any_logprobs: bool
 
+    @property
+    def edits_logits(self) -> bool:
+        """Whether some row needs steps 1-3 (bias, allowed ids, bad words / min_tokens, penalties)."""
+        return not (self.logit_bias is None and self.allowed is None and self.bans is None
+                    and self.repetition is None and self.freq_presence is None)
+
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingMetadata":
         """Gather the rows' parameters into tensors on ``device``.
@@ -586,8 +592,7 @@ class Sampler:
             raise ValueError(
                 f"logits must have shape [{meta.batch_size}, {meta.vocab_size}], got {tuple(logits.shape)}"
             )
-        if (meta.num_greedy == meta.batch_size > 0 and not meta.any_logprobs and not meta.any_masked
-                and meta.logit_bias is None and meta.repetition is None and meta.freq_presence is None
+        if (meta.num_greedy == meta.batch_size > 0 and not meta.any_logprobs and not meta.edits_logits
                 and cpu_ops.supports(logits) and logits.stride(-1) == 1):
             # greedy, nothing to edit, no logprobs asked: one fused pass over the (bf16) logits
             # gives what the general path does (the token's logprob is 0 - log_z)
@@ -625,9 +630,7 @@ def process_logits(raw: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     Returns ``raw`` itself when no row needs any of them, else a processed copy; rows
     left with no finite logit fall back to their raw logits.
     """
-    if meta.logit_bias is None and meta.allowed is None and meta.bans is None and (
-        meta.repetition is None and meta.freq_presence is None
-    ):
+    if not meta.edits_logits:
         return raw
     x = raw.clone(memory_format=torch.contiguous_format)  # the edits' flat indices need it
     if meta.logit_bias is not None:
