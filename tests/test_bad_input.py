@@ -322,6 +322,7 @@ def test_malformed_config_names_the_field(tiny_model_dir, tmp_path, edit, match)
 @pytest.mark.parametrize("edit, match", [
     (lambda c: {**c, "num_hidden_layers": 1}, "the weights have layers beyond the config's num_hidden_layers=1"),
     (lambda c: {**c, "intermediate_size": 96}, r"mlp.gate_proj.weight: expected shape \(96, 64\)"),
+    (lambda c: {**c, "num_key_value_heads": 1}, r"self_attn.k_proj.weight: expected shape \(16, 64\)"),
 ])
 def test_config_and_weights_disagreeing_is_an_error(tiny_model_dir, tmp_path, edit, match):
     with pytest.raises(ModelLoadError, match=match):

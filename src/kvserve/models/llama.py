@@ -290,11 +290,8 @@ class LlamaForCausalLM(nn.Module):
             put(layer.input_layernorm.weight, p + "input_layernorm.weight")
             put(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
             a = layer.self_attn
-            ws = [state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
             expect = [a.q_size, a.kv_size, a.kv_size]
-            for n, w, e in zip("qkv", ws, expect):
-                if tuple(w.shape) != (e, self.cfg.hidden_size):
-                    raise ModelLoadError(f"{p}self_attn.{n}_proj.weight: expected {(e, self.cfg.hidden_size)}, got {tuple(w.shape)}")
+            ws = [check(p + f"self_attn.{n}_proj.weight", (e, H)) for n, e in zip("qkv", expect)]
             bias = (torch.cat([check(p + f"self_attn.{n}_proj.bias", (e,)) for n, e in zip("qkv", expect)])
                     if self.cfg.attention_bias else None)
             a.qkv_proj = lin(torch.cat(ws), bias)
