@@ -22,7 +22,10 @@ SHAPES = [(1, 576, 960), (1, 1536, 576), (3, 64, 5), (8, 33, 7), (5, 1, 3), (2, 
           # AMX-eligible (N % 16 == 0, K % 32 == 0): one partial tile of rows, full tiles,
           # the largest M it takes, and the first M past it
           (L.GEMV_MAX_M_BF16 + 1, 576, 960), (16, 64, 32), (21, 1536, 576), (L.AMX_MAX_M_BF16, 96, 48),
-          (L.AMX_MAX_M_BF16 + 1, 64, 16)]
+          (L.AMX_MAX_M_BF16 + 1, 64, 16),
+          # AMX with an odd number of 16-column blocks per thread (one thread: 3 blocks; two
+          # threads: 2 and 3), for 1-2 row tiles (pairs of column blocks) and 3 (one at a time)
+          (7, 64, 48), (30, 512, 80), (40, 512, 80)]
 
 
 def _data(M, K, N, dtype, bias, seed=0):
@@ -78,6 +81,20 @@ def test_amx_path_runs_for_batched_decode_and_matches_f_linear(bias, monkeypatch
         torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-3)
         torch.testing.assert_close(y, F.linear(x[:M], w, b), rtol=1.6e-2, atol=1e-2)
     assert calls == [L.GEMV_MAX_M_BF16 + 1, 17, L.AMX_MAX_M_BF16]
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("N", [80, 960])
+def test_amx_rows_do_not_depend_on_the_blocking(N):
+    # 1-2 row tiles run on pairs of column blocks, 3-4 on one block at a time (and 5+ in
+    # groups of 4): every output element sums the same products in the same order either way
+    x, w, b = _data(L.AMX_MAX_M_BF16, 512, N, torch.bfloat16, True, seed=5)
+    packed = L.amx_pack(w)
+    full = L.amx_linear(x, packed, N, b)
+    for M in (1, 5, 16, 17, 31, 32, 33, 48, 49):
+        assert torch.equal(L.amx_linear(x[:M], packed, N, b), full[:M]), M
+    tall = torch.cat([x, x[:21]])  # 85 rows: a group of 4 row tiles, then 2
+    assert torch.equal(L.amx_linear(tall, packed, N, b), torch.cat([full, full[:21]]))
 
 
 def test_amx_pack_rejects_unsupported_weights():
