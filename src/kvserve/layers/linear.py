@@ -285,9 +285,10 @@ TGT_F32 void kv_gemv_i8(const float* x, int64_t ldx, const int8_t* w, const floa
  * For 5-64 tokens oneDNN streams the weights at ~8-13 GB/s on the development machine; this
  * kernel reaches ~9-19 GB/s (more at fewer tokens; measured with 200 MB of weights, so from
  * DRAM). The weight is packed once (kv_amx_pack) into 1 KiB TDPBF16PS B tiles
- * [N/16][K/32][16 k-pairs][16 n][2], so each thread streams its share of output columns as one contiguous, software-prefetched
- * run; every B tile is multiplied with up to 4 tiles of 16 input rows (C tiles 0-3, A tiles
- * loaded from x in place, rows past M from a zero-padded copy). float32 accumulation, bias
+ * [N/16][K/32][16 k-pairs][16 n][2], so each thread streams its share of output columns as
+ * contiguous, software-prefetched runs (two at once for up to 32 rows); every B tile is
+ * multiplied with up to 4 tiles of 16 input rows (C tiles 0-3; A tiles loaded from x in place,
+ * rows past M from a zero-padded copy). float32 accumulation, bias
  * added in float32, one rounding to bf16 (RNE), like oneDNN. Needs N % 16 == 0, K % 32 == 0. */
 #define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")))
 #define KV_AMX_PF 4 /* B tiles prefetched ahead */
