@@ -239,6 +239,23 @@ def test_cli_rejects_bad_engine_options_before_loading_the_model(command, option
     assert err == f"error: {words}\n"
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat", "hi"]])
+@pytest.mark.parametrize("option, value, words", [
+    ("--max-tokens", "0", "--max-tokens: max_tokens must satisfy 1 ≤ max_tokens, got 0"),
+    ("--temperature", "-1", "--temperature: temperature must satisfy 0.0 ≤ temperature, got -1.0"),
+    ("--top-p", "1.5", "--top-p: top_p must satisfy 0.0 < top_p ≤ 1.0, got 1.5"),
+    ("--top-k", "-2", "--top-k: top_k must satisfy -1 ≤ top_k, got -2"),
+    ("--seed", str(2**64), "--seed: seed must satisfy -9223372036854775808 ≤ seed ≤ 9223372036854775807"),
+])
+def test_cli_sampling_errors_name_the_option(command, option, value, words, tmp_path, capsys):
+    from kvserve.cli import main
+
+    rc = main(command + [option, value, "--model", str(tmp_path / "nope.gguf")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith(f"error: {words}"), err
+
+
 def test_cli_serve_rejects_negative_max_waiting(tmp_path, capsys):
     from kvserve.cli import main
 

@@ -57,10 +57,21 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+#: SamplingParams fields and the options that set them (an error names the option first).
+_SAMPLING_OPTIONS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                     "top_k": "--top-k", "seed": "--seed"}
+
+
 def _params(a: argparse.Namespace):
+    """SamplingParams from the options; ValueError "--option: field must ..." for a bad value."""
     from kvserve.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+    try:
+        return SamplingParams(**{field: getattr(a, field) for field in _SAMPLING_OPTIONS})
+    except ValueError as e:
+        msg = str(e)
+        option = next((o for field, o in _SAMPLING_OPTIONS.items() if msg.startswith(field + " ")), None)
+        raise ValueError(f"{option}: {msg}" if option else msg) from None
 
 
 def _stream_to_terminal(stream) -> Optional[object]:
