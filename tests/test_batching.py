@@ -67,3 +67,21 @@ def test_batch_equals_alone_with_chunked_prefill(alone):
     outs = llm.generate(prompts, PARAMS)
     assert llm.engine.scheduler.num_chunked_prefills >= sum(len(p) > 16 for p in prompts)
     assert [o.token_ids for o in outs] == expected
+
+
+def test_bf16_chunked_prefill_of_a_long_prompt(llm_fp32):
+    # The default dtype on this path: bf16 linears on AMX/oneDNN. Chunks that end inside their
+    # prompt sample nothing, so the LM head runs on zero rows (this used to crash the process).
+    long = llm_fp32.engine.encode("The history of Paris: " * 40 + " The capital of France is")
+    prompts = [long, llm_fp32.engine.encode("The capital of France is")]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    llm = LLM(dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_chunked_prefills >= len(long) // 64
+    ref = llm_fp32.generate(prompts, params)
+    for o, r in zip(outs, ref):
+        assert len(o.token_ids) == 8 and o.finish_reason == "length"
+        # the first two fp32 tokens lead by > 1.2 nats, far beyond bf16 rounding: bf16 agrees
+        for lp in r.outputs[0].logprobs[:2]:
+            assert lp.logprob - max(l for t, l in lp.top if t != lp.token_id) > 1.2
+        assert o.token_ids[:2] == r.token_ids[:2]

@@ -93,8 +93,19 @@ def test_amx_rows_do_not_depend_on_the_blocking(N):
     full = L.amx_linear(x, packed, N, b)
     for M in (1, 5, 16, 17, 31, 32, 33, 48, 49):
         assert torch.equal(L.amx_linear(x[:M], packed, N, b), full[:M]), M
+    assert L.amx_linear(x[:0], packed, N, b).shape == (0, N)  # no rows (a prefill chunk that samples nothing)
     tall = torch.cat([x, x[:21]])  # 85 rows: a group of 4 row tiles, then 2
     assert torch.equal(L.amx_linear(tall, packed, N, b), torch.cat([full, full[:21]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["auto", "eager", "gemv", "onednn"])
+def test_zero_rows(dtype, backend):
+    # the LM head of a step whose prefill chunks all end inside their prompts gets no rows
+    x, w, b = _data(4, 576, 960, dtype, True)
+    layer = Linear(w, b, backend=backend)
+    assert layer(x[:0]).shape == (0, 960)
+    assert layer(x[:0].view(0, 1, 576)).shape == (0, 1, 960)
 
 
 def test_amx_pack_rejects_unsupported_weights():

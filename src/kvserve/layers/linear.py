@@ -388,6 +388,7 @@ TGT_AMX int kv_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed
                           int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t NB = N / 16, KB = K / 32, MT = (M + 15) / 16, rem = M % 16;
     int failed = 0;
+    if (M <= 0) return 0;
 #pragma omp parallel num_threads(nthreads)
     {
         uint16_t* xpad = rem ? (uint16_t*)aligned_alloc(64, (size_t)(16 * K * 2)) : NULL;
@@ -753,7 +754,7 @@ class Linear(nn.Module):
                     y = torch.ops.kvserve.cpu_gemv(x2, self.weight, self.bias)
                 else:
                     y = gemv(x2, self.weight, self.bias)
-            elif self._amx is not None and M <= AMX_MAX_M_BF16 and not torch.compiler.is_compiling():
+            elif self._amx is not None and 0 < M <= AMX_MAX_M_BF16 and not torch.compiler.is_compiling():
                 if x2.stride(-1) != 1:
                     x2 = x2.contiguous()
                 y = amx_linear(x2, self._amx, self.out_features, self.bias)
