@@ -173,6 +173,30 @@ def test_n2_and_seeds(client):
     assert roles == {0, 1}
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_n2_stream_sends_each_delta_and_finish_once(client, seed):
+    # choices of one request finish at different steps (stop strings): the stream must carry
+    # exactly the non-streamed texts, and one finish_reason per choice
+    kw = dict(model="tiny", max_tokens=12, temperature=1.0, n=3, seed=seed, stop=["e", "a"])
+    for chat in (False, True):
+        if chat:
+            api, kw2 = client.chat.completions, dict(kw, messages=[{"role": "user", "content": "hi"}])
+            text = lambda c: c.message.content  # noqa: E731
+            delta = lambda c: c.delta.content or ""  # noqa: E731
+        else:
+            api, kw2 = client.completions, dict(kw, prompt=PROMPT)
+            text = lambda c: c.text  # noqa: E731
+            delta = lambda c: c.text  # noqa: E731
+        ref = {c.index: (text(c), c.finish_reason) for c in api.create(**kw2).choices}
+        texts, finishes = {i: "" for i in ref}, {i: [] for i in ref}
+        for ch in api.create(stream=True, **kw2):
+            for c in ch.choices:
+                texts[c.index] += delta(c)
+                if c.finish_reason is not None:
+                    finishes[c.index].append(c.finish_reason)
+        assert {i: (texts[i], finishes[i]) for i in ref} == {i: (t, [f]) for i, (t, f) in ref.items()}
+
+
 def test_logprobs_shapes(client):
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                        logprobs=True, top_logprobs=3, **_greedy(5))

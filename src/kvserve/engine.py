@@ -554,6 +554,8 @@ class LLMEngine:
             )
             for idx, s in enumerate(chosen)
         ]
+        for s in chosen:  # a delta is reported once: a sequence that did not move adds nothing
+            s.last_delta = ""
         return RequestOutput(
             request_id=group.request_id,
             prompt=lead.prompt,

@@ -118,7 +118,7 @@ class Request:
     detokenizer: Any = None
     parent_id: Optional[str] = None
     sample_index: int = 0
-    last_delta: str = ""
+    last_delta: str = ""  # text of the latest token, until an output reports it
     token_history: Any = field(default=None, repr=False, compare=False)  # sampler.TokenHistory, for penalties
 
     @property
@@ -156,7 +156,8 @@ class CompletionOutput:
         stop_reason: the matched stop string or stop token id, None for EOS/length.
         cumulative_logprob: sum of the raw logprobs of the generated tokens.
         logprobs: per generated token, when asked.
-        delta_text: text added by the latest step (for streaming).
+        delta_text: text added since the request's previous output (for streaming); empty
+            for a sequence of an n > 1 request that did not move (it finished earlier).
     """
 
     index: int

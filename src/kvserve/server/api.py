@@ -330,7 +330,8 @@ class OpenAIServer:
 
         One chunk per choice in ``opening``; then, as the engine's updates arrive, one chunk
         per sequence with new text or a finish reason (``choice(tag, output)`` builds its
-        choice), or an error event if the engine fails; the usage chunk when
+        choice; a choice's finish reason is sent once, in its last chunk), or an error event if
+        the engine fails; the usage chunk when
         ``stream_options.include_usage``; ``data: [DONE]``. Unfinished requests are aborted
         however the stream ends.
         """
@@ -340,6 +341,7 @@ class OpenAIServer:
             head["usage"] = None
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         counts: dict[tuple[int, int], int] = {}
+        ended: set[tuple[int, int]] = set()  # choices whose finish_reason was sent
         finals: list[Optional[RequestOutput]] = [None] * len(sub.request_ids)
         try:
             for c in opening:
@@ -354,11 +356,12 @@ class OpenAIServer:
                     sub.finished.add(tag)
                 for o in out.outputs:
                     counts[(tag, o.index)] = len(o.token_ids)
-                    if not o.delta_text and o.finish_reason is None:
+                    if (tag, o.index) in ended or (not o.delta_text and o.finish_reason is None):
                         continue
                     c = choice(tag, o)
                     if o.finish_reason is not None:
                         c["stop_reason"] = o.stop_reason
+                        ended.add((tag, o.index))
                     yield _sse({**head, "choices": [c], **self._running_usage(sub, counts, continuous)})
             if include_usage and sub.done:
                 yield _sse({**head, "choices": [], "usage": self._usage(sub, finals)})
