@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.beam_search import BeamSearchState
+import math
+
+from kvserve.beam_search import BeamSearchState, length_normalized_score
 
 
 def _hf_beam(hf, ids, width, max_new, eos):
@@ -25,6 +27,28 @@ def test_state_finishes_on_eos_and_scores_by_length():
     live = st.step([[5], [6]], [-0.5, -1.0], [[0, 9, 8, 7], [0, 9, 8, 7]], [[-0.2, -2, -3, -4]] * 2)
     assert st.done and live == []
     assert [h.token_ids for h in st.best(2)] == [(0,), (5, 0)]
+
+
+def test_length_normalized_score_outside_the_float_range():
+    assert length_normalized_score(-3.0, 4, 0.5) == -1.5
+    assert length_normalized_score(-3.0, 1, 1e308) == -3.0  # 1 ** anything
+    assert length_normalized_score(-3.0, 2, 1e308) == 0.0  # 2 ** 1e308 overflows: -3 / inf
+    assert length_normalized_score(-3.0, 2, -1e308) == -math.inf  # 2 ** -1e308 underflows to 0
+    assert length_normalized_score(0.0, 2, -1e308) == 0.0
+
+
+@pytest.mark.parametrize("length_penalty", [1e308, -1e308, 2000.0])
+def test_extreme_length_penalty_runs_beside_other_requests(tiny_model_dir, length_penalty):
+    # the score used to raise OverflowError / ZeroDivisionError inside engine.step(), which
+    # failed every request in flight
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4)
+    beam = SamplingParams(use_beam_search=True, beam_width=3, max_tokens=6, temperature=0,
+                          length_penalty=length_penalty)
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = llm.generate([[5, 17, 99], [40, 41, 42]], [beam, plain])
+    assert 1 <= len(outs[0].outputs[0].token_ids) <= 6 and len(outs[1].token_ids) == 6
+    assert llm.engine.kv.num_used_blocks == 0
 
 
 def test_tiny_model_matches_transformers_and_frees_blocks(tiny_model_dir):

@@ -21,8 +21,22 @@ uses when no logits processor is active.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
+
+
+def length_normalized_score(cum_logprob: float, output_len: int, length_penalty: float) -> float:
+    """``cum_logprob / output_len ** length_penalty``, also where the power leaves the float
+    range (|length_penalty| in the thousands): a power beyond the largest float scores
+    ``-0.0`` (``cum_logprob`` is ≤ 0), one that underflows to 0 scores ``-inf`` (0.0 for a
+    zero ``cum_logprob``)."""
+    try:
+        return cum_logprob / output_len**length_penalty
+    except OverflowError:
+        return -0.0 if cum_logprob < 0 else 0.0
+    except ZeroDivisionError:
+        return -math.inf if cum_logprob < 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,7 @@ class BeamSearchState:
                         BeamHypothesis(
                             token_ids=tuple(beam_outputs[c.parent]) + (c.token,),
                             cum_logprob=c.cum_logprob,
-                            score=c.cum_logprob / (new_len**self.length_penalty),
+                            score=length_normalized_score(c.cum_logprob, new_len, self.length_penalty),
                             finished_by_eos=is_eos,
                         )
                     )
