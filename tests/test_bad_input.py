@@ -28,6 +28,14 @@ GOOD = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         (list(range(3, 70)), GOOD, "max_model_len is 64"),
         ([5, 6], SamplingParams(max_tokens=63), r"exceeds max_model_len \(64\)"),
         ([5, 100000], GOOD, r"token ids must be integers in \[0, 384\)"),
+        # no allowed token left to sample (the tiny model's EOS is 2)
+        ([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[2], min_tokens=2),
+         r"allowed_token_ids: every allowed token is banned by bad_words or is a stop/EOS token, which "
+         r"min_tokens=2 forbids for the first 2 tokens"),
+        ([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[7], stop_token_ids=[7], min_tokens=1,
+                                ignore_eos=True), "allowed_token_ids: every allowed token is banned"),
+        ([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[7, 9], bad_words=[[7], [9]]),
+         "allowed_token_ids: every allowed token is a one-token bad_words entry"),
     ],
 )
 def test_bad_request_rejected_others_finish(tiny_llm, prompt, params, match):
@@ -37,6 +45,15 @@ def test_bad_request_rejected_others_finish(tiny_llm, prompt, params, match):
     assert outs[1] is None and 1 in ei.value.errors
     assert len(outs[0].token_ids) == 4 and len(outs[2].token_ids) == 4
     assert tiny_llm.engine.kv.num_free_blocks == tiny_llm.engine.kv.num_blocks
+
+
+def test_allowed_tokens_partly_banned_keep_to_the_allowed_ones(tiny_llm):
+    # EOS (2) is allowed but banned for the first 3 tokens: 7 is the only choice until then
+    eos = tiny_llm.engine.eos_token_ids
+    assert eos == (2,)
+    out = tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=5, allowed_token_ids=[2, 7], min_tokens=3,
+                                                    temperature=0))[0]
+    assert out.token_ids[:3] == [7, 7, 7] and set(out.token_ids) <= {2, 7}
 
 
 def test_request_larger_than_pool(tiny_model_dir):

@@ -256,6 +256,17 @@ class LLMEngine:
             )
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})")
+        if params.allowed_token_ids is not None:  # some allowed token must stay sampleable
+            allowed = set(params.allowed_token_ids)
+            banned = {w[0] for w in params.bad_words or () if len(w) == 1}
+            if allowed <= banned:
+                raise ValueError("allowed_token_ids: every allowed token is a one-token bad_words entry, "
+                                 "so no token could ever be sampled")
+            ends = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if params.min_tokens > 0 and allowed <= banned | ends:
+                raise ValueError(
+                    f"allowed_token_ids: every allowed token is banned by bad_words or is a stop/EOS token, "
+                    f"which min_tokens={params.min_tokens} forbids for the first {params.min_tokens} tokens")
         need = self.kv.blocks_needed(n + max_tokens)
         if need > self.kv.num_blocks:
             raise ValueError(
