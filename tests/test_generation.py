@@ -54,6 +54,9 @@ def test_logprobs_match_transformers_in_a_batch(llm_fp32, hf_smollm2):
         assert lp.rank == 1 + int((ref[i - 1] > ref[i - 1, prompt[i]]).sum())
         top = torch.topk(ref[i - 1], 3)
         assert [t for t, _ in lp.top] == top.indices.tolist()
+    # a one-token prompt has one entry too (None), as in vLLM
+    one = llm_fp32.generate([prompt[:1]], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
+    assert one.prompt_logprobs == [None]
     for j, lp in enumerate(out.outputs[0].logprobs):
         pos = len(prompt) + j - 1
         assert abs(lp.logprob - ref[pos, lp.token_id].item()) < 1e-4

@@ -312,6 +312,13 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs", "logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, 400, "logprobs", "bool"),
+    # errors name the request's field, not the SamplingParams field it sets
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs", "top_logprobs must satisfy 0 ≤ top_logprobs ≤ 20, got 21"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens", "max_completion_tokens must satisfy 1 ≤ max_completion_tokens, got 0"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
+     "max_tokens", "max_tokens must satisfy 1 ≤ max_tokens, got 0"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      400, "response_format", "structured output"),
     ("completions", {"prompt": "hi", "guided_regex": "[0-9]+"}, 400, "guided_regex", "not supported"),

@@ -574,7 +574,8 @@ class LLMEngine:
             outputs=outs,
             finished=group.finished,
             metrics=lead.metrics,
-            prompt_logprobs=list(lead.prompt_logprobs) if params.prompt_logprobs is not None else None,
+            # (a one-token prompt has no scored position: just the leading None)
+            prompt_logprobs=(list(lead.prompt_logprobs) or [None]) if params.prompt_logprobs is not None else None,
             num_cached_tokens=lead.num_cached_tokens,
         )
 

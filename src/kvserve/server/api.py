@@ -521,7 +521,10 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = to_sampling_params(req, max_tokens, k, self.tokenizer)
+        renames = {"logprobs": "top_logprobs"}
+        if req.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        params = to_sampling_params(req, max_tokens, k, self.tokenizer, renames)
         add_gen = req.add_generation_prompt and not req.continue_final_message
         ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message)
         self._check_length(ids, "messages")

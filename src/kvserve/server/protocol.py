@@ -217,16 +217,21 @@ def _validation_error(e: ValidationError) -> APIError:
 _FIELD_RE = re.compile(r"^([a-z_]+)")
 
 
-def sampling_error(e: ValueError) -> APIError:
-    """A :class:`SamplingParams` ``ValueError`` → 400 naming the field."""
+def sampling_error(e: ValueError, renames: Optional[dict[str, str]] = None) -> APIError:
+    """A :class:`SamplingParams` ``ValueError`` → 400 naming the field; ``renames`` maps a
+    SamplingParams field to the request field that set it (chat's ``top_logprobs``), and the
+    message and ``param`` then say the request's name."""
     msg = str(e)
     m = _FIELD_RE.match(msg)
     param = m.group(1) if m and m.group(1) in SamplingParams.__dataclass_fields__ else None
+    if param is not None and renames and param in renames:
+        msg = re.sub(rf"\b{param}\b", renames[param], msg)
+        param = renames[param]
     return APIError(400, msg, param=param, code="invalid_value")
 
 
 def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
-                       tokenizer: Any = None) -> SamplingParams:
+                       tokenizer: Any = None, renames: Optional[dict[str, str]] = None) -> SamplingParams:
     """Build validated :class:`SamplingParams` from a request.
 
     Args:
@@ -234,6 +239,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
         max_tokens: the resolved max_tokens (None: up to max_model_len).
         logprobs: number of top alternatives per generated token, or None.
         tokenizer: to turn ``bad_words`` strings into token id sequences.
+        renames: SamplingParams field → the request field that set it, for error messages.
 
     Raises:
         APIError: 400 naming the parameter for any invalid value.
@@ -278,7 +284,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
         if tokenizer is not None:
             params.check_token_ids(len(tokenizer))
     except ValueError as e:
-        raise sampling_error(e) from None
+        raise sampling_error(e, renames) from None
     return params
 
 
