@@ -49,7 +49,8 @@ class SamplingParams:
         best_of: number of samples to draw; the ``n`` with the highest cumulative
             logprob are returned (best_of ≥ n).
         use_beam_search / beam_width / length_penalty: beam search; the score is
-            ``cum_logprob / output_len ** length_penalty``.
+            ``cum_logprob / output_len ** length_penalty``. Not with ``logprobs`` or
+            ``prompt_logprobs`` (a beam returns its cumulative_logprob only).
     """
 
     max_tokens: Optional[int] = 16
@@ -147,6 +148,10 @@ class SamplingParams:
                 self.beam_width = max(self.n, self.best_of or 1)
             if self.beam_width < self.n:
                 raise ValueError(f"beam_width must be at least n ({self.n}), got {self.beam_width}")
+            for name in ("logprobs", "prompt_logprobs"):  # beam outputs carry only cumulative_logprob
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is not supported with use_beam_search (each beam's "
+                                     f"cumulative_logprob is returned); got {name}={getattr(self, name)}")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Check that every token id the params name is inside the vocabulary.
