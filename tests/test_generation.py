@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvserve import SamplingParams
+from kvserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -176,3 +176,25 @@ def test_streams_only_yield_their_own_requests_and_closing_one_aborts_it(llm_fp3
         break  # the generator is closed here: both requests are aborted
     assert not llm_fp32.engine.has_unfinished_requests()
     assert llm_fp32.generate(["Hello"], sp)[0].outputs[0].text == want["Hello"]
+
+
+@pytest.mark.parametrize("engine_kw", [dict(max_num_batched_tokens=1), dict(max_num_batched_tokens=4),
+                                       dict(max_num_batched_tokens=4, num_blocks=4)])
+def test_prompt_logprobs_do_not_depend_on_chunking(tiny_model_dir, engine_kw):
+    # 1-token prefill chunks run on the decode path; they must score their prompt position too
+    folder, _ = tiny_model_dir("llama")
+    prompts = [[5, 17, 99, 3, 250, 8, 9], [40, 41, 42, 43, 44, 45]]
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    ref = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4,
+              enable_prefix_caching=False).generate(prompts, params)
+    llm = LLM(model=str(folder), dtype="float32", block_size=4, enable_prefix_caching=False,
+              **{"num_blocks": 64, **engine_kw})
+    outs = llm.generate(prompts, params)
+    if "num_blocks" in engine_kw:
+        assert llm.engine.scheduler.num_preemptions > 0
+    for o, r, p in zip(outs, ref, prompts):
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(p)
+        assert [x.token_id for x in o.prompt_logprobs[1:]] == p[1:]
+        for a, b in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
+            assert abs(a.logprob - b.logprob) < 1e-4 and a.rank == b.rank
+        assert o.token_ids == r.token_ids

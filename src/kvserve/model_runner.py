@@ -127,7 +127,12 @@ class ModelRunner:
             pos_parts.append(nc)
             slot_parts.append(bt.gather(1, (nc // bs).unsqueeze(1)).squeeze(1) * bs + nc % bs)
             for i, (r, n) in enumerate(decodes):
-                ids.append(token_slice(r, r.num_computed_tokens, r.num_computed_tokens + 1)[0])
+                nc1 = r.num_computed_tokens
+                ids.append(token_slice(r, nc1, nc1 + 1)[0])
+                if r.sampling_params.prompt_logprobs is not None and nc1 < r.num_prompt_tokens - 1:
+                    # a one-token prefill chunk (it runs as a decode): its row scores the next prompt token
+                    pl_spans.append((r, len(logits_idx), 1, nc1))
+                    logits_idx.append(i)
                 maybe_sample(r, i, 1)
 
         start = len(ids)
