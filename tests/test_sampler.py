@@ -858,3 +858,15 @@ def test_greedy_fast_path_equals_the_general_path(dtype, monkeypatch):
     _sample(logits, _rows(SamplingParams(temperature=0.0, logprobs=1), 64))
     _sample(logits, _rows(SamplingParams(temperature=0.0, repetition_penalty=1.2), 64, prompt=[3, 4]))
     assert calls == []
+
+
+@pytest.mark.parametrize("temperature", [1e-46, 1e-30, 9e-6])
+def test_temperature_below_1e_5_is_greedy(temperature):
+    # 1e-46 rounds to 0 in float32: it used to divide by zero (garbage tokens; with top_p a crash)
+    torch.manual_seed(0)
+    logits = torch.randn(4, 64)
+    greedy = _sample(logits, _rows(SamplingParams(temperature=0.0), 4))
+    for extra in ({}, {"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}):
+        out = _sample(logits, _rows(SamplingParams(temperature=temperature, seed=1, **extra), 4))
+        assert torch.equal(out.sampled_token_ids, greedy.sampled_token_ids), extra
+        assert torch.equal(out.sampled_token_ids, logits.argmax(-1))

@@ -21,7 +21,7 @@ that needs a next token) and a :class:`SamplingMetadata` built from the rows'
    subtracted over the *output* tokens (OpenAI semantics). Penalties are defined on
    the model's logit scale (the sign rule of the repetition penalty only makes sense
    there), so they come before temperature, as in transformers and vLLM.
-4. **greedy short-circuit** — rows with ``temperature == 0`` or ``top_k == 1`` take the
+4. **greedy short-circuit** — rows with ``temperature < 1e-5`` or ``top_k == 1`` take the
    argmax of the logits processed so far (first index on ties). It comes after steps
    1-3 so greedy decoding still honours bans and penalties, and before temperature
    (no division by zero) and the truncations (which never remove the argmax anyway).

@@ -16,6 +16,10 @@ import numpy as np
 MAX_LOGPROBS = 20
 
 
+#: Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``).
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """How to turn a prompt's logits into tokens.
@@ -24,7 +28,8 @@ class SamplingParams:
         max_tokens: Most tokens to generate (≥ 1). ``None`` means up to ``max_model_len``.
         min_tokens: EOS, stop tokens and stop strings are suppressed until this many
             tokens were generated (0 ≤ min_tokens ≤ max_tokens).
-        temperature: ≥ 0; 0 means greedy (argmax).
+        temperature: ≥ 0; 0 (or anything below ``GREEDY_TEMPERATURE`` = 1e-5, as in vLLM)
+            means greedy (argmax).
         top_k: Keep the k most likely tokens; 0 or -1 disables.
         top_p: Nucleus sampling, 0 < p ≤ 1.
         min_p: Drop tokens whose probability is below ``min_p · p_max``; 0 ≤ min_p ≤ 1.
@@ -176,8 +181,11 @@ class SamplingParams:
     # --------------------------------------------------------------- derived
     @property
     def greedy(self) -> bool:
-        """True when the sampler may take the argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when the sampler may take the argmax (temperature below 1e-5, or top_k 1).
+
+        A temperature that small only sharpens the distribution onto its argmax anyway, and
+        one below ~1.4e-45 would round to 0 in float32 (a division by zero)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def num_samples(self) -> int:
