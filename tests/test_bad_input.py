@@ -36,6 +36,14 @@ GOOD = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
                                 ignore_eos=True), "allowed_token_ids: every allowed token is banned"),
         ([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[7, 9], bad_words=[[7], [9]]),
          "allowed_token_ids: every allowed token is a one-token bad_words entry"),
+        # groups whose sequences cannot all hold their KV at once (32 blocks of 4 tokens)
+        ([5, 6], SamplingParams(max_tokens=30, n=5, seed=0),
+         r"n=5 sequences of prompt \+ max_tokens = 32 tokens need 40 KV blocks side by side, but the whole KV "
+         r"cache has 32 blocks"),
+        ([5, 6, 7, 8, 9], SamplingParams(max_tokens=27, n=1, best_of=6, seed=0),
+         "best_of=6 sequences of prompt .* need 43 KV blocks side by side"),
+        ([5, 6], SamplingParams(max_tokens=30, use_beam_search=True, beam_width=5, temperature=0),
+         "beam_width=5 sequences"),
     ],
 )
 def test_bad_request_rejected_others_finish(tiny_llm, prompt, params, match):
@@ -54,6 +62,13 @@ def test_allowed_tokens_partly_banned_keep_to_the_allowed_ones(tiny_llm):
     out = tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=5, allowed_token_ids=[2, 7], min_tokens=3,
                                                     temperature=0))[0]
     assert out.token_ids[:3] == [7, 7, 7] and set(out.token_ids) <= {2, 7}
+
+
+def test_group_that_fits_side_by_side_runs(tiny_llm):
+    # 4 sequences x 8 blocks = 32 blocks: exactly the pool
+    out = tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=30, n=4, seed=0, ignore_eos=True))[0]
+    assert [len(o.token_ids) for o in out.outputs] == [30] * 4
+    assert tiny_llm.engine.kv.num_free_blocks == tiny_llm.engine.kv.num_blocks
 
 
 def test_request_larger_than_pool(tiny_model_dir):

@@ -273,6 +273,18 @@ class LLMEngine:
                 f"prompt + max_tokens = {n + max_tokens} tokens needs {need} KV blocks, but the whole "
                 f"KV cache has {self.kv.num_blocks} blocks ({self.kv_spec.capacity_tokens} tokens)"
             )
+        # The sequences of an n / best_of / beam group run side by side: the prompt's full
+        # blocks are shared, everything after them is each sequence's own.
+        seqs = params.beam_width if params.use_beam_search else params.num_samples
+        shared = n // self.kv.block_size
+        group_need = shared + seqs * (need - shared)
+        if seqs > 1 and group_need > self.kv.num_blocks:
+            field = "beam_width" if params.use_beam_search else ("best_of" if params.best_of else "n")
+            raise ValueError(
+                f"{field}={seqs} sequences of prompt + max_tokens = {n + max_tokens} tokens need {group_need} KV "
+                f"blocks side by side, but the whole KV cache has {self.kv.num_blocks} blocks "
+                f"({self.kv_spec.capacity_tokens} tokens)"
+            )
         if self.args.max_waiting and len(self.scheduler.waiting) >= self.args.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.args.max_waiting} requests)")
         return max_tokens
