@@ -81,6 +81,13 @@ INVALID = [
     ("beam_width", dict(use_beam_search=True, beam_width=1, n=2)),
     ("logprobs is not supported with use_beam_search", dict(use_beam_search=True, logprobs=2)),
     ("prompt_logprobs is not supported with use_beam_search", dict(use_beam_search=True, prompt_logprobs=0)),
+    ("stop is not supported with use_beam_search", dict(use_beam_search=True, stop=["."])),
+    ("stop_token_ids is not supported with use_beam_search", dict(use_beam_search=True, stop_token_ids=[30])),
+    ("min_tokens is not supported with use_beam_search", dict(use_beam_search=True, min_tokens=2)),
+    ("top_p is not supported with use_beam_search", dict(use_beam_search=True, top_p=0.5)),
+    ("repetition_penalty is not supported with use_beam_search",
+     dict(use_beam_search=True, repetition_penalty=1.2)),
+    ("logit_bias is not supported with use_beam_search", dict(use_beam_search=True, logit_bias={3: 1.0})),
 ]
 
 
@@ -93,6 +100,7 @@ def test_invalid_value_raises_value_error_naming_field(field, kwargs):
 
 VALID = [
     dict(),
+    dict(use_beam_search=True, temperature=0.7, top_k=-1, stop=[], logit_bias={}, seed=3, ignore_eos=True),
     dict(max_tokens=None),
     dict(temperature=0.0),
     dict(temperature=1e-5),

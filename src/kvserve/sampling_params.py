@@ -19,6 +19,14 @@ MAX_LOGPROBS = 20
 #: Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE = 1e-5
 
+#: Fields beam search does not apply, with their "off" values (an empty list or dict is off too).
+_NOT_WITH_BEAM_SEARCH = {
+    "logprobs": (None,), "prompt_logprobs": (None,), "min_tokens": (0,), "top_k": (0, -1), "top_p": (1.0,),
+    "min_p": (0.0,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+    "logit_bias": (None,), "allowed_token_ids": (None,), "bad_words": (None,), "stop": (None,),
+    "stop_token_ids": (None,),
+}
+
 
 @dataclass
 class SamplingParams:
@@ -54,8 +62,10 @@ class SamplingParams:
         best_of: number of samples to draw; the ``n`` with the highest cumulative
             logprob are returned (best_of ≥ n).
         use_beam_search / beam_width / length_penalty: beam search; the score is
-            ``cum_logprob / output_len ** length_penalty``. Not with ``logprobs`` or
-            ``prompt_logprobs`` (a beam returns its cumulative_logprob only).
+            ``cum_logprob / output_len ** length_penalty``. Beams are ranked on the model's raw
+            logprobs (temperature and seed do not apply); the fields that would edit them or
+            stop a beam (penalties, top-k/p, min-p, logit_bias, allowed_token_ids, bad_words,
+            stop, stop_token_ids, min_tokens) and logprobs/prompt_logprobs are errors with it.
     """
 
     max_tokens: Optional[int] = 16
@@ -153,10 +163,12 @@ class SamplingParams:
                 self.beam_width = max(self.n, self.best_of or 1)
             if self.beam_width < self.n:
                 raise ValueError(f"beam_width must be at least n ({self.n}), got {self.beam_width}")
-            for name in ("logprobs", "prompt_logprobs"):  # beam outputs carry only cumulative_logprob
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} is not supported with use_beam_search (each beam's "
-                                     f"cumulative_logprob is returned); got {name}={getattr(self, name)}")
+            for name, off in _NOT_WITH_BEAM_SEARCH.items():
+                value = getattr(self, name)
+                if not (value in off or (isinstance(value, (list, dict)) and not value)):
+                    raise ValueError(f"{name} is not supported with use_beam_search (beams are ranked on the "
+                                     f"model's raw logprobs and return only their cumulative_logprob); got "
+                                     f"{name}={value!r}")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Check that every token id the params name is inside the vocabulary.
