@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.llm import GenerationError
 
 pytestmark = pytest.mark.slow
 
@@ -198,3 +199,25 @@ def test_prompt_logprobs_do_not_depend_on_chunking(tiny_model_dir, engine_kw):
         for a, b in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
             assert abs(a.logprob - b.logprob) < 1e-4 and a.rank == b.rank
         assert o.token_ids == r.token_ids
+
+
+def test_stream_n_gt_1_each_delta_and_finish_once(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4)
+    for seed in (1, 2, 3):
+        params = SamplingParams(max_tokens=12, n=3, temperature=1.0, seed=seed, stop_token_ids=[7, 9, 11, 13])
+        final = llm.generate([[5, 17, 99]], params)[0]
+        texts, finishes = {i: "" for i in range(3)}, {i: [] for i in range(3)}
+        for up in llm.generate([[5, 17, 99]], params, stream=True):
+            for o in up.outputs:
+                texts[o.index] += o.delta_text
+                if o.finish_reason is not None:
+                    finishes[o.index].append(o.finish_reason)
+        assert texts == {o.index: o.text for o in final.outputs}
+        assert finishes == {o.index: [o.finish_reason] for o in final.outputs}
+    # the best sequences of these are only known at the end
+    for bad in (SamplingParams(max_tokens=4, n=1, best_of=3, seed=0),
+                SamplingParams(max_tokens=4, use_beam_search=True, beam_width=2, temperature=0)):
+        with pytest.raises(GenerationError, match="not supported with stream"):
+            next(iter(llm.generate([[5, 17, 99]], bad, stream=True)))
+    assert not llm.engine.has_unfinished_requests()

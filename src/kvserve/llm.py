@@ -70,7 +70,7 @@ class LLM:
         # engine; each stream drains its own when it resumes.
         self._pending: dict[str, list[RequestOutput]] = {}
 
-    def _submit(self, prompts, params) -> tuple[list[Optional[str]], dict[int, str]]:
+    def _submit(self, prompts, params, stream: bool = False) -> tuple[list[Optional[str]], dict[int, str]]:
         if isinstance(prompts, (np.ndarray, torch.Tensor)) and prompts.ndim == 1:
             prompts = [prompts]  # one prompt of token ids
         elif isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -89,6 +89,10 @@ class LLM:
         errors: dict[int, str] = {}
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             try:
+                if stream and isinstance(sp, SamplingParams) and (
+                        sp.use_beam_search or (sp.best_of is not None and sp.best_of > sp.n)):
+                    raise ValueError("use_beam_search and best_of > n are not supported with stream (the best "
+                                     "sequences are only known at the end)")
                 ids.append(self.engine.add_request(p, sp))
             except (ValueError, TypeError) as e:
                 ids.append(None)
@@ -107,8 +111,13 @@ class LLM:
             prompts: a string, a token-id list, or a list of either.
             sampling_params: one for all prompts, or one per prompt.
             stream: when True, return an iterator of :class:`RequestOutput` updates (each
-                carries ``outputs[i].delta_text``) instead of the final list. The prompts are
-                queued when the iteration starts (an iterator never started runs nothing).
+                carries ``outputs[i].delta_text``; a sample of an n > 1 request appears for
+                the last time in the update that gives its finish_reason) instead of the final
+                list. The prompts are queued when the iteration starts (an iterator never
+                started runs nothing); close it (``.close()``, or drop every reference) to
+                abort what has not finished: a ``break`` alone leaves the requests running
+                while the iterator is still referenced. Not with beam search or
+                best_of > n (the best sequences are only known at the end).
 
         Returns:
             One :class:`RequestOutput` per prompt, in order (text, token ids, finish reason,
@@ -134,20 +143,25 @@ class LLM:
         return outputs
 
     def _stream(self, prompts, sampling_params) -> Iterator[RequestOutput]:
-        ids, errors = self._submit(prompts, sampling_params)
+        ids, errors = self._submit(prompts, sampling_params, stream=True)
         if errors:
             for i in ids:
                 if i is not None:
                     self.engine.abort_request(i)
             raise GenerationError(errors, [None] * len(ids))
-        yield from self._run(ids)
+        ended: set[tuple[str, int]] = set()  # samples whose finish_reason was reported
+        for out in self._run(ids):
+            outputs = [o for o in out.outputs if (out.request_id, o.index) not in ended]
+            ended.update((out.request_id, o.index) for o in outputs if o.finish_reason is not None)
+            yield out if len(outputs) == len(out.outputs) else dataclasses.replace(out, outputs=outputs)
 
     def _run(self, ids: list[Optional[str]]) -> Iterator[RequestOutput]:
         """Step the engine until the requests ``ids`` finish, yielding only their outputs.
 
         Other requests in the engine (a paused stream's) keep running; their outputs are kept
-        for their own stream. Closing this iterator early (``break`` out of a stream) aborts
-        the requests that have not finished, so they cost nothing afterwards.
+        for their own stream. Closing this iterator early (``.close()``, or garbage collection
+        of an abandoned one) aborts the requests that have not finished, so they cost nothing
+        afterwards.
         """
         mine = {i for i in ids if i is not None}
         left = set(mine)

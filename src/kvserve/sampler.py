@@ -74,7 +74,9 @@ inside that block picks the token; it can differ from the exact one only when
 ``u · total`` falls within float32 rounding (~1e-7 relative) of a block boundary.
 There is no device RNG state at all, so a row's token depends only on its own processed
 probabilities, its seed and its step — never on its batch-mates, their order, the
-device, or how many other requests were seeded. Zero-probability tokens can never be
+device, or how many other requests were seeded. (The probabilities themselves come from
+the model, whose float32 logits can differ in their last bits with the batch's shape:
+a draw that lands within that rounding of a token boundary in the CDF can then change.) Zero-probability tokens can never be
 drawn. The draw is vectorized over the batch (no Python loop over single rows or over
 the vocabulary) and needs no per-row ``torch.Generator``. The engine draws a random
 seed for unseeded requests and should give each of a request's ``n``/``best_of``

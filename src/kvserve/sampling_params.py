@@ -48,8 +48,11 @@ class SamplingParams:
         logit_bias: token id → additive bias in [-100, 100].
         allowed_token_ids: if set, every other token is masked.
         bad_words: token id sequences that must never be completed.
-        seed: makes the request's samples depend only on its own prompt and params; a
-            64-bit signed integer, -2**63 ≤ seed < 2**63 (the range of vLLM's OpenAI API).
+        seed: makes the random numbers of the request's draws depend only on the seed and
+            the step (not on other requests); the model's logits can still differ in their
+            last float bits with the batch, which moves a draw that lands that close to a
+            token boundary. A 64-bit signed integer, -2**63 ≤ seed < 2**63 (the range of
+            vLLM's OpenAI API).
         stop: strings that end generation (matched across token boundaries).
         stop_token_ids: token ids that end generation besides EOS.
         include_stop_str_in_output: keep the matched stop string in the text.
