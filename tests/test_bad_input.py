@@ -28,6 +28,7 @@ GOOD = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         (list(range(3, 70)), GOOD, "max_model_len is 64"),
         ([5, 6], SamplingParams(max_tokens=63), r"exceeds max_model_len \(64\)"),
         ([5, 100000], GOOD, r"token ids must be integers in \[0, 384\)"),
+        ([True, 2], GOOD, r"token ids must be integers in \[0, 384\); got True"),
         # no allowed token left to sample (the tiny model's EOS is 2)
         ([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[2], min_tokens=2),
          r"allowed_token_ids: every allowed token is banned by bad_words or is a stop/EOS token, which "
@@ -211,11 +212,21 @@ def test_bad_device_and_max_model_len(tiny_model_dir):
     ({"num_blocks": 0}, "num_blocks must be ≥ 1, got 0"),
     ({"max_waiting": -1}, "max_waiting must be ≥ 0"),
     ({"quantization": "int4"}, r"quantization must be one of \[None, 'int8'\], got 'int4'"),
+    ({"block_size": 2.5}, "block_size must be an integer, got 2.5"),
+    ({"max_num_seqs": None}, "max_num_seqs must be an integer, got None"),
+    ({"max_model_len": "1024"}, "max_model_len must be an integer or None, got '1024'"),
+    ({"kv_cache_memory": "2"}, "kv_cache_memory must be a number of GiB, got '2'"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False, got 'no'"),
 ])
 def test_bad_engine_args_fail_before_the_model_loads(kwargs, words, tmp_path):
     # a model path that does not exist: the argument must be checked before the model is looked at
     with pytest.raises(ValueError, match=words):
         LLM(model=str(tmp_path / "nope.gguf"), **kwargs)
+
+
+def test_model_of_a_wrong_type():
+    with pytest.raises(ValueError, match=r"model must be a path \(str or os.PathLike\) or None, got int"):
+        LLM(model=123)
 
 
 def test_unknown_llm_argument_names_llm_and_the_valid_ones(tmp_path):

@@ -171,3 +171,7 @@ def test_numpy_scalars_count_as_python_numbers():
     assert type(p.max_tokens) is int and type(p.temperature) is float
     with pytest.raises(ValueError, match="temperature must satisfy"):
         SamplingParams(temperature=np.float32(-1.0))
+    # inside the token-id lists too
+    p = SamplingParams(stop_token_ids=[np.int64(5)], allowed_token_ids=[np.int32(3), 4], bad_words=[[np.int64(9), 2]])
+    assert p.stop_token_ids == [5] and p.allowed_token_ids == [3, 4] and p.bad_words == [[9, 2]]
+    assert all(type(t) is int for t in p.stop_token_ids + p.allowed_token_ids + p.bad_words[0])

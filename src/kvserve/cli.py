@@ -122,7 +122,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     _check_engine_args(a, kwargs)
     llm = LLM(model=a.model, dtype=a.dtype, **kwargs)
     messages = []
-    if a.system:
+    if a.system is not None:  # "" is an empty system prompt, not the template's default one
         messages.append({"role": "system", "content": a.system})
     if a.message is not None:
         messages.append({"role": "user", "content": a.message})

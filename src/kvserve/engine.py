@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import numbers
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -130,6 +132,21 @@ class EngineArgs:
         def name(field: str) -> str:
             return "--" + field.replace("_", "-") if option_names else field
 
+        def is_int(v) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        for field, optional in (("block_size", False), ("max_num_batched_tokens", False), ("max_num_seqs", False),
+                                ("max_waiting", False), ("max_model_len", True), ("num_blocks", True),
+                                ("seed", True)):
+            v = getattr(self, field)
+            if not (is_int(v) or (optional and v is None)):
+                raise ValueError(f"{name(field)} must be an integer{' or None' if optional else ''}, got {v!r}")
+        if not isinstance(self.kv_cache_memory, numbers.Real) or isinstance(self.kv_cache_memory, bool):
+            raise ValueError(f"{name('kv_cache_memory')} must be a number of GiB, got {self.kv_cache_memory!r}")
+        if not isinstance(self.enable_prefix_caching, (bool, np.bool_)):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path (str or os.PathLike) or None, got {type(self.model).__name__}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"{name('max_model_len')} must be in [2, the model's context length], "
                              f"got {self.max_model_len}")
@@ -239,7 +256,7 @@ class LLMEngine:
         if n == 0:
             raise ValueError("prompt is empty: it must contain at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
         params.check_token_ids(vocab)

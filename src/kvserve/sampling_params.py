@@ -102,6 +102,14 @@ class SamplingParams:
         for f in fields(self):  # numpy scalars (np.int64, np.float32, ...) count as Python numbers
             if isinstance(getattr(self, f.name), np.generic):
                 setattr(self, f.name, getattr(self, f.name).item())
+        for name in ("allowed_token_ids", "stop_token_ids"):  # ... also inside the id lists
+            ids = getattr(self, name)
+            if isinstance(ids, (list, tuple)) and any(isinstance(t, np.generic) for t in ids):
+                setattr(self, name, [t.item() if isinstance(t, np.generic) else t for t in ids])
+        if isinstance(self.bad_words, (list, tuple)) and any(
+                isinstance(w, (list, tuple)) and any(isinstance(t, np.generic) for t in w) for w in self.bad_words):
+            self.bad_words = [[t.item() if isinstance(t, np.generic) else t for t in w]
+                              if isinstance(w, (list, tuple)) else w for w in self.bad_words]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.logit_bias is not None:
