@@ -221,3 +221,23 @@ def test_stream_n_gt_1_each_delta_and_finish_once(tiny_model_dir):
         with pytest.raises(GenerationError, match="not supported with stream"):
             next(iter(llm.generate([[5, 17, 99]], bad, stream=True)))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_stop_token_text_left_out_unless_asked(tiny_model_dir):
+    # vLLM: the EOS / stop token that ends a sequence adds no text (its id stays in token_ids)
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4)
+    free = llm.generate([[5, 17, 99]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    i = next(i for i in range(1, 6) if free.token_ids[i] not in free.token_ids[:i])  # a token new at step i
+    stop = free.token_ids[i]
+    dec = llm.engine.tokenizer.decode
+    for keep in (False, True):
+        out = llm.generate([[5, 17, 99]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                         stop_token_ids=[stop], include_stop_str_in_output=keep))[0]
+        assert out.token_ids == free.token_ids[: i + 1] and out.finish_reason == "stop"
+        assert out.outputs[0].stop_reason == stop
+        assert out.text == dec(out.token_ids if keep else out.token_ids[:i])
+        streamed = "".join(u.outputs[0].delta_text for u in llm.generate(
+            [[5, 17, 99]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[stop],
+                                         include_stop_str_in_output=keep), stream=True))
+        assert streamed == out.text

@@ -468,7 +468,10 @@ class LLMEngine:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         if status is None and (n_out >= p.max_tokens or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
-        upd = req.detokenizer.update([tok], n_out, finished=status is not None)
+        # As in vLLM, an EOS or stop token that ends the sequence adds no text unless
+        # include_stop_str_in_output (its id stays in token_ids).
+        hide = status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output
+        upd = req.detokenizer.update([] if hide else [tok], n_out, finished=status is not None)
         req.output_text = req.detokenizer.output_text
         if upd.stop_str is not None and status is None:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, upd.stop_str

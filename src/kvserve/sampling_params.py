@@ -55,7 +55,9 @@ class SamplingParams:
             vLLM's OpenAI API).
         stop: strings that end generation (matched across token boundaries).
         stop_token_ids: token ids that end generation besides EOS.
-        include_stop_str_in_output: keep the matched stop string in the text.
+        include_stop_str_in_output: keep the matched stop string in the text (and the text of
+            an EOS or stop token that ends the sequence, which is left out otherwise, as in
+            vLLM; its id is in ``token_ids`` either way).
         ignore_eos: keep generating past EOS.
         skip_special_tokens: leave special tokens out of the text.
         logprobs: number of top alternatives (0..20) to return per generated token;
