@@ -290,6 +290,7 @@ BAD_REQUESTS = [
     # (endpoint, raw body, status, param, words in the message)
     ("completions", b'{"prompt": "hi", "max_tokens": ', 400, None, "malformed JSON"),
     ("completions", b'[1, 2]', 400, None, "JSON object"),
+    ("completions", b'{"prompt": "\\ud800 hi"}', 400, None, "lone one is not Unicode text"),
     ("completions", {"prompt": "a" * 10_000_000}, 400, "prompt", "10000000 characters"),
     ("completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
     ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "temperature"),

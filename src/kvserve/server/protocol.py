@@ -200,7 +200,10 @@ def _validation_error(e: ValidationError) -> APIError:
     err = e.errors(include_url=False)[0]
     kind, loc = err.get("type", ""), err.get("loc", ())
     if kind == "json_invalid":
-        return APIError(400, f"malformed JSON in the request body: {err.get('msg')}", code="invalid_json")
+        msg = f"malformed JSON in the request body: {err.get('msg')}"
+        if "hex escape" in str(err.get("msg")):  # the parser's words for an unpaired \ud800-\udfff escape
+            msg += " (a \\uD800-\\uDFFF escape must be half of a surrogate pair: a lone one is not Unicode text)"
+        return APIError(400, msg, code="invalid_json")
     if not loc:
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
     param = str(loc[0])
