@@ -288,8 +288,8 @@ TGT_F32 void kv_gemv_i8(const float* x, int64_t ldx, const int8_t* w, const floa
  * [N/16][K/32][16 k-pairs][16 n][2], so each thread streams its share of output columns as
  * contiguous, software-prefetched runs (two at once for up to 32 rows); every B tile is
  * multiplied with up to 4 tiles of 16 input rows (C tiles 0-3; A tiles loaded from x in place,
- * rows past M from a zero-padded copy). float32 accumulation, bias
- * added in float32, one rounding to bf16 (RNE), like oneDNN. Needs N % 16 == 0, K % 32 == 0. */
+ * rows past M from a zero-padded copy). float32 accumulation, bias added in float32, one
+ * rounding to bf16 (RNE), like oneDNN. Needs N % 16 == 0, K % 32 == 0. */
 #define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,amx-tile,amx-bf16")))
 #define KV_AMX_PF 4 /* B tiles prefetched ahead */
 
@@ -382,8 +382,8 @@ INLINE TGT_AMX void amx_tiles_4x1(const uint16_t* const* ap, const int64_t* la, 
 /* Returns 0, or -1 when a work buffer could not be allocated (y is then incomplete).
  * Up to 32 rows: amx_tiles_2x2 over pairs of column blocks (~15-20% faster there than one
  * block at a time, measured with DRAM-resident weights); more rows: amx_tiles_4x1 over
- * groups of 4 row tiles (the 2x2 blocking would read each B tile twice). Each C tile sums its k steps in the same order
- * either way, so the result does not depend on the blocking. */
+ * groups of 4 row tiles (the 2x2 blocking would read each B tile twice). Each C tile sums
+ * its k steps in the same order either way, so the result does not depend on the blocking. */
 TGT_AMX int kv_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
                           int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t NB = N / 16, KB = K / 32, MT = (M + 15) / 16, rem = M % 16;
