@@ -45,3 +45,8 @@ def test_chat_api_matches_reference(llm_fp32, reference):
     out = llm_fp32.chat(case["messages"], SamplingParams(max_tokens=48, temperature=0))
     assert out.token_ids == case["greedy_ids"]
     assert out.metrics.ttft is not None and out.metrics.ttft > 0
+    # a list of conversations (vLLM's form): one output each, in order
+    other = [{"role": "user", "content": "Say hi."}]
+    outs = llm_fp32.chat([other, case["messages"]], SamplingParams(max_tokens=48, temperature=0))
+    assert len(outs) == 2 and outs[1].token_ids == case["greedy_ids"]
+    assert outs[0].token_ids == llm_fp32.chat(other, SamplingParams(max_tokens=48, temperature=0)).token_ids

@@ -188,11 +188,24 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict],
-        sampling_params: Optional[SamplingParams] = None,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         stream: bool = False,
     ):
-        """Generate a reply to one conversation rendered with the model's chat template."""
-        ids = apply_chat_template(self.tokenizer, messages, add_generation_prompt=True)
-        res = self.generate([ids], sampling_params, stream=stream)
-        return res if stream else res[0]
+        """Generate replies to conversations rendered with the model's chat template.
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content"}`` dicts), or a list
+                of conversations (as vLLM's ``LLM.chat`` takes).
+            sampling_params: one for all conversations, or one per conversation.
+            stream: as in :meth:`generate`.
+
+        Returns:
+            For one conversation its :class:`RequestOutput`; for a list, one per conversation,
+            in order (or the stream of updates).
+        """
+        many = bool(messages) and isinstance(messages[0], (list, tuple))
+        convs = messages if many else [messages]
+        ids = [apply_chat_template(self.tokenizer, m, add_generation_prompt=True) for m in convs]
+        res = self.generate(ids, sampling_params, stream=stream)
+        return res if stream or many else res[0]
