@@ -241,3 +241,22 @@ def test_stop_token_text_left_out_unless_asked(tiny_model_dir):
             [[5, 17, 99]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[stop],
                                          include_stop_str_in_output=keep), stream=True))
         assert streamed == out.text
+
+
+def test_bad_words_as_strings_like_vllm(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4)
+    tok = llm.engine.tokenizer
+    free = llm.generate([[5, 17, 99]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    word = tok.decode(free.token_ids[1:2]).strip()  # a word the model says when free
+    assert word
+    as_text = llm.generate([[5, 17, 99]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                         bad_words=[word]))[0]
+    ids = [list(tok.encode(v, add_special_tokens=False)) for v in (word, " " + word)]
+    as_ids = llm.generate([[5, 17, 99]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                        bad_words=ids))[0]
+    assert as_text.token_ids == as_ids.token_ids != free.token_ids
+    for w in ids:  # no banned sequence is ever completed
+        assert not any(as_text.token_ids[i:i + len(w)] == w for i in range(len(as_text.token_ids)))
+    with pytest.raises(ValueError, match="bad_words must be a list of non-empty strings or non-empty token id"):
+        SamplingParams(bad_words=[""])

@@ -44,7 +44,7 @@ from kvserve.request import (
 from kvserve.sampler import sample_seed
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
-from kvserve.tokenizer import load_tokenizer
+from kvserve.tokenizer import bad_words_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -333,6 +333,9 @@ class LLMEngine:
         # A checked copy: fields may have been changed since the object was built (SamplingParams
         # checks them in __post_init__), and later changes must not reach a running request.
         params = _replace(params)
+        if params.bad_words and any(isinstance(w, str) for w in params.bad_words):
+            params.bad_words = [w for v in params.bad_words
+                                for w in (bad_words_token_ids(self.tokenizer, [v]) if isinstance(v, str) else [v])]
         if isinstance(prompt, (np.ndarray, torch.Tensor)):
             integer = (np.issubdtype(prompt.dtype, np.integer) if isinstance(prompt, np.ndarray)
                        else not (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool))

@@ -47,7 +47,8 @@ class SamplingParams:
         frequency_penalty: -2 ≤ x ≤ 2, OpenAI semantics over output tokens.
         logit_bias: token id → additive bias in [-100, 100].
         allowed_token_ids: if set, every other token is masked.
-        bad_words: token id sequences that must never be completed.
+        bad_words: words that must never be generated: strings (as vLLM takes them; the
+            engine bans each with and without a leading space) or token id sequences.
         seed: makes the random numbers of the request's draws depend only on the seed and
             the step (not on other requests); the model's logits can still differ in their
             last float bits with the batch, which moves a draw that lands that close to a
@@ -152,8 +153,10 @@ class SamplingParams:
                 _int("allowed_token_ids entry", tok, lo=0)
         if self.bad_words is not None:
             for word in self.bad_words:
+                if isinstance(word, str) and word:
+                    continue  # tokenized by the engine
                 if not isinstance(word, (list, tuple)) or len(word) == 0:
-                    raise ValueError("bad_words must be a list of non-empty token id lists")
+                    raise ValueError("bad_words must be a list of non-empty strings or non-empty token id lists")
                 for tok in word:
                     _int("bad_words entry", tok, lo=0)
         _int("seed", self.seed, lo=-(2**63), hi=2**63 - 1, allow_none=True)

@@ -133,3 +133,21 @@ def _check_messages(messages: list[dict]) -> None:
                 f"messages[{i}]['content'] must be a string or a list of content parts, "
                 f"got {type(m['content']).__name__}"
             )
+
+
+def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:
+    """Each bad word as token id sequences, with and without a leading space (vLLM's rule:
+    a word is banned both at the start of the text and after a space).
+
+    Raises:
+        ValueError: an entry is not a non-empty string.
+    """
+    out: list[list[int]] = []
+    for w in words:
+        if not isinstance(w, str) or not w:
+            raise ValueError(f"bad_words entries must be non-empty strings or token id lists, got {w!r}")
+        for variant in (w, " " + w.lstrip(" ")):
+            ids = list(tokenizer.encode(variant, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return out

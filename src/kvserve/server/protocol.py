@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger("kvserve.server")
 
@@ -295,15 +296,10 @@ def _bad_words(words: list[str], tokenizer: Any) -> list[list[int]]:
     """Each word as token ids, with and without a leading space (vLLM's rule)."""
     if tokenizer is None:
         raise APIError(400, "bad_words needs a tokenizer", param="bad_words")
-    out: list[list[int]] = []
-    for w in words:
-        if not w:
-            raise APIError(400, "bad_words must be non-empty strings", param="bad_words")
-        for variant in (w, " " + w.lstrip(" ")):
-            ids = list(tokenizer.encode(variant, add_special_tokens=False))
-            if ids and ids not in out:
-                out.append(ids)
-    return out
+    try:
+        return bad_words_token_ids(tokenizer, words)
+    except ValueError:
+        raise APIError(400, "bad_words must be non-empty strings", param="bad_words") from None
 
 
 def chat_messages(messages: list[Any], continue_final_message: bool = False) -> list[dict]:
