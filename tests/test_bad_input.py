@@ -37,14 +37,12 @@ GOOD = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
                                 ignore_eos=True), "allowed_token_ids: every allowed token is banned"),
         ([5, 6], SamplingParams(max_tokens=4, allowed_token_ids=[7, 9], bad_words=[[7], [9]]),
          "allowed_token_ids: every allowed token is a one-token bad_words entry"),
-        # groups whose sequences cannot all hold their KV at once (32 blocks of 4 tokens)
-        ([5, 6], SamplingParams(max_tokens=30, n=5, seed=0),
-         r"n=5 sequences of prompt \+ max_tokens = 32 tokens need 40 KV blocks side by side, but the whole KV "
-         r"cache has 32 blocks"),
-        ([5, 6, 7, 8, 9], SamplingParams(max_tokens=27, n=1, best_of=6, seed=0),
-         "best_of=6 sequences of prompt .* need 43 KV blocks side by side"),
+        # beams that cannot all hold their KV at once (32 blocks of 4 tokens)
         ([5, 6], SamplingParams(max_tokens=30, use_beam_search=True, beam_width=5, temperature=0),
-         "beam_width=5 sequences"),
+         r"beam_width=5 beams of prompt \+ max_tokens = 32 tokens need 40 KV blocks side by side, but the whole "
+         r"KV cache has 32 blocks"),
+        ([5, 6, 7, 8, 9], SamplingParams(max_tokens=27, use_beam_search=True, beam_width=6),
+         "beam_width=6 beams of prompt .* need 43 KV blocks side by side"),
     ],
 )
 def test_bad_request_rejected_others_finish(tiny_llm, prompt, params, match):
@@ -65,11 +63,27 @@ def test_allowed_tokens_partly_banned_keep_to_the_allowed_ones(tiny_llm):
     assert out.token_ids[:3] == [7, 7, 7] and set(out.token_ids) <= {2, 7}
 
 
-def test_group_that_fits_side_by_side_runs(tiny_llm):
-    # 4 sequences x 8 blocks = 32 blocks: exactly the pool
-    out = tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=30, n=4, seed=0, ignore_eos=True))[0]
+def test_beams_that_fit_side_by_side_run(tiny_llm):
+    # 4 beams x 8 blocks = 32 blocks: exactly the pool
+    out = tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=30, use_beam_search=True, beam_width=4, n=4,
+                                                     ignore_eos=True))[0]
     assert [len(o.token_ids) for o in out.outputs] == [30] * 4
     assert tiny_llm.engine.kv.num_free_blocks == tiny_llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_samples_larger_than_the_pool_together_run_one_by_one(smollm2_path, caching):
+    # 3 samples of 2 blocks each in a pool of 2 blocks: they are preempted and resumed in turn.
+    # With prefix caching, admission used to wait forever on room that its own locked
+    # partial-block copy source held ("scheduler made no progress").
+    llm = LLM(dtype="float32", num_blocks=2, block_size=16, enable_prefix_caching=caching)
+    params = SamplingParams(max_tokens=24, seed=1, n=3, ignore_eos=True)
+    out = llm.generate(["The capital of France is"], params)[0]
+    assert [len(o.token_ids) for o in out.outputs] == [24] * 3
+    assert llm.engine.scheduler.num_preemptions > 0
+    roomy = LLM(dtype="float32", num_blocks=64, block_size=16, enable_prefix_caching=caching)
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in roomy.generate(["The capital of France is"],
+                                                                                        params)[0].outputs]
 
 
 def test_request_larger_than_pool(tiny_model_dir):

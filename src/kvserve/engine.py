@@ -290,18 +290,18 @@ class LLMEngine:
                 f"prompt + max_tokens = {n + max_tokens} tokens needs {need} KV blocks, but the whole "
                 f"KV cache has {self.kv.num_blocks} blocks ({self.kv_spec.capacity_tokens} tokens)"
             )
-        # The sequences of an n / best_of / beam group run side by side: the prompt's full
-        # blocks are shared, everything after them is each sequence's own.
-        seqs = params.beam_width if params.use_beam_search else params.num_samples
-        shared = n // self.kv.block_size
-        group_need = shared + seqs * (need - shared)
-        if seqs > 1 and group_need > self.kv.num_blocks:
-            field = "beam_width" if params.use_beam_search else ("best_of" if params.best_of else "n")
-            raise ValueError(
-                f"{field}={seqs} sequences of prompt + max_tokens = {n + max_tokens} tokens need {group_need} KV "
-                f"blocks side by side, but the whole KV cache has {self.kv.num_blocks} blocks "
-                f"({self.kv_spec.capacity_tokens} tokens)"
-            )
+        if params.use_beam_search and params.beam_width > 1:
+            # Every beam extends each step, so all of them hold their KV side by side (the
+            # prompt's full blocks shared, the rest each beam's own). The samples of n /
+            # best_of need not: they are preempted and resumed one by one like requests.
+            shared = n // self.kv.block_size
+            group_need = shared + params.beam_width * (need - shared)
+            if group_need > self.kv.num_blocks:
+                raise ValueError(
+                    f"beam_width={params.beam_width} beams of prompt + max_tokens = {n + max_tokens} tokens need "
+                    f"{group_need} KV blocks side by side, but the whole KV cache has {self.kv.num_blocks} blocks "
+                    f"({self.kv_spec.capacity_tokens} tokens)"
+                )
         if self.args.max_waiting and len(self.scheduler.waiting) >= self.args.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.args.max_waiting} requests)")
         return max_tokens

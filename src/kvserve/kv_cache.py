@@ -377,6 +377,14 @@ class KVCacheManager:
         computed = len(blocks) * self.block_size + (partial.num_tokens if partial else 0)
         num_new = min(request.num_tokens - computed, token_budget)
         need = self.blocks_needed(computed + num_new) - len(blocks)
+        if partial is not None and num_new > 0 and not self._make_room(need, headroom):
+            # the locked copy source may be the very block that eviction needs (a pool of a
+            # few blocks): recompute that part instead of waiting for room that never comes
+            cache.unlock(partial.node)
+            partial = None
+            computed = len(blocks) * self.block_size
+            num_new = min(request.num_tokens - computed, token_budget)
+            need = self.blocks_needed(computed + num_new) - len(blocks)
         if num_new <= 0 or not self._make_room(need, headroom):
             if cache is not None:
                 if partial is not None:
