@@ -333,9 +333,10 @@ class LLMEngine:
         # A checked copy: fields may have been changed since the object was built (SamplingParams
         # checks them in __post_init__), and later changes must not reach a running request.
         params = _replace(params)
-        if params.bad_words and any(isinstance(w, str) for w in params.bad_words):
-            params.bad_words = [w for v in params.bad_words
-                                for w in (bad_words_token_ids(self.tokenizer, [v]) if isinstance(v, str) else [v])]
+        if params.bad_words and any(isinstance(w, str) for w in params.bad_words):  # vLLM's form: strings
+            words = [w for w in params.bad_words if isinstance(w, str)]
+            params.bad_words = ([w for w in params.bad_words if not isinstance(w, str)]
+                                + bad_words_token_ids(self.tokenizer, words))
         if isinstance(prompt, (np.ndarray, torch.Tensor)):
             integer = (np.issubdtype(prompt.dtype, np.integer) if isinstance(prompt, np.ndarray)
                        else not (prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool))

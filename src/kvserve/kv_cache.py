@@ -377,7 +377,8 @@ class KVCacheManager:
         computed = len(blocks) * self.block_size + (partial.num_tokens if partial else 0)
         num_new = min(request.num_tokens - computed, token_budget)
         need = self.blocks_needed(computed + num_new) - len(blocks)
-        if partial is not None and num_new > 0 and not self._make_room(need, headroom):
+        room = num_new > 0 and self._make_room(need, headroom)
+        if not room and partial is not None and num_new > 0:
             # the locked copy source may be the very block that eviction needs (a pool of a
             # few blocks): recompute that part instead of waiting for room that never comes
             cache.unlock(partial.node)
@@ -385,7 +386,8 @@ class KVCacheManager:
             computed = len(blocks) * self.block_size
             num_new = min(request.num_tokens - computed, token_budget)
             need = self.blocks_needed(computed + num_new) - len(blocks)
-        if num_new <= 0 or not self._make_room(need, headroom):
+            room = num_new > 0 and self._make_room(need, headroom)
+        if not room:
             if cache is not None:
                 if partial is not None:
                     cache.unlock(partial.node)
