@@ -12,6 +12,7 @@ prompt is computed once.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -401,7 +402,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns an output for every request that changed."""
+        """Run one scheduling step; returns an output for every request that changed.
+
+        A request whose own bookkeeping raises (sampling results, stop checks,
+        detokenization, forking, its output) finishes with ``finish_reason="error"`` and the
+        message in ``RequestOutput.error``; its blocks are freed and the other requests go on.
+        An exception in scheduling or in the model itself still propagates.
+        """
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
@@ -413,10 +420,15 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
             self.num_prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
         result = self.runner.execute(sched)
+        # From here on the work is per request: an exception in one request's bookkeeping
+        # (a bug, or a tokenizer that chokes on its text) fails that request alone, with
+        # finish_reason "error"; the others in the batch go on.
+        failed: dict[str, tuple[RequestGroup, Exception]] = {}
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
-            self.kv.cache_computed(req)  # before _fork_pending: forks share the cached prompt
-        self._fork_pending(sched)
+            with self._isolated(req, failed):
+                self.kv.cache_computed(req)  # before _fork_pending: forks share the cached prompt
+        self._fork_pending(sched, failed)
         by_id = {r.request_id: r for r, _ in sched.scheduled}
         for rid, lps in result.prompt_logprobs.items():
             req = by_id[rid]
@@ -433,24 +445,65 @@ class LLMEngine:
             top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
             now = time.perf_counter()
             for i, req in enumerate(result.sample_requests):
-                group = self._seq_to_group[req.request_id]
-                if group.beam is not None:
-                    group.beam_rows[req.request_id] = result.beam_topk[req.request_id]
-                    if self._advance_beams(group):
-                        changed[req.parent_id] = group
+                group = self._seq_to_group.get(req.request_id)
+                if group is None or group.request_id in failed:
                     continue
-                k = req.sampling_params.logprobs
-                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if (k and top_ids is not None) else []
-                self._append_token(req, toks[i], TokenLogprob(toks[i], lps[i], ranks[i], top), now)
-                changed[req.parent_id] = group
+                with self._isolated(req, failed):
+                    if group.beam is not None:
+                        group.beam_rows[req.request_id] = result.beam_topk[req.request_id]
+                        if self._advance_beams(group):
+                            changed[group.request_id] = group
+                        continue
+                    k = req.sampling_params.logprobs
+                    top = list(zip(top_ids[i][:k], top_lps[i][:k])) if (k and top_ids is not None) else []
+                    self._append_token(req, toks[i], TokenLogprob(toks[i], lps[i], ranks[i], top), now)
+                    changed[group.request_id] = group
         outputs = []
         for rid, group in changed.items():
-            outputs.append(self._make_output(group))
-            if group.finished:
-                self.groups.pop(rid, None)
-                for s in group.seqs:
-                    self._seq_to_group.pop(s.request_id, None)
+            if rid in failed:
+                continue
+            with self._isolated(group.seqs[0], failed):
+                outputs.append(self._make_output(group))
+                if group.finished:
+                    self._retire(group)
+        outputs.extend(self._fail_group(group, e) for group, e in failed.values())
         return outputs
+
+    @contextlib.contextmanager
+    def _isolated(self, req: Request, failed: dict[str, tuple[RequestGroup, Exception]]):
+        """Record an exception raised inside the block as the failure of ``req``'s group."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any bug in one request's bookkeeping
+            group = self._seq_to_group.get(req.request_id)
+            if group is None:
+                raise  # not a live request: the engine's own state is at fault
+            failed.setdefault(group.request_id, (group, e))
+
+    def _retire(self, group: RequestGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for s in group.seqs:
+            self._seq_to_group.pop(s.request_id, None)
+
+    def _fail_group(self, group: RequestGroup, error: Exception) -> RequestOutput:
+        """Finish every sequence of a group whose bookkeeping raised: ``finish_reason="error"``,
+        the message in ``RequestOutput.error``; its KV blocks are freed (not cached)."""
+        logger.error("request %s failed; the engine goes on without it", group.request_id, exc_info=error)
+        msg = f"{type(error).__name__}: {error}"
+        group.pending_forks.clear()
+        now = time.perf_counter()
+        for s in group.seqs:
+            s.error = msg
+            if not s.is_finished:
+                s.metrics.finished_time = now
+                self.scheduler.finish_request(s, RequestStatus.FINISHED_ERROR)
+        self._retire(group)
+        lead = group.seqs[0]
+        outs = [CompletionOutput(index=i, text=s.output_text, token_ids=list(s.output_token_ids),
+                                 finish_reason="error", cumulative_logprob=s.cumulative_logprob)
+                for i, s in enumerate(group.seqs[: group.params.n])]
+        return RequestOutput(group.request_id, lead.prompt, lead.prompt_token_ids, outs, True, lead.metrics,
+                             num_cached_tokens=lead.num_cached_tokens, error=msg)
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprob, now: float) -> None:
         req.output_token_ids.append(tok)
@@ -542,18 +595,19 @@ class LLMEngine:
             return True
         return False
 
-    def _fork_pending(self, sched) -> None:
+    def _fork_pending(self, sched, failed: dict[str, tuple[RequestGroup, Exception]]) -> None:
         """Start the other samples of groups whose first sequence just computed its prompt."""
         for req, _ in sched.scheduled:
             group = self._seq_to_group.get(req.request_id)
-            if group is None or not group.pending_forks or req is not group.seqs[0]:
+            if group is None or not group.pending_forks or req is not group.seqs[0] or group.request_id in failed:
                 continue
             if req.num_computed_tokens < req.num_prompt_tokens:
                 continue
-            for child in group.pending_forks:
-                self.fork_prompt(req, child)
-                self.scheduler.add_request(child)
-            group.pending_forks = []
+            with self._isolated(req, failed):
+                while group.pending_forks:
+                    child = group.pending_forks.pop(0)
+                    self.fork_prompt(req, child)
+                    self.scheduler.add_request(child)
 
     def fork_prompt(self, src: Request, dst: Request) -> None:
         """Give ``dst`` the KV of ``src``'s prompt except its last token.

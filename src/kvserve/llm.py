@@ -121,7 +121,9 @@ class LLM:
 
         Returns:
             One :class:`RequestOutput` per prompt, in order (text, token ids, finish reason,
-            metrics with TTFT and decode tokens/s).
+            metrics with TTFT and decode tokens/s). A request that failed inside the engine
+            (a bug; the engine logs its traceback) has ``finish_reason == "error"``, the
+            message in ``.error`` and the tokens it had; the others are unaffected.
 
         Raises:
             TypeError: ``prompts`` is none of the accepted forms (a 1-D integer numpy array or

@@ -283,6 +283,8 @@ class OpenAIServer:
                     raise APIError(499, "client disconnected")
                 if isinstance(out, Exception):
                     raise self._engine_error(out, "prompt")
+                if out.error is not None:
+                    raise _request_failed(out)
                 if out.finished:
                     finals[tag] = out
                     sub.finished.add(tag)
@@ -331,7 +333,7 @@ class OpenAIServer:
         One chunk per choice in ``opening``; then, as the engine's updates arrive, one chunk
         per sequence with new text or a finish reason (``choice(tag, output)`` builds its
         choice; a choice's finish reason is sent once, in its last chunk), or an error event if
-        the engine fails; the usage chunk when
+        the engine or this request fails inside it; the usage chunk when
         ``stream_options.include_usage``; ``data: [DONE]``. Unfinished requests are aborted
         however the stream ends.
         """
@@ -350,6 +352,9 @@ class OpenAIServer:
                 tag, out = await sub.queue.get()
                 if isinstance(out, Exception):
                     yield _sse(self._engine_error(out, prompt_param).to_dict())
+                    break
+                if out.error is not None:
+                    yield _sse(_request_failed(out).to_dict())
                     break
                 if out.finished:
                     finals[tag] = out
@@ -580,6 +585,12 @@ def _in_batch(err: APIError, index: int) -> APIError:
     """``err`` about prompt ``index`` of a batch, saying which prompt it is."""
     return APIError(err.status, f"{err.message} (prompt {index} of the batch)", type=err.type, param=err.param,
                     code=err.code)
+
+
+def _request_failed(out: RequestOutput) -> APIError:
+    """The 500 for a request that failed inside the engine (the other requests went on)."""
+    return APIError(500, f"request {out.request_id} failed inside the engine: {out.error}", type="server_error",
+                    code="internal_error")
 
 
 def _prompt_list(prompt) -> list:
