@@ -86,6 +86,25 @@ def test_samples_larger_than_the_pool_together_run_one_by_one(smollm2_path, cach
                                                                                         params)[0].outputs]
 
 
+@pytest.mark.parametrize("prompt_len", [96, 90])
+def test_samples_that_each_need_most_of_the_pool(smollm2_path, prompt_len):
+    # 2 samples of prompt + 32 tokens (8 blocks) in a pool of 8 blocks. The forked sample
+    # copies the block of the last prompt position; once it had computed that block again,
+    # its prefix-cache lock pinned the original (cached) block, which it does not read, so
+    # the pool ran dry with nothing evictable ("scheduler made no progress"). Now it switches
+    # to the cached block and frees its duplicate.
+    prompt = list(range(1000, 1000 + prompt_len))
+    params = SamplingParams(max_tokens=32, seed=1, n=2, ignore_eos=True)
+    llm = LLM(dtype="float32", num_blocks=8, block_size=16)
+    out = llm.generate([prompt], params)[0]
+    assert [len(o.token_ids) for o in out.outputs] == [32, 32]
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.kv.check_invariants()
+    assert llm.engine.kv.num_free_blocks == 8
+    roomy = LLM(dtype="float32", num_blocks=64, block_size=16)
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in roomy.generate([prompt], params)[0].outputs]
+
+
 def test_request_larger_than_pool(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     llm = LLM(model=str(folder), dtype="float32", num_blocks=4, block_size=4, max_model_len=64)

@@ -431,6 +431,24 @@ class KVCacheManager:
             return
         table = self.block_tables[request.request_id]
         new = self.cache.insert(self.namespace(request), _tokens(request, full * bs), table[:full], start=node)
+        # Where the tree already held these tokens in other blocks (a forked sample's copied
+        # block, or two requests computing the same prompt at once), the request switches to
+        # the tree's blocks and frees its duplicates: its lock must pin exactly the blocks it
+        # reads, or a locked block that no request reads could never be evicted (a pool of a
+        # few blocks then stalls) and the duplicates would hold memory for nothing.
+        cached: list[int] = []
+        n: Optional[RadixNode] = new
+        while n is not None and n is not node:
+            cached[:0] = n.blocks
+            n = n.parent
+        if n is None:  # (cannot happen: insert walks down from node)
+            cached = []
+        first = full - len(cached)
+        for i, b in enumerate(cached):
+            if table[first + i] != b:
+                self.pool.incref([b])
+                self.pool.decref([table[first + i]])
+                table[first + i] = b
         self.cache.move_lock(node, new)
         self._nodes[request.request_id] = new
 
