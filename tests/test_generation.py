@@ -1,6 +1,7 @@
 """Generation features on SmolLM2 (float32): logprobs against transformers, stop strings,
 streaming, UTF-8 safety, seeds, n > 1."""
 
+import itertools
 import math
 
 import pytest
@@ -177,6 +178,26 @@ def test_streams_only_yield_their_own_requests_and_closing_one_aborts_it(llm_fp3
         break  # the generator is closed here: both requests are aborted
     assert not llm_fp32.engine.has_unfinished_requests()
     assert llm_fp32.generate(["Hello"], sp)[0].outputs[0].text == want["Hello"]
+
+
+def test_streams_iterated_in_turn_each_get_their_deltas_in_order(llm_fp32):
+    # Each stream's step outputs are all filed before one is yielded: a stream resumed after
+    # the other one stepped used to file the rest of its old step's outputs for the other
+    # stream behind newer ones (deltas out of order, the last ones never delivered).
+    sp = SamplingParams(max_tokens=10, temperature=0)
+    prompts = ["Once upon a time", "The capital of France is"]
+    want = [o.outputs[0].text for o in llm_fp32.generate(prompts, sp)]
+    a, b = (llm_fp32.generate([p], sp, stream=True) for p in prompts)
+    got = [[], []]
+    for ua, ub in itertools.zip_longest(a, b):
+        for i, u in enumerate((ua, ub)):
+            if u is not None:
+                got[i].append(u)
+    for i in range(2):
+        assert "".join(u.outputs[0].delta_text for u in got[i]) == want[i] == got[i][-1].outputs[0].text
+        assert got[i][-1].finished and not any(u.finished for u in got[i][:-1])
+        assert [len(u.outputs[0].token_ids) for u in got[i]] == sorted(len(u.outputs[0].token_ids) for u in got[i])
+    assert not llm_fp32._pending
 
 
 @pytest.mark.parametrize("engine_kw", [dict(max_num_batched_tokens=1), dict(max_num_batched_tokens=4),

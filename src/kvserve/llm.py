@@ -165,24 +165,24 @@ class LLM:
         of an abandoned one) aborts the requests that have not finished, so they cost nothing
         afterwards.
         """
-        mine = {i for i in ids if i is not None}
-        left = set(mine)
+        order = [i for i in ids if i is not None]
+        left = set(order)
         try:
             while left:
-                for rid in sorted(left):  # outputs another call stepped for us
-                    for out in self._pending.pop(rid, ()):
-                        if out.finished:
-                            left.discard(rid)
-                        yield out
-                if not left or not self.engine.has_unfinished_requests():
+                ready = [i for i in order if i in left and i in self._pending]
+                if ready:  # (filed by this call or by another one that stepped meanwhile)
+                    for rid in ready:
+                        for out in self._pending.pop(rid, ()):
+                            if out.finished:
+                                left.discard(rid)
+                            yield out
+                    continue  # more may have been filed while this generator was paused
+                if not self.engine.has_unfinished_requests():
                     break
+                # every output of the step is filed before any is yielded: a paused stream
+                # must find its outputs in order when it resumes, whoever stepped meanwhile
                 for out in self.engine.step():
-                    if out.request_id in mine:
-                        if out.finished:
-                            left.discard(out.request_id)
-                        yield out
-                    else:
-                        self._pending.setdefault(out.request_id, []).append(out)
+                    self._pending.setdefault(out.request_id, []).append(out)
         finally:
             for rid in left:
                 self.engine.abort_request(rid)
