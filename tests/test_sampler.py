@@ -433,11 +433,29 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert out.sampled_token_ids.item() == 2
 
 
-def test_everything_masked_falls_back_to_raw():
+def test_everything_masked_keeps_allowed_token_ids():
+    # allowed_token_ids is a hard constraint: when bans leave no token (here a two-token bad
+    # word that only the output so far completes), the bans yield for that row, not the
+    # allowed set (the row used to fall back to the raw logits: a token outside the set)
+    logits = _random_logits(B=3, V=10)
+    logits[:, 7] = 50.0  # the raw argmax, never allowed
+    rows = [SamplingRow(SamplingParams(allowed_token_ids=[3], bad_words=[[3]], temperature=0.0), [], [], 0, None),
+            SamplingRow(SamplingParams(allowed_token_ids=[4], bad_words=[[4, 4]], temperature=0.0), [1], [4], 0, None),
+            SamplingRow(SamplingParams(allowed_token_ids=[4, 5], bad_words=[[4, 4]], seed=1), [1], [4], 0, None)]
+    assert _sample(logits, rows).sampled_token_ids.tolist() == [3, 4, 5]
+    draws = _draw_counts(logits[0], SamplingParams(allowed_token_ids=[2, 3], bad_words=[[2], [3]]))
+    assert set(np.flatnonzero(draws)) <= {2, 3}
+
+
+def test_tiny_repetition_penalty_stays_finite():
+    # 1e-38 divides a positive logit past float32's range: capped at its largest value, the
+    # repeated token becomes certain (it used to be +inf, then NaN and a garbage token)
     logits = _random_logits(B=1, V=10)
-    params = SamplingParams(allowed_token_ids=[3], bad_words=[[3]], temperature=0.0)
-    out = _sample(logits, [SamplingRow(params, [], [], 0, None)])
-    assert out.sampled_token_ids.item() == logits.argmax().item()
+    logits[0, 6] = 2.0
+    for penalty in (1e-38, 1e-45):
+        params = SamplingParams(repetition_penalty=penalty, seed=1)
+        assert torch.isfinite(_process(logits, _rows(params, prompt=[6]))).all()
+        assert _sample(logits, _rows(params, prompt=[6])).sampled_token_ids.item() == 6
 
 
 def test_token_ids_outside_vocab_rejected():

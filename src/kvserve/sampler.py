@@ -57,8 +57,10 @@ The result never depends on the order in which a sort returns tied tokens.
 
 Logits must be finite or ``-inf`` (``+inf``/NaN are not supported). If steps 1-2
 leave a row with no finite logit (e.g. ``allowed_token_ids`` all banned
-by ``bad_words`` or ``min_tokens``), that row falls back to its raw logits rather than
-producing garbage; the engine should reject such requests at admission.
+by ``bad_words`` or ``min_tokens``), that row is processed again without the bans:
+``allowed_token_ids`` is a hard constraint, bad words and min_tokens yield to it (the
+engine rejects at admission the requests where that is certain: every allowed token a
+one-token bad word, or a stop/EOS token under min_tokens).
 
 Randomness
 ----------
@@ -644,8 +646,17 @@ def process_logits(raw: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     _penalize(x, meta)
     if meta.any_masked:  # steps 1-2 may have masked a whole row
         dead = torch.isneginf(x.amax(dim=-1))
-        if bool(dead.any()):  # every token masked: fall back to the raw logits
-            x[dead] = raw[dead]
+        if bool(dead.any()):
+            # Every token masked (the allowed tokens all banned, e.g. by a multi-token bad
+            # word that admission cannot foresee): drop the bans for that row, keep the rest.
+            # allowed_token_ids is a hard constraint; bad_words and min_tokens yield to it.
+            y = raw.clone(memory_format=torch.contiguous_format)
+            if meta.logit_bias is not None:
+                y.view(-1).index_add_(0, meta.logit_bias.flat, meta.logit_bias.values)
+            if meta.allowed is not None:
+                y = _on_rows(y, meta.allowed_rows, lambda sub: _keep_only(sub, meta.allowed))
+            _penalize(y, meta)
+            x[dead] = y[dead]
     return x
 
 
@@ -656,7 +667,10 @@ def _penalize(x: torch.Tensor, meta: SamplingMetadata, rep_values: Optional[torc
     if meta.repetition is not None:
         e = meta.repetition
         v = xf.index_select(0, e.flat) if rep_values is None else rep_values
-        xf.index_copy_(0, e.flat, torch.where(v < 0, v * e.values, v / e.values))
+        # (a tiny penalty overflows a positive logit: cap it at the dtype's largest value,
+        # which keeps the token certain instead of giving +inf and then NaN)
+        pen = torch.where(v < 0, v * e.values, v / e.values).clamp_(max=torch.finfo(x.dtype).max)
+        xf.index_copy_(0, e.flat, pen)
     if meta.freq_presence is not None:
         xf.index_add_(0, meta.freq_presence.flat, meta.freq_presence.values)
 
