@@ -510,10 +510,17 @@ def test_queue_full_503(tiny_folder):
 def test_batch_that_overfills_the_queue_runs_nothing(tiny_folder):
     with ServerThread(_engine(tiny_folder, num_blocks=64, max_waiting=2), names=["tiny"]) as s:
         s.api.async_engine.pause()  # nothing leaves the waiting queue
+        s.engine_call(lambda e: e.add_request([5, 6], SamplingParams(max_tokens=2), request_id="waiting"))
+        r = httpx.post(s.base_url + "/v1/completions", timeout=60,
+                       json={"prompt": [[5, 6], [7, 8]], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert s.engine_call(lambda e: (len(e.scheduler.waiting), list(e.groups))) == (1, ["waiting"])
+        s.engine_call(lambda e: e.abort_request("waiting"))
+        # a batch larger than the whole queue could never run: 400, not "retry later"
         r = httpx.post(s.base_url + "/v1/completions", timeout=60,
                        json={"prompt": [[5, 6], [7, 8], [9, 10]], "max_tokens": 2})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
-        assert s.engine_call(lambda e: (len(e.scheduler.waiting), len(e.groups))) == (0, 0)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert "a batch of 3 prompts exceeds the waiting-queue limit of this server (2 requests" in r.text
         s.api.async_engine.resume()
         r = httpx.post(s.base_url + "/v1/completions", timeout=60,
                        json={"prompt": [[5, 6], [7, 8]], "max_tokens": 2})

@@ -142,7 +142,8 @@ class AsyncEngine:
         ``(tag, RequestOutput)``.
 
         Raises:
-            ValueError: the engine rejected a request (prompt too long, bad token ids...).
+            ValueError: the engine rejected a request (prompt too long, bad token ids...), or
+                the batch is larger than the engine's whole waiting queue (``max_waiting``).
             QueueFullError: the waiting queue is full.
             EngineStoppedError: the engine is not running.
             The exception's ``request_index`` attribute is the position in ``requests`` of the
@@ -150,6 +151,10 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineStoppedError("the engine is not running")
+        limit = self.engine.args.max_waiting
+        if limit and len(requests) > limit:  # could never be queued, however long the client waits
+            raise ValueError(f"prompt: a batch of {len(requests)} prompts exceeds the waiting-queue limit of this "
+                             f"server ({limit} requests, --max-waiting); send at most {limit} at a time")
         fut = asyncio.get_running_loop().create_future()
         arrival = time.perf_counter() if arrival is None else arrival
         items = [(rid, list(ids), tag) for rid, ids, tag in requests]
