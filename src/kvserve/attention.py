@@ -185,7 +185,7 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
     :mod:`kvserve.kernels.cpu_ops` (reading K/V through the block tables, no gather, GQA
     without repeating KV). Prefill chunks run on the AMX prefill kernel where it applies
     (bf16, AMX CPUs: :func:`kvserve.kernels.cpu_ops.amx_prefill_supported`; ~2x SDPA on
-    SmolLM2's prompts) and on SDPA as in :class:`TorchSDPABackend` otherwise.
+    SmolLM2's prompts in its first version, 1.3x that since) and on SDPA as in :class:`TorchSDPABackend` otherwise.
 
     Requires float32/bfloat16 CPU tensors and :func:`kvserve.kernels.cpu_ops.available`.
     """

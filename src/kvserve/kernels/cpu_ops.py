@@ -576,22 +576,20 @@ INLINE TGT void prefetch_kv_l2(const uint16_t* kc, const uint16_t* vc, const int
 
 /* Up to 16 query columns over the KV heads [g0, g0 + ns) of one sequence (block table bt).
  * Column n: query qn[n] and output on[n] (hd values each), local KV head gl[n] in [0, ns),
- * attending to the first Ln[n] tokens (Ln[n] = 0 for unused columns n >= nq). Decode uses
- * one token's heads as columns; prefill uses G heads of a few consecutive tokens with causal
- * lengths. Scratch (per thread): qb [NC][16][32] u16, sc [Lp][16] f32, p [16][Lp] u16,
- * vb [4][16][32] u16, ct [4][16][16] f32, NC = ns * hd / 32, Lp = max(Ln) rounded up to 32.
- * prefetch: first pull the columns' K and V into L2 (prefetch_kv_l2; decode, where they come
- * from DRAM, not prefill, where a chunk's own K/V were just written and are in cache). */
+ * attending to the first Ln[n] tokens (Ln[n] = 0 for unused columns n >= nq); decode uses
+ * one token's heads as columns. Scratch (per thread): qb [NC][16][32] u16, sc [Lp][16] f32,
+ * p [16][Lp] u16, vb [4][16][32] u16, ct [4][16][16] f32, NC = ns * hd / 32, Lp = max(Ln)
+ * rounded up to 32. The columns' K and V are first pulled into L2 (prefetch_kv_l2: in decode
+ * they come from DRAM). */
 static TGT_AMX void attn_amx_cols(const uint16_t* kc, const uint16_t* vc, const int64_t* bt, int64_t nq,
                                   const uint16_t* const* qn, uint16_t* const* on, const int64_t* gl_n,
                                   const int32_t* Ln, int64_t KVH, int64_t hd, int64_t bs, float scale, int64_t g0,
-                                  int64_t ns, uint16_t* qb, float* sc, uint16_t* p, uint16_t* vb, float* ct,
-                                  int prefetch) {
+                                  int64_t ns, uint16_t* qb, float* sc, uint16_t* p, uint16_t* vb, float* ct) {
     const int64_t rs = KVH * hd, NC = ns * hd / 32;
     int64_t L = 0;
     for (int64_t n = 0; n < nq; n++) L = Ln[n] > L ? Ln[n] : L;
     const int64_t Lp = (L + 31) & ~(int64_t)31;
-    if (prefetch) prefetch_kv_l2(kc, vc, bt, L, bs, rs, g0 * hd, ns * hd * 2);
+    prefetch_kv_l2(kc, vc, bt, L, bs, rs, g0 * hd, ns * hd * 2);
     /* Qbd: chunk c covers dims [32c, 32c + 32) of the set's row slice, i.e. local KV head
      * c * 32 / hd; row k of its tile holds dims (2k, 2k + 1) of every column of that head. */
     memset(qb, 0, (size_t)NC * 1024);
@@ -760,7 +758,7 @@ static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const uint16_t*
                 Ln[n] = (int32_t)ctx[d];
             }
             attn_amx_cols(kc, vc, block_tables + d * bt_stride, nq, qn, on, gl, Ln, KVH, hd, bs, scale, g0, ns, qb,
-                          sc, p, vb, ct, 1);
+                          sc, p, vb, ct);
         }
         if (buf) _tile_release();
         free(buf);
@@ -768,62 +766,219 @@ static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const uint16_t*
     return failed ? -1 : 0;
 }
 
+/* ---- Causal prefill attention on AMX tiles ------------------------------------------------
+ * A work item is 16 consecutive tokens of a chunk and one query head; the tokens are the tile
+ * columns and the keys the rows, so the softmax runs key-major (one vector per key holds the
+ * 16 tokens' scores: no horizontal sums, each lane with its own causal length) and
+ *   scores^T [16 keys x 16 tokens] += K [16 keys x 32 dims] * Q^T [32 dims x 16 tokens]
+ *     (K read from the cache as stored: 16 rows of a block per tile),
+ *   out^T [16 dims x 16 tokens] += V^T [16 dims x 32 keys] * P^T [32 keys x 16 tokens]
+ *     (V^T packed once per chunk and KV head by pack_vt_prefill, so the G query heads of a KV
+ *     head and all token blocks read it as it is; P^T built in the tiles' key-pair layout).
+ * Softmax as in the decode kernel: float32, exact two-pass, probabilities rounded to bf16 for
+ * the product, 1 / sum applied to the float32 result. */
+
+/* Keys [k0, k1) (multiples of 32) of KV head g of a sequence with L cached keys (block table
+ * bt) as V^T tiles: per 32-key tile kt and 16-dim block b, 1 KiB whose row d holds dim
+ * 16 b + d of keys 32 kt .. 32 kt + 31. Keys >= L are zero (never NaN from unwritten slots). */
+static TGT_AMX void pack_vt_prefill(const uint16_t* vc, const int64_t* bt, int64_t L, int64_t KVH, int64_t g,
+                                    int64_t hd, int64_t bs, int64_t k0, int64_t k1, uint16_t* vt) {
+    const int64_t rs = KVH * hd, NB = hd / 16;
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t j0 = k0; j0 < k1; j0 += 32)
+        for (int64_t w = 0; w < hd / 32; w++) {
+            __m512 r0[16], r1[16]; /* row pp: (key 2pp, key 2pp + 1) pairs of dims 32w .. +15, +16 .. +31 */
+            for (int64_t pp = 0; pp < 16; pp++) {
+                const int64_t ja = j0 + 2 * pp, jb = ja + 1;
+                const __m512i a = ja < L ? _mm512_loadu_si512(vc + (bt[ja / bs] * bs + ja % bs) * rs + g * hd + w * 32)
+                                         : _mm512_setzero_si512();
+                const __m512i b = jb < L ? _mm512_loadu_si512(vc + (bt[jb / bs] * bs + jb % bs) * rs + g * hd + w * 32)
+                                         : _mm512_setzero_si512();
+                /* unpack{lo,hi} pair dims {0-3, 8-11, 16-19, 24-27} and {4-7, ...}; put them in order */
+                const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+                r0[pp] = _mm512_castsi512_ps(_mm512_permutex2var_epi32(lo, i0, hi));
+                r1[pp] = _mm512_castsi512_ps(_mm512_permutex2var_epi32(lo, i1, hi));
+            }
+            transpose16(r0); /* row d: the 16 key pairs of dim d (moves bits only) */
+            transpose16(r1);
+            uint16_t* t = vt + ((j0 / 32) * NB + 2 * w) * 512;
+            for (int64_t d = 0; d < 16; d++) {
+                _mm512_storeu_ps(t + d * 32, r0[d]);
+                _mm512_storeu_ps(t + 512 + d * 32, r1[d]);
+            }
+        }
+}
+
+/* One work item: tokens n < nt (nt <= 16) with queries q + n * ldq (one head, hd dims), token
+ * n attending to keys [0, past + n + 1) of its sequence (K in the cache through block table
+ * bt, KV head g; V^T packed in vt); results to out + n * ldo. Scratch: qt [hd / 32][16][32]
+ * u16, sc [Lp][16] f32, pt [Lp / 2][32] u16, ct [4][16][16] f32, Lp = past + nt rounded up
+ * to 32. */
+static TGT_AMX void prefill_cols(const uint16_t* q, int64_t ldq, uint16_t* out, int64_t ldo, int64_t nt,
+                                 int64_t past, const uint16_t* kc, const int64_t* bt, int64_t KVH, int64_t g,
+                                 const uint16_t* vt, int64_t hd, int64_t bs, float scale, uint16_t* qt, float* sc,
+                                 uint16_t* pt, float* ct) {
+    const int64_t NC = hd / 32, NB = hd / 16, rs = KVH * hd, L = past + nt;
+    const int64_t Lp = (L + 31) & ~(int64_t)31;
+    for (int64_t c = 0; c < NC; c++) { /* Q^T tiles: row r = dim pair (32c + 2r, +1) of every token */
+        __m512 r[16];
+        for (int64_t n = 0; n < 16; n++)
+            r[n] = n < nt ? _mm512_loadu_ps(q + n * ldq + c * 32) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(qt + c * 512 + d * 32, r[d]);
+    }
+    for (int64_t j0 = 0; j0 < L; j0 += 16) { /* scores^T, 16 keys (within one block) at a time */
+        const uint16_t* kb = kc + (bt[j0 / bs] * bs + j0 % bs) * rs + g * hd;
+        _tile_zero(0);
+        for (int64_t c = 0; c < NC; c++) {
+            _tile_loadd(1, kb + c * 32, rs * 2);
+            _tile_loadd(2, qt + c * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sc + j0 * 16, 64);
+    }
+    /* softmax over keys, one lane per token; key j counts for token n iff j <= past + n */
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lens = _mm512_add_epi32(_mm512_set1_epi32((int)past + 1), iota);
+    const __m512 vs = _mm512_set1_ps(scale);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j <= past; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j * 16)); /* every token */
+    for (int64_t j = past + 1; j < L; j++) {
+        const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)j), lens);
+        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sc + j * 16));
+    }
+    const __m512 nms = _mm512_mul_ps(mx, _mm512_set1_ps(-scale)); /* -max(score) * scale (scale > 0) */
+    /* word indices 0, 16, 1, 17, ..., 15, 31: dword k = k | (k + 16) << 16 */
+    const __m512i pairs = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(65537)),
+                                           _mm512_set1_epi32(16 << 16));
+    __m512 sum = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 1 <= past; j += 2) { /* P^T rows: (key j, key j + 1) pairs; keys every token sees */
+        const __m512 e0 = exp_ps(_mm512_fmadd_ps(_mm512_loadu_ps(sc + j * 16), vs, nms));
+        const __m512 e1 = exp_ps(_mm512_fmadd_ps(_mm512_loadu_ps(sc + (j + 1) * 16), vs, nms));
+        sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+        _mm512_storeu_si512(pt + j * 16, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+    }
+    for (; j < Lp; j += 2) { /* the rest, masked per token */
+        __m512 e[2];
+        for (int64_t i = 0; i < 2; i++) {
+            const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)(j + i)), lens);
+            e[i] = j + i < L ? _mm512_maskz_mov_ps(m, exp_ps(_mm512_fmadd_ps(_mm512_loadu_ps(sc + (j + i) * 16), vs, nms)))
+                             : _mm512_setzero_ps();
+            sum = _mm512_add_ps(sum, e[i]);
+        }
+        _mm512_storeu_si512(pt + j * 16, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0])));
+    }
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
+    for (int64_t b0 = 0; b0 < NB; b0 += 4) { /* out^T, 64 dims (4 tiles) at a time */
+        const int64_t nb = NB - b0 < 4 ? NB - b0 : 4;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k0 = 0; k0 < Lp; k0 += 32) {
+            const uint16_t* vk = vt + ((k0 / 32) * NB + b0) * 512;
+            _tile_loadd(4, pt + k0 * 16, 64);
+            _tile_loadd(5, vk, 64);
+            _tile_dpbf16ps(0, 5, 4);
+            if (nb > 1) { _tile_loadd(6, vk + 512, 64); _tile_dpbf16ps(1, 6, 4); }
+            if (nb > 2) { _tile_loadd(7, vk + 1024, 64); _tile_dpbf16ps(2, 7, 4); }
+            if (nb > 3) { _tile_loadd(5, vk + 1536, 64); _tile_dpbf16ps(3, 5, 4); }
+        }
+        _tile_stored(0, ct, 64); _tile_stored(1, ct + 256, 64);
+        _tile_stored(2, ct + 512, 64); _tile_stored(3, ct + 768, 64);
+        for (int64_t b = 0; b < nb; b++) {
+            __m512 r[16]; /* row d: dim 16 (b0 + b) + d of every token -> row n: token n's 16 dims */
+            for (int64_t d = 0; d < 16; d++) r[d] = _mm512_mul_ps(_mm512_loadu_ps(ct + b * 256 + d * 16), inv);
+            transpose16(r);
+            for (int64_t n = 0; n < nt; n++)
+                _mm256_storeu_si256((__m256i*)(out + n * ldo + (b0 + b) * 16), ps_to_bf16x16(r[n]));
+        }
+    }
+}
+
 /* Causal prefill attention on AMX tiles (bf16 caches, AMX enabled, hd % 32 == 0,
  * bs % 16 == 0, G <= 16): for each of P chunks, seg[3p .. 3p + 2] = (first row of the chunk
  * in q/out, its tokens n, tokens of the sequence already cached before it); the chunk's K/V
  * must already be in the cache. Token t of a chunk attends to the first num_past + t + 1
- * tokens of its sequence (block table row p). Work items: a chunk, a KV head and 16 / G
- * consecutive tokens, whose G query heads each are the tile columns. Returns 0, -1 when a
- * work buffer could not be allocated, -2 when the AMX path is not available for the shape. */
+ * tokens of its sequence (block table row p). First each chunk's V per KV head is packed as
+ * V^T tiles (pack_vt_prefill; work items of 128 keys), then the work items of prefill_cols
+ * run (a chunk, 16 tokens and a query head; the last tokens, with the longest contexts,
+ * first).
+ * Returns 0, -1 when a work buffer could not be allocated, -2 when the AMX path is not
+ * available for the shape. */
 TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
                                        const int64_t* block_tables, int64_t bt_stride, const int64_t* seg, int64_t P,
                                        void* out, int64_t ldo, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
                                        float scale, int nthreads) {
     const int64_t G = H / KVH;
     if (!kv_amx || hd % 32 || bs % 16 || G > 16) return -2;
-    const int64_t TQ = 16 / G;
-    int64_t maxL = 0, items = 0;
-    for (int64_t i = 0; i < P; i++) {
-        const int64_t L = seg[3 * i + 2] + seg[3 * i + 1];
-        maxL = L > maxL ? L : maxL;
-        items += KVH * ((seg[3 * i + 1] + TQ - 1) / TQ);
+    int64_t maxLp = 32, packed = 0, pack_items = 0, items = 0;
+    int64_t* base = (int64_t*)malloc(sizeof(int64_t) * (size_t)(P > 0 ? P : 1));
+    if (!base) return -1;
+    for (int64_t c = 0; c < P; c++) {
+        const int64_t Lp = (seg[3 * c + 2] + seg[3 * c + 1] + 31) & ~(int64_t)31;
+        maxLp = Lp > maxLp ? Lp : maxLp;
+        base[c] = packed;
+        packed += KVH * Lp * hd; /* u16: V^T of each KV head */
+        pack_items += KVH * ((Lp + 127) / 128);
+        items += H * ((seg[3 * c + 1] + 15) / 16);
     }
+    uint16_t* vtp = (uint16_t*)aligned_alloc(64, ((size_t)packed * 2 + 63) & ~(size_t)63);
+    if (!vtp) {
+        free(base);
+        return -1;
+    }
+    const uint16_t* kc = (const uint16_t*)k_cache;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        uint16_t *qb, *p, *vb;
-        float *sc, *ct;
-        char* buf = amx_attn_begin(hd / 32, maxL, &qb, &sc, &p, &vb, &ct);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < pack_items; it++) { /* V^T, 128 keys of a KV head per item */
+            int64_t rest = it, c = 0, Lp;
+            for (;;) {
+                Lp = (seg[3 * c + 2] + seg[3 * c + 1] + 31) & ~(int64_t)31;
+                if (rest < KVH * ((Lp + 127) / 128)) break;
+                rest -= KVH * ((Lp + 127) / 128);
+                c++;
+            }
+            const int64_t ng = (Lp + 127) / 128, g = rest / ng, k0 = (rest % ng) * 128;
+            pack_vt_prefill((const uint16_t*)v_cache, block_tables + c * bt_stride, seg[3 * c + 2] + seg[3 * c + 1],
+                            KVH, g, hd, bs, k0, k0 + 128 < Lp ? k0 + 128 : Lp, vtp + base[c] + g * Lp * hd);
+        }
+        /* (the barrier at the end of the loop: every chunk is packed) */
+        char* buf = (char*)aligned_alloc(64, ((size_t)hd * 32 + (size_t)maxLp * 96 + 4096 + 63) & ~(size_t)63);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
+        } else {
+            kv_amx_config();
         }
+        uint16_t* qt = (uint16_t*)buf;
+        float* ct = (float*)(buf + hd * 32);
+        float* sc = ct + 1024;
+        uint16_t* pt = (uint16_t*)(sc + maxLp * 16);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (!buf) continue;
-            /* item -> (chunk, token block, KV head); later token blocks (longer contexts) first */
+            /* item -> (chunk, KV head, token block, query head of that KV head): the items of
+             * a KV head run one after another (they read the same K and V^T, which then stay
+             * in L2), later token blocks (longer contexts) first */
             int64_t rest = it, c = 0;
-            while (rest >= KVH * ((seg[3 * c + 1] + TQ - 1) / TQ)) rest -= KVH * ((seg[3 * c + 1] + TQ - 1) / TQ), c++;
+            while (rest >= H * ((seg[3 * c + 1] + 15) / 16)) rest -= H * ((seg[3 * c + 1] + 15) / 16), c++;
             const int64_t start = seg[3 * c], n_tok = seg[3 * c + 1], past = seg[3 * c + 2];
-            const int64_t nblk = (n_tok + TQ - 1) / TQ, tb = nblk - 1 - rest / KVH, g = rest % KVH;
-            const int64_t t0 = tb * TQ, t1 = t0 + TQ < n_tok ? t0 + TQ : n_tok, nq = (t1 - t0) * G;
-            const uint16_t* qn[16];
-            uint16_t* on[16];
-            int64_t gl[16];
-            int32_t Ln[16] = {0};
-            for (int64_t n = 0; n < nq; n++) {
-                const int64_t t = t0 + n / G, h = g * G + n % G;
-                qn[n] = (const uint16_t*)q + (start + t) * ldq + h * hd;
-                on[n] = (uint16_t*)out + (start + t) * ldo + h * hd;
-                gl[n] = 0;
-                Ln[n] = (int32_t)(past + t + 1);
-            }
-            attn_amx_cols((const uint16_t*)k_cache, (const uint16_t*)v_cache, block_tables + c * bt_stride, nq, qn,
-                          on, gl, Ln, KVH, hd, bs, scale, g, 1, qb, sc, p, vb, ct, 0);
+            const int64_t nblk = (n_tok + 15) / 16, g = rest / (nblk * G), r2 = rest % (nblk * G);
+            const int64_t tb = nblk - 1 - r2 / G, h = g * G + r2 % G;
+            const int64_t t0 = tb * 16, nt = t0 + 16 < n_tok ? 16 : n_tok - t0;
+            const int64_t Lp = (past + n_tok + 31) & ~(int64_t)31;
+            prefill_cols((const uint16_t*)q + (start + t0) * ldq + h * hd, ldq,
+                         (uint16_t*)out + (start + t0) * ldo + h * hd, ldo, nt, past + t0, kc,
+                         block_tables + c * bt_stride, KVH, h / G, vtp + base[c] + (h / G) * Lp * hd, hd, bs, scale,
+                         qt, sc, pt, ct);
         }
         if (buf) _tile_release();
         free(buf);
     }
+    free(vtp);
+    free(base);
     return failed ? -1 : 0;
 }
 
@@ -1257,8 +1412,10 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     Same math as :func:`paged_attention_decode` applied to every token of a chunk (token ``t``
     of a chunk attends to the first ``num_past + t + 1`` tokens of its sequence, exact float32
-    softmax, probabilities rounded to bf16 for P·V), with 16 / G tokens' query heads sharing
-    each K/V tile. Needs :func:`amx_prefill_supported`.
+    softmax, probabilities rounded to bf16 for P·V): a work item is 16 tokens of one query
+    head, whose scores against 16 keys are one tile (K read from the cache as stored); V is
+    packed once per chunk and KV head into the tiles' transposed layout. Needs
+    :func:`amx_prefill_supported`.
 
     Args:
         q: ``[T, num_heads, head_dim]`` bf16, heads contiguous within a row (row stride free).
