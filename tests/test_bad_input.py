@@ -105,6 +105,16 @@ def test_samples_that_each_need_most_of_the_pool(smollm2_path, prompt_len):
     assert [o.token_ids for o in out.outputs] == [o.token_ids for o in roomy.generate([prompt], params)[0].outputs]
 
 
+def test_max_tokens_none_fills_a_pool_smaller_than_the_context(tiny_model_dir, caplog):
+    # 8 blocks of 4 tokens (32) under max_model_len 64: no max_tokens means up to what the
+    # pool holds (it used to resolve to max_model_len - prompt and be rejected as too large)
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=8, block_size=4, max_model_len=64)
+    assert "the KV cache holds 32 tokens, less than one sequence of max_model_len=64" in caplog.text
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 27 and out.finish_reason == "length"
+
+
 def test_request_larger_than_pool(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     llm = LLM(model=str(folder), dtype="float32", num_blocks=4, block_size=4, max_model_len=64)

@@ -220,6 +220,10 @@ class LLMEngine:
         self.cache_config = CacheConfig(args.block_size, args.kv_cache_memory, args.num_blocks, args.enable_prefix_caching)
         self.kv_spec = plan_kv_cache(cfg, self.dtype, args.kv_cache_memory, args.block_size, max_len, args.num_blocks)
         logger.info(self.kv_spec.describe())
+        if self.kv_spec.capacity_tokens < max_len:
+            logger.warning("the KV cache holds %d tokens, less than one sequence of max_model_len=%d: a request's "
+                           "prompt + max_tokens must fit in %d tokens (raise kv_cache_memory to lift this)",
+                           self.kv_spec.capacity_tokens, max_len, self.kv_spec.capacity_tokens)
         self.kv_caches = allocate_kv_cache(cfg, self.kv_spec, self.dtype, self.device)
         self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, args.enable_prefix_caching,
                                  self.kv_caches, namespace_model=str(path))
@@ -266,7 +270,9 @@ class LLMEngine:
                 f"prompt is {n} tokens, but max_model_len is {self.max_model_len}: it must be at most "
                 f"{self.max_model_len - 1} tokens to leave room for one generated token"
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        # no max_tokens: up to the context window, or to what the whole KV pool holds if less
+        limit = min(self.max_model_len, self.kv_spec.capacity_tokens)
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, limit - n)
         if n + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
