@@ -695,6 +695,8 @@ def test_serve_fails_fast_when_the_port_is_taken(tmp_path, capsys):
     assert rc == 2 and "'no-such-host.invalid' is not a valid address" in err
     rc = main(["serve", "--port", "70000", "--model", missing])
     assert rc == 2 and "--port 70000 is not a valid TCP port" in capsys.readouterr().err
+    rc = main(["serve", "--max-body-bytes", "-1", "--model", missing])
+    assert rc == 2 and "--max-body-bytes must be ≥ 1, got -1" in capsys.readouterr().err
     # a free address passes the check, and the model is looked at next
     loggers = [logging.getLogger(n) for n in ("kvserve", "kvserve.server")]
     levels = [lg.level for lg in loggers]

@@ -109,7 +109,7 @@ def allocate_kv_cache(cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
     if have is not None and need > have:
         raise ValueError(f"kv_cache_memory: the KV pool needs {need / GiB:.2f} GiB ({spec.num_blocks} blocks), "
                          f"but only {have / GiB:.2f} GiB is available on {torch.device(device)}; lower "
-                         f"--kv-cache-memory (or num_blocks)")
+                         f"kv_cache_memory (--kv-cache-memory), or num_blocks if you set it")
     shape = (spec.num_blocks, spec.block_size, cfg.num_kv_heads, cfg.head_dim)
     try:
         return [
@@ -118,7 +118,8 @@ def allocate_kv_cache(cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
         ]
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
         raise ValueError(f"kv_cache_memory: could not allocate the KV pool of {need / GiB:.2f} GiB on "
-                         f"{torch.device(device)} ({e}); lower --kv-cache-memory (or num_blocks)") from e
+                         f"{torch.device(device)} ({e}); lower kv_cache_memory (--kv-cache-memory), "
+                         f"or num_blocks if you set it") from e
 
 
 @dataclass(slots=True)

@@ -598,7 +598,7 @@ def _prompt_list(prompt) -> list:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
+        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     if isinstance(prompt[0], int):
         return [prompt]
     if len(prompt) > MAX_BATCH_PROMPTS:

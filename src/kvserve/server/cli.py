@@ -80,6 +80,8 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     # before loading the model, which can take a while
     args = EngineArgs(model=a.model, dtype=a.dtype, max_waiting=a.max_waiting, **engine_kwargs(a))
     args.check(option_names=True)
+    if a.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be ≥ 1, got {a.max_body_bytes}")
     check_listen_address(a.host, a.port)
     import uvicorn
 
