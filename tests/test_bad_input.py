@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the problem; other requests still finish."""
 
+import dataclasses
 import json
 
 import pytest
@@ -113,6 +114,18 @@ def test_max_tokens_none_fills_a_pool_smaller_than_the_context(tiny_model_dir, c
     assert "the KV cache holds 32 tokens, less than one sequence of max_model_len=64" in caplog.text
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 27 and out.finish_reason == "length"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_llm):
+    long = list(range(3, 103))  # 100 tokens, beyond max_model_len = 64
+    params = [SamplingParams(max_tokens=m, temperature=0, truncate_prompt_tokens=k) for m, k in ((4, 10), (1, -1))]
+    cut = tiny_llm.generate([long, long], params)
+    assert cut[0].prompt_token_ids == long[-10:] and cut[1].prompt_token_ids == long[-63:]
+    alone = tiny_llm.generate([long[-10:], long[-63:]], [dataclasses.replace(p, truncate_prompt_tokens=None)
+                                                         for p in params])
+    assert [o.token_ids for o in cut] == [o.token_ids for o in alone]
+    text = tiny_llm.generate("a b c d e f g h", SamplingParams(max_tokens=1, truncate_prompt_tokens=2))[0]
+    assert len(text.prompt_token_ids) == 2 and text.prompt == tiny_llm.tokenizer.decode(text.prompt_token_ids)
 
 
 def test_request_larger_than_pool(tiny_model_dir):

@@ -9,6 +9,11 @@ import pytest
 from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 INVALID = [
+    ("truncate_prompt_tokens", dict(truncate_prompt_tokens=0)),
+    ("truncate_prompt_tokens", dict(truncate_prompt_tokens=-2)),
+    ("truncate_prompt_tokens", dict(truncate_prompt_tokens=1.0)),
+    ("truncate_prompt_tokens", dict(truncate_prompt_tokens=True)),
+    ("spaces_between_special_tokens", dict(spaces_between_special_tokens="no")),
     # (field named in the message, kwargs)
     ("max_tokens", dict(max_tokens=0)),
     ("max_tokens", dict(max_tokens=-3)),
@@ -124,6 +129,8 @@ VALID = [
     dict(n=3, best_of=5),
     dict(max_tokens=4, min_tokens=4),
     dict(use_beam_search=True, n=2),
+    dict(truncate_prompt_tokens=-1, spaces_between_special_tokens=False),
+    dict(truncate_prompt_tokens=1),
 ]
 
 

@@ -463,6 +463,19 @@ def test_batch_with_one_bad_prompt_runs_nothing(server, prompt, words):
         assert stats_after[key] == stats_before[key], key
 
 
+def test_truncate_prompt_tokens(client, offline):
+    long = [3 + i % 380 for i in range(600)]  # beyond max_model_len = 512
+    r = client.completions.create(model="tiny", prompt=long, **_greedy(4), extra_body={"truncate_prompt_tokens": 10})
+    assert r.usage.prompt_tokens == 10
+    want = offline.generate([long[-10:]], SamplingParams(**_greedy(4)))[0].outputs[0].text
+    assert r.choices[0].text == want
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                          **_greedy(2), extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(model="tiny", prompt="hi", extra_body={"truncate_prompt_tokens": 0})
+
+
 def test_unknown_model_404(client):
     with pytest.raises(openai.NotFoundError) as ei:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])

@@ -247,6 +247,17 @@ class LLMEngine:
         """Token ids of a plain-text prompt (the tokenizer's own special-token rules)."""
         return self.tokenizer.encode(prompt)
 
+    def truncate_prompt(self, ids: list[int], text: Optional[str], k: Optional[int]) -> tuple[list[int], Optional[str]]:
+        """The last ``k`` prompt tokens (``truncate_prompt_tokens``; -1: ``max_model_len - 1``)
+        and, when that cut the prompt, their text (decoded); ``k=None`` changes nothing."""
+        if k is None:
+            return ids, text
+        k = self.max_model_len - 1 if k == -1 else k
+        if len(ids) <= k:
+            return ids, text
+        ids = ids[-k:]
+        return ids, (self.tokenizer.decode(ids) if text is not None else None)
+
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
         """Check a request against the model and the pool; return its resolved max_tokens.
 
@@ -358,6 +369,7 @@ class LLMEngine:
             ids = self.encode(prompt)
         else:  # numpy integers count as ints
             text, ids = None, [int(t) if isinstance(t, np.integer) else t for t in prompt]
+        ids, text = self.truncate_prompt(ids, text, params.truncate_prompt_tokens)
         params.max_tokens = self.validate_request(ids, params)  # (the request's own copy)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.groups:

@@ -61,6 +61,11 @@ class SamplingParams:
             vLLM; its id is in ``token_ids`` either way).
         ignore_eos: keep generating past EOS.
         skip_special_tokens: leave special tokens out of the text.
+        spaces_between_special_tokens: accepted for vLLM compatibility; it has no effect with
+            the fast (Rust) tokenizers kvserve decodes with, as in vLLM's fast detokenizer.
+        truncate_prompt_tokens: keep only the last k tokens of the prompt (left truncation,
+            k ≥ 1); -1 keeps the last ``max_model_len - 1`` (room for one generated token);
+            None keeps the whole prompt.
         logprobs: number of top alternatives (0..20) to return per generated token;
             ``None`` returns none.
         prompt_logprobs: likewise for every prompt position after the first.
@@ -92,6 +97,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = None
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     n: int = 1
@@ -135,7 +142,8 @@ class SamplingParams:
         _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _float("length_penalty", self.length_penalty)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "use_beam_search"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "use_beam_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("allowed_token_ids", "bad_words", "stop", "stop_token_ids"):
@@ -160,6 +168,10 @@ class SamplingParams:
                 for tok in word:
                     _int("bad_words entry", tok, lo=0)
         _int("seed", self.seed, lo=-(2**63), hi=2**63 - 1, allow_none=True)
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (up to max_model_len - 1) or an integer ≥ 1, "
+                             f"got {k!r}")
         if self.stop is not None:
             for s in self.stop:
                 if not isinstance(s, str) or s == "":

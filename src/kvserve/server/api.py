@@ -441,6 +441,9 @@ class OpenAIServer:
                 lambda: [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts])
         else:
             ids_list = [list(p) for p in prompts]
+        if params.truncate_prompt_tokens is not None:  # (left truncation, before the length check)
+            cut = [self.engine.truncate_prompt(ids, t, params.truncate_prompt_tokens) for ids, t in zip(ids_list, texts)]
+            ids_list, texts = [c[0] for c in cut], [c[1] for c in cut]
         for i, ids in enumerate(ids_list):
             try:
                 self._check_length(ids, "prompt")
@@ -532,6 +535,7 @@ class OpenAIServer:
         params = to_sampling_params(req, max_tokens, k, self.tokenizer, renames)
         add_gen = req.add_generation_prompt and not req.continue_final_message
         ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message)
+        ids, _ = self.engine.truncate_prompt(ids, None, params.truncate_prompt_tokens)
         self._check_length(ids, "messages")
         base = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages")

@@ -83,6 +83,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    truncate_prompt_tokens: Optional[StrictInt] = None
     prompt_logprobs: Optional[StrictInt] = None
     allowed_token_ids: Optional[list[StrictInt]] = None
     bad_words: Optional[list[StrictStr]] = None
@@ -267,6 +269,8 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
         ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
         logprobs=logprobs,
         prompt_logprobs=req.prompt_logprobs,
         logit_bias=req.logit_bias,
