@@ -803,3 +803,17 @@ def test_engine_failure_fails_live_requests_only(server, client):
     server.wait_idle()
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
     assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_streamed_echo_with_logprobs_equals_the_non_streamed_response(server):
+    # the echoed prompt's logprobs come with its text in the first chunk (they were null)
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 2, **_greedy(6)}
+    full = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    r = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["text"] for c in choices) == full["text"]
+    assert choices[0]["text"].startswith(PROMPT)
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for c in choices for v in c["logprobs"][field]] == full["logprobs"][field], field
+    assert full["logprobs"]["token_logprobs"][0] is None and len(full["logprobs"]["tokens"]) > 6

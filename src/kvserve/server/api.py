@@ -363,7 +363,7 @@ class OpenAIServer:
                     counts[(tag, o.index)] = len(o.token_ids)
                     if (tag, o.index) in ended or (not o.delta_text and o.finish_reason is None):
                         continue
-                    c = choice(tag, o)
+                    c = choice(tag, o, out)
                     if o.finish_reason is not None:
                         c["stop_reason"] = o.stop_reason
                         ended.add((tag, o.index))
@@ -485,24 +485,34 @@ class OpenAIServer:
         sent_lp: dict[tuple[int, int], int] = {}
         offsets: dict[tuple[int, int], int] = {}
         opening = []
+        # echo: the prompt's text opens each choice; with logprobs it comes with the first
+        # generated text instead, since the prompt's logprobs are known only after prefill
+        echo_later = set()
         if req.echo:
             for p, text in enumerate(texts):
                 for i in range(n):
-                    opening.append({"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None})
-                    offsets[(p, i)] = len(text)
+                    if req.logprobs is None:
+                        opening.append({"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None})
+                        offsets[(p, i)] = len(text)
+                    else:
+                        echo_later.add((p, i))
 
-        def choice(tag: int, o: CompletionOutput) -> dict:
+        def choice(tag: int, o: CompletionOutput, out: RequestOutput) -> dict:
             key = (tag, o.index)
-            logprobs = None
+            logprobs, text = None, o.delta_text
             if req.logprobs is not None:
                 start = sent_lp.get(key, 0)
                 entries = (o.logprobs or [])[start:]
                 sent_lp[key] = start + len(entries)
-                logprobs = self.texts.completion_logprobs(
-                    entries, [e.token_id for e in entries], req.logprobs, offsets.get(key, 0))
-            offsets[key] = offsets.get(key, 0) + len(o.delta_text)
-            return {"index": tag * n + o.index, "text": o.delta_text, "logprobs": logprobs,
-                    "finish_reason": o.finish_reason}
+                token_ids = [e.token_id for e in entries]
+                if key in echo_later:
+                    echo_later.discard(key)
+                    entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+                    token_ids = list(out.prompt_token_ids) + token_ids
+                    text = texts[tag] + text
+                logprobs = self.texts.completion_logprobs(entries, token_ids, req.logprobs, offsets.get(key, 0))
+            offsets[key] = offsets.get(key, 0) + len(text)
+            return {"index": tag * n + o.index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
 
         return self._stream(sub, req, base, "text_completion", created, opening, choice, "prompt")
 
@@ -572,7 +582,7 @@ class OpenAIServer:
             if echo:
                 opening.append({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None})
 
-        def choice(tag: int, o: CompletionOutput) -> dict:
+        def choice(tag: int, o: CompletionOutput, out: RequestOutput) -> dict:
             logprobs = None
             if req.logprobs:
                 start = sent_lp.get(o.index, 0)
