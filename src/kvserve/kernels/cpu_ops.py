@@ -922,7 +922,7 @@ TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k
         pack_items += KVH * ((Lp + 127) / 128);
         items += H * ((seg[3 * c + 1] + 15) / 16);
     }
-    uint16_t* vtp = (uint16_t*)aligned_alloc(64, ((size_t)packed * 2 + 63) & ~(size_t)63);
+    uint16_t* vtp = (uint16_t*)aligned_alloc(64, ((size_t)packed * 2 + 64 + 63) & ~(size_t)63); /* (> 0) */
     if (!vtp) {
         free(base);
         return -1;

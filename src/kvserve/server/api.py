@@ -331,8 +331,8 @@ class OpenAIServer:
         """The server-sent events of a streamed completion or chat completion.
 
         One chunk per choice in ``opening``; then, as the engine's updates arrive, one chunk
-        per sequence with new text or a finish reason (``choice(tag, output)`` builds its
-        choice; a choice's finish reason is sent once, in its last chunk), or an error event if
+        per sequence with new text or a finish reason (``choice(tag, output, request_output)``
+        builds its choice; a choice's finish reason is sent once, in its last chunk), or an error event if
         the engine or this request fails inside it; the usage chunk when
         ``stream_options.include_usage``; ``data: [DONE]``. Unfinished requests are aborted
         however the stream ends.
