@@ -574,6 +574,29 @@ INLINE TGT void prefetch_kv_l2(const uint16_t* kc, const uint16_t* vc, const int
     }
 }
 
+/* scores^T [L keys][16 columns] f32 into sc: per 16 keys (one tile of a block) the K rows'
+ * slices [off, off + 32 NC) of the cache (row stride rs) times the query tiles qt (NC tiles
+ * of [16 dim pairs x 16 columns] u16). prefetch: bytes of each K row slice to pull into L1
+ * two tiles ahead (0: none). */
+INLINE TGT_AMX void scores_t_amx(const uint16_t* kc, const int64_t* bt, int64_t L, int64_t bs, int64_t rs,
+                                 int64_t off, int64_t NC, const uint16_t* qt, float* sc, int64_t prefetch) {
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const uint16_t* kb = kc + (bt[j0 / bs] * bs + j0 % bs) * rs + off;
+        if (prefetch && j0 + 32 < L) {
+            const char* nx = (const char*)(kc + (bt[(j0 + 32) / bs] * bs + (j0 + 32) % bs) * rs + off);
+            for (int64_t r = 0; r < 16; r++)
+                for (int64_t b = 0; b < prefetch; b += 64) _mm_prefetch(nx + r * rs * 2 + b, _MM_HINT_T0);
+        }
+        _tile_zero(0);
+        for (int64_t c = 0; c < NC; c++) {
+            _tile_loadd(1, kb + c * 32, rs * 2);
+            _tile_loadd(2, qt + c * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sc + j0 * 16, 64);
+    }
+}
+
 /* Up to 16 query columns over the KV heads [g0, g0 + ns) of one sequence (block table bt).
  * Column n: query qn[n] and output on[n] (hd values each), local KV head gl[n] in [0, ns),
  * attending to the first Ln[n] tokens (Ln[n] = 0 for unused columns n >= nq); decode uses
@@ -602,22 +625,7 @@ static TGT_AMX void attn_amx_cols(const uint16_t* kc, const uint16_t* vc, const 
             for (int64_t k = 0; k < 16; k++) col[k * 16] = qh[k];
         }
     }
-    /* scores, 16 keys (one tile of a block) at a time */
-    for (int64_t j0 = 0; j0 < L; j0 += 16) {
-        const uint16_t* kb = kc + (bt[j0 / bs] * bs + j0 % bs) * rs + g0 * hd;
-        if (j0 + 32 < L) { /* prefetch the set's K slices two tiles ahead */
-            const char* nx = (const char*)(kc + (bt[(j0 + 32) / bs] * bs + (j0 + 32) % bs) * rs + g0 * hd);
-            for (int64_t r = 0; r < 16; r++)
-                for (int64_t b = 0; b < ns * hd * 2; b += 64) _mm_prefetch(nx + r * rs * 2 + b, _MM_HINT_T0);
-        }
-        _tile_zero(0);
-        for (int64_t c = 0; c < NC; c++) {
-            _tile_loadd(1, kb + c * 32, rs * 2);
-            _tile_loadd(2, qb + c * 512, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, sc + j0 * 16, 64);
-    }
+    scores_t_amx(kc, bt, L, bs, rs, g0 * hd, NC, qb, sc, ns * hd * 2);
     /* softmax over keys, one lane per column; key j counts for column n iff j < Ln[n] */
     const __m512i lens = _mm512_loadu_si512(Ln);
     const __m512 vs = _mm512_set1_ps(scale);
@@ -828,16 +836,7 @@ static TGT_AMX void prefill_cols(const uint16_t* q, int64_t ldq, uint16_t* out, 
         transpose16(r);
         for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(qt + c * 512 + d * 32, r[d]);
     }
-    for (int64_t j0 = 0; j0 < L; j0 += 16) { /* scores^T, 16 keys (within one block) at a time */
-        const uint16_t* kb = kc + (bt[j0 / bs] * bs + j0 % bs) * rs + g * hd;
-        _tile_zero(0);
-        for (int64_t c = 0; c < NC; c++) {
-            _tile_loadd(1, kb + c * 32, rs * 2);
-            _tile_loadd(2, qt + c * 512, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, sc + j0 * 16, 64);
-    }
+    scores_t_amx(kc, bt, L, bs, rs, g * hd, NC, qt, sc, 0);
     /* softmax over keys, one lane per token; key j counts for token n iff j <= past + n */
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i lens = _mm512_add_epi32(_mm512_set1_epi32((int)past + 1), iota);
