@@ -106,6 +106,26 @@ def test_samples_that_each_need_most_of_the_pool(smollm2_path, prompt_len):
     assert [o.token_ids for o in out.outputs] == [o.token_ids for o in roomy.generate([prompt], params)[0].outputs]
 
 
+@pytest.mark.parametrize("caching, num_blocks, width, prompt_len, copies", [(False, 4, 2, 15, 2), (True, 6, 3, 32, 3)])
+def test_beam_groups_that_cannot_run_side_by_side_take_turns(smollm2_path, caching, num_blocks, width, prompt_len,
+                                                              copies):
+    # Beams extend together. A beam preempted alone used to leave its sibling running, done
+    # and waiting for it while holding the room it needed ("scheduler made no progress"):
+    # beams are now preempted as a group, admitted without the watermark while their group
+    # runs, and if every running request waits on beams that do not fit, the last group
+    # yields.
+    llm = LLM(dtype="float32", num_blocks=num_blocks, block_size=16, max_model_len=128,
+              enable_prefix_caching=caching)
+    beam = SamplingParams(use_beam_search=True, beam_width=width, max_tokens=15, ignore_eos=True)
+    prompt = list(range(1000, 1000 + prompt_len))
+    alone = [o.token_ids for o in llm.generate([prompt], beam)[0].outputs]
+    outs = llm.generate([prompt] * copies, beam)
+    assert all([o.token_ids for o in out.outputs] == alone for out in outs)
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.kv.check_invariants()
+    assert llm.engine.kv.num_free_blocks == num_blocks
+
+
 def test_max_tokens_none_fills_a_pool_smaller_than_the_context(tiny_model_dir, caplog):
     # 8 blocks of 4 tokens (32) under max_model_len 64: no max_tokens means up to what the
     # pool holds (it used to resolve to max_model_len - prompt and be rejected as too large)
@@ -124,6 +144,8 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_llm):
     alone = tiny_llm.generate([long[-10:], long[-63:]], [dataclasses.replace(p, truncate_prompt_tokens=None)
                                                          for p in params])
     assert [o.token_ids for o in cut] == [o.token_ids for o in alone]
+    with pytest.raises(GenerationError, match=r"truncate_prompt_tokens \(65\) exceeds max_model_len \(64\)"):
+        tiny_llm.generate([long], SamplingParams(max_tokens=1, truncate_prompt_tokens=65))
     text = tiny_llm.generate("a b c d e f g h", SamplingParams(max_tokens=1, truncate_prompt_tokens=2))[0]
     assert len(text.prompt_token_ids) == 2 and text.prompt == tiny_llm.tokenizer.decode(text.prompt_token_ids)
 

@@ -249,9 +249,15 @@ class LLMEngine:
 
     def truncate_prompt(self, ids: list[int], text: Optional[str], k: Optional[int]) -> tuple[list[int], Optional[str]]:
         """The last ``k`` prompt tokens (``truncate_prompt_tokens``; -1: ``max_model_len - 1``)
-        and, when that cut the prompt, their text (decoded); ``k=None`` changes nothing."""
+        and, when that cut the prompt, their text (decoded); ``k=None`` changes nothing.
+
+        Raises:
+            ValueError: ``k`` exceeds ``max_model_len`` (vLLM's rule).
+        """
         if k is None:
             return ids, text
+        if k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) exceeds max_model_len ({self.max_model_len})")
         k = self.max_model_len - 1 if k == -1 else k
         if len(ids) <= k:
             return ids, text
@@ -312,7 +318,8 @@ class LLMEngine:
             # Every beam extends each step, so all of them hold their KV side by side (the
             # prompt's full blocks shared, the rest each beam's own). The samples of n /
             # best_of need not: they are preempted and resumed one by one like requests.
-            shared = n // self.kv.block_size
+            # (without prefix caching a preempted group recomputes each beam's prompt apart)
+            shared = n // self.kv.block_size if self.kv.cache is not None else 0
             group_need = shared + params.beam_width * (need - shared)
             if group_need > self.kv.num_blocks:
                 raise ValueError(
@@ -428,6 +435,8 @@ class LLMEngine:
         An exception in scheduling or in the model itself still propagates.
         """
         sched = self.scheduler.schedule()
+        if sched.is_empty and sched.preempted:  # a plan that only made room: admit into it now
+            sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (a bug)")

@@ -21,6 +21,11 @@ runs first, first come first served within a level.
    preempted. A waiting request that does not fit may preempt running requests of strictly
    lower priority (higher value), never requests of its own level.
 
+Beam search: the beams of a group extend together (each step waits for all of them), so
+they are preempted together, and a beam whose group is running is admitted without the
+watermark below. If every running request waits for beams that do not fit, the last group
+is preempted, so that one group at a time gathers its beams.
+
 Admission watermark: while any request is running, a new request is admitted only if
 ``watermark_blocks = ceil(watermark · num_blocks)`` blocks (default 1 %) stay available
 (free or evictable) after its first chunk's blocks are taken, so that a flood of long
@@ -115,8 +120,23 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req, cache=status is not RequestStatus.FINISHED_ERROR)
 
+    @staticmethod
+    def _is_beam(req: Request) -> bool:
+        return req.sampling_params.use_beam_search
+
+    def _running_beams(self, req: Request) -> list[Request]:
+        """The running beams of ``req``'s beam-search group (``req`` included if it runs)."""
+        if not self._is_beam(req):
+            return [req] if req in self.running else []
+        return [r for r in self.running if r.parent_id == req.parent_id]
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
-        """Preempt a running request; returns the tokens it had been given in this step."""
+        """Preempt a running request, and with a beam its whole group (beams extend together:
+        one left running would wait for the others while holding their room); returns the
+        tokens they had been given in this step."""
+        return sum(self._preempt_one(r, out) for r in self._running_beams(victim))
+
+    def _preempt_one(self, victim: Request, out: SchedulerOutput) -> int:
         self.running.remove(victim)
         taken = 0
         for j, (r, n) in enumerate(out.scheduled):
@@ -162,7 +182,7 @@ class Scheduler:
                     continue
                 victim = max(self.running, key=self._order)
                 budget += self._preempt(victim, out)
-                if victim is req:
+                if req.status is not RequestStatus.RUNNING:  # req itself, or its beam group
                     num_new = 0
                     break
             if num_new == 0:
@@ -171,6 +191,16 @@ class Scheduler:
             budget -= num_new
         if out.preempted:
             return out
+        self._admit(out, budget)
+        if out.is_empty and self.running and self.waiting:
+            # Every running request waits for beams still waiting, which do not fit: preempt
+            # the last group so that one group at a time can gather its beams (validation
+            # ensures that any one group fits the pool alone).
+            self._preempt(max(self.running, key=self._order), out)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while budget, sequence slots and blocks allow."""
         while self.waiting and budget > 0:
             req = self.waiting[0]
             if len(self.running) >= self.config.max_num_seqs:
@@ -178,7 +208,8 @@ class Scheduler:
                     budget = self.config.max_num_batched_tokens - out.num_batched_tokens
                     continue
                 break
-            headroom = self.watermark_blocks if self.running else 0
+            # (no watermark for a beam whose group runs: the group cannot move without it)
+            headroom = self.watermark_blocks if self.running and not self._running_beams(req) else 0
             num_new = self.kv.admit(req, budget, headroom)
             if num_new == 0:
                 if self._preempt_lower_priority(req, out):
@@ -196,7 +227,6 @@ class Scheduler:
                 del req.prompt_logprobs[req.num_computed_tokens + 1 :]
             self._plan(req, num_new, out)
             budget -= num_new
-        return out
 
     def _plan(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
         if num_new < req.num_tokens - req.num_computed_tokens:
