@@ -474,6 +474,11 @@ def test_truncate_prompt_tokens(client, offline):
     assert chat.usage.prompt_tokens == 3
     with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
         client.completions.create(model="tiny", prompt="hi", extra_body={"truncate_prompt_tokens": 0})
+    for call in (lambda: client.completions.create(model="tiny", prompt=long, extra_body={"truncate_prompt_tokens": 513}),
+                 lambda: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                        extra_body={"truncate_prompt_tokens": 10**30})):
+        with pytest.raises(openai.BadRequestError, match=r"truncate_prompt_tokens \(\d+\) exceeds max_model_len \(512\)"):
+            call()
 
 
 def test_unknown_model_404(client):

@@ -234,6 +234,13 @@ class OpenAIServer:
                 param=param, code="context_length_exceeded",
             )
 
+    def _truncate(self, ids: list[int], text: Optional[str], params: SamplingParams) -> tuple[list[int], Optional[str]]:
+        """``truncate_prompt_tokens`` applied to one prompt (see :meth:`LLMEngine.truncate_prompt`)."""
+        try:
+            return self.engine.truncate_prompt(ids, text, params.truncate_prompt_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens", code="invalid_value") from None
+
     async def _in_tokenizer_thread(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
 
@@ -442,7 +449,7 @@ class OpenAIServer:
         else:
             ids_list = [list(p) for p in prompts]
         if params.truncate_prompt_tokens is not None:  # (left truncation, before the length check)
-            cut = [self.engine.truncate_prompt(ids, t, params.truncate_prompt_tokens) for ids, t in zip(ids_list, texts)]
+            cut = [self._truncate(ids, t, params) for ids, t in zip(ids_list, texts)]
             ids_list, texts = [c[0] for c in cut], [c[1] for c in cut]
         for i, ids in enumerate(ids_list):
             try:
@@ -545,7 +552,7 @@ class OpenAIServer:
         params = to_sampling_params(req, max_tokens, k, self.tokenizer, renames)
         add_gen = req.add_generation_prompt and not req.continue_final_message
         ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message)
-        ids, _ = self.engine.truncate_prompt(ids, None, params.truncate_prompt_tokens)
+        ids, _ = self._truncate(ids, None, params)
         self._check_length(ids, "messages")
         base = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages")
