@@ -106,14 +106,18 @@ def test_samples_that_each_need_most_of_the_pool(smollm2_path, prompt_len):
     assert [o.token_ids for o in out.outputs] == [o.token_ids for o in roomy.generate([prompt], params)[0].outputs]
 
 
-@pytest.mark.parametrize("caching, num_blocks, width, prompt_len, copies", [(False, 4, 2, 15, 2), (True, 6, 3, 32, 3)])
+@pytest.mark.parametrize("caching, num_blocks, width, prompt_len, copies",
+                         [(False, 4, 2, 15, 2), (True, 6, 3, 32, 3), (False, 8, 3, 17, 3), (True, 6, 3, 17, 2)])
 def test_beam_groups_that_cannot_run_side_by_side_take_turns(smollm2_path, caching, num_blocks, width, prompt_len,
                                                               copies):
     # Beams extend together. A beam preempted alone used to leave its sibling running, done
     # and waiting for it while holding the room it needed ("scheduler made no progress"):
     # beams are now preempted as a group, admitted without the watermark while their group
     # runs, and if every running request waits on beams that do not fit, the last group
-    # yields.
+    # yields. And a group advances only after every beam sampled in the step recorded its
+    # row: a beam sampled after its group had advanced recorded logprobs of its old tokens
+    # for its new ones, and the group advanced on them a step later (wrong beams; the last
+    # two cases).
     llm = LLM(dtype="float32", num_blocks=num_blocks, block_size=16, max_model_len=128,
               enable_prefix_caching=caching)
     beam = SamplingParams(use_beam_search=True, beam_width=width, max_tokens=15, ignore_eos=True)

@@ -471,20 +471,28 @@ class LLMEngine:
             top_ids = so.top_token_ids.tolist() if so.top_token_ids is not None else None
             top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
             now = time.perf_counter()
+            beam_groups: dict[str, RequestGroup] = {}
             for i, req in enumerate(result.sample_requests):
                 group = self._seq_to_group.get(req.request_id)
                 if group is None or group.request_id in failed:
                     continue
+                if group.beam is not None:  # every beam's row first, then the groups advance
+                    group.beam_rows[req.request_id] = result.beam_topk[req.request_id]
+                    beam_groups[group.request_id] = group
+                    continue
                 with self._isolated(req, failed):
-                    if group.beam is not None:
-                        group.beam_rows[req.request_id] = result.beam_topk[req.request_id]
-                        if self._advance_beams(group):
-                            changed[group.request_id] = group
-                        continue
                     k = req.sampling_params.logprobs
                     top = list(zip(top_ids[i][:k], top_lps[i][:k])) if (k and top_ids is not None) else []
                     self._append_token(req, toks[i], TokenLogprob(toks[i], lps[i], ranks[i], top), now)
                     changed[group.request_id] = group
+            # (advancing a group rewrites its beams' tokens: a row recorded after that, for a
+            # beam sampled later in this step, would stand for the new tokens while it holds
+            # the old ones' logprobs; the group then advanced on it one step later)
+            for rid, group in beam_groups.items():
+                if rid not in failed:
+                    with self._isolated(group.seqs[0], failed):
+                        if self._advance_beams(group):
+                            changed[rid] = group
         outputs = []
         for rid, group in changed.items():
             if rid in failed:
