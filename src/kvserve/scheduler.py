@@ -120,13 +120,10 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req, cache=status is not RequestStatus.FINISHED_ERROR)
 
-    @staticmethod
-    def _is_beam(req: Request) -> bool:
-        return req.sampling_params.use_beam_search
-
     def _running_beams(self, req: Request) -> list[Request]:
-        """The running beams of ``req``'s beam-search group (``req`` included if it runs)."""
-        if not self._is_beam(req):
+        """The running beams of ``req``'s beam-search group (``req`` included if it runs);
+        for another request, ``[req]`` if it runs."""
+        if not req.sampling_params.use_beam_search:
             return [req] if req in self.running else []
         return [r for r in self.running if r.parent_id == req.parent_id]
 
