@@ -632,31 +632,30 @@ def process_logits(raw: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Steps 1-3 (bias, allowed ids, bad words, min_tokens, penalties) on float32 logits.
 
     Returns ``raw`` itself when no row needs any of them, else a processed copy; rows
-    left with no finite logit fall back to their raw logits.
+    left with no finite logit are processed again without the bans (allowed_token_ids is a
+    hard constraint; bad_words and min_tokens yield to it).
     """
     if not meta.edits_logits:
         return raw
+    x = _edited(raw, meta, bans=True)
+    if meta.any_masked:  # steps 1-2 may have masked a whole row
+        dead = torch.isneginf(x.amax(dim=-1))
+        if bool(dead.any()):  # (e.g. a multi-token bad word that admission cannot foresee)
+            x[dead] = _edited(raw, meta, bans=False)[dead]
+    return x
+
+
+def _edited(raw: torch.Tensor, meta: SamplingMetadata, bans: bool) -> torch.Tensor:
+    """A copy of ``raw`` with steps 1-3: bias, allowed ids, (``bans``: bad words and
+    min_tokens), penalties."""
     x = raw.clone(memory_format=torch.contiguous_format)  # the edits' flat indices need it
     if meta.logit_bias is not None:
         x.view(-1).index_add_(0, meta.logit_bias.flat, meta.logit_bias.values)
     if meta.allowed is not None:
         x = _on_rows(x, meta.allowed_rows, lambda sub: _keep_only(sub, meta.allowed))
-    if meta.bans is not None:
+    if bans and meta.bans is not None:
         x.index_put_((meta.bans.rows, meta.bans.toks), torch.tensor(_NEG_INF, device=x.device))
     _penalize(x, meta)
-    if meta.any_masked:  # steps 1-2 may have masked a whole row
-        dead = torch.isneginf(x.amax(dim=-1))
-        if bool(dead.any()):
-            # Every token masked (the allowed tokens all banned, e.g. by a multi-token bad
-            # word that admission cannot foresee): drop the bans for that row, keep the rest.
-            # allowed_token_ids is a hard constraint; bad_words and min_tokens yield to it.
-            y = raw.clone(memory_format=torch.contiguous_format)
-            if meta.logit_bias is not None:
-                y.view(-1).index_add_(0, meta.logit_bias.flat, meta.logit_bias.values)
-            if meta.allowed is not None:
-                y = _on_rows(y, meta.allowed_rows, lambda sub: _keep_only(sub, meta.allowed))
-            _penalize(y, meta)
-            x[dead] = y[dead]
     return x
 
 
