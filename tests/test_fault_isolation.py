@@ -134,3 +134,63 @@ def test_server_answers_500_for_the_failed_request_only(folder, expected):
                     for fam in text_string_to_metric_families(httpx.get(s.base_url + "/metrics").text)
                     for smp in fam.samples if smp.name == "kvserve:request_success_total"}
         assert finished == {"stop": 0, "length": 2, "abort": 0, "error": 2}
+
+
+def _inject_forward_fault(engine: LLMEngine, fail_at: int, after_forward: bool) -> None:
+    """Make the model forward raise for any batch holding a marked prompt with at least
+    ``fail_at`` output tokens: before it runs, or after it wrote the batch's K/V."""
+    runner = engine.runner
+    real_model, real_prepare = runner.model, runner.prepare_inputs
+    marked = {}
+
+    def prepare(sched):
+        marked["now"] = any(r.prompt_token_ids[:3] == MARK and len(r.output_token_ids) >= fail_at
+                            for r, _ in sched.scheduled)
+        return real_prepare(sched)
+
+    def model(*args, **kw):
+        if marked["now"] and not after_forward:
+            raise RuntimeError("injected forward fault")
+        out = real_model(*args, **kw)
+        if marked["now"]:
+            raise RuntimeError("injected forward fault")
+        return out
+
+    runner.prepare_inputs, runner.model = prepare, model
+
+
+@pytest.mark.parametrize("fail_at, after_forward", [(0, False), (FAIL_AT, False), (FAIL_AT, True)])
+@pytest.mark.parametrize("params", ["greedy", "n2"])
+def test_failing_forward_fails_its_request_alone(folder, expected, caplog, fail_at, after_forward, params):
+    """The batched forward raises: each request's part is rerun alone; only the marked one
+    fails, the others get their exact outputs, and nothing the failed step computed is cached."""
+    engine = _engine(folder, enable_prefix_caching=True)
+    _inject_forward_fault(engine, fail_at, after_forward)
+    sp = GREEDY if params == "greedy" else SamplingParams(n=2, max_tokens=8, seed=3, ignore_eos=True)
+    prompts = PROMPTS[:1] + [MARK + [6, 7, 8, 9, 10]] + PROMPTS[2:]  # 8 tokens: two full blocks of 4
+    outs = _run(engine, prompts, sp)
+    for i in (0, 2):
+        assert outs[i].error is None
+        assert [c.token_ids for c in outs[i].outputs] == (
+            [expected["greedy"][i]] if params == "greedy" else expected["n2"][i])
+    bad = outs[1]
+    assert bad.error == "RuntimeError: injected forward fault"
+    assert all(c.finish_reason == "error" for c in bad.outputs)
+    assert max(len(c.token_ids) for c in bad.outputs) == fail_at  # (a forked sample may be a token behind)
+    assert "running them one by one" in caplog.text
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    # the engine goes on; had the failed prefill's blocks been cached, this would read them
+    engine.runner.model, engine.runner.prepare_inputs = engine.model, type(engine.runner).prepare_inputs.__get__(
+        engine.runner)
+    again = _run(engine, [prompts[1]], GREEDY)[0]
+    clean = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4, max_model_len=64)
+    assert again.error is None
+    assert again.outputs[0].token_ids == clean.generate([prompts[1]], GREEDY)[0].outputs[0].token_ids
+
+
+def test_forward_fault_of_a_lone_request_fails_it(folder):
+    engine = _engine(folder)
+    _inject_forward_fault(engine, 0, False)
+    out = _run(engine, [PROMPTS[1]], GREEDY)[0]
+    assert out.finished and out.error == "RuntimeError: injected forward fault"
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

@@ -12,6 +12,7 @@ from scipy.stats import chisquare, kstest
 
 from kvserve.sampler import (
     Sampler,
+    SamplerOutput,
     SamplingMetadata,
     SamplingRow,
     compute_logprobs,
@@ -888,3 +889,19 @@ def test_temperature_below_1e_5_is_greedy(temperature):
         out = _sample(logits, _rows(SamplingParams(temperature=temperature, seed=1, **extra), 4))
         assert torch.equal(out.sampled_token_ids, greedy.sampled_token_ids), extra
         assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+
+
+def test_sampler_output_cat_pads_top_columns():
+    """Rows of steps run piecewise (engine fault isolation): the widest top-k wins, the
+    other rows are padded like rows that asked for fewer logprobs."""
+    a = SamplerOutput(torch.tensor([4]), torch.tensor([-0.5]), torch.tensor([1]),
+                      torch.tensor([[4, 7]]), torch.tensor([[-0.5, -1.5]]))
+    b = SamplerOutput(torch.tensor([9, 2]), torch.tensor([-0.25, -2.0]), torch.tensor([0, 0]), None, None)
+    c = SamplerOutput.cat([b, a])
+    assert c.sampled_token_ids.tolist() == [9, 2, 4] and c.logprobs.tolist() == [-0.25, -2.0, -0.5]
+    assert c.ranks.tolist() == [0, 0, 1]
+    assert c.top_token_ids.tolist() == [[-1, -1], [-1, -1], [4, 7]]
+    assert c.top_logprobs.tolist() == [[float("-inf")] * 2] * 2 + [[-0.5, -1.5]]
+    assert SamplerOutput.cat([b]).top_token_ids is None
+    with pytest.raises(ValueError, match="parts"):
+        SamplerOutput.cat([])

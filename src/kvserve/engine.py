@@ -33,7 +33,7 @@ from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.kv_cache import KVCacheManager, allocate_kv_cache, plan_kv_cache
 from kvserve.layers.linear import QUANTIZATIONS
 from kvserve.loader import load_weights, resolve_model_path
-from kvserve.model_runner import ModelRunner
+from kvserve.model_runner import ModelRunner, ModelRunnerOutput
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.request import (
     CompletionOutput,
@@ -44,7 +44,7 @@ from kvserve.request import (
 )
 from kvserve.sampler import sample_seed
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import Scheduler
+from kvserve.scheduler import Scheduler, SchedulerOutput
 from kvserve.tokenizer import bad_words_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -429,10 +429,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns an output for every request that changed.
 
-        A request whose own bookkeeping raises (sampling results, stop checks,
-        detokenization, forking, its output) finishes with ``finish_reason="error"`` and the
-        message in ``RequestOutput.error``; its blocks are freed and the other requests go on.
-        An exception in scheduling or in the model itself still propagates.
+        A request whose own part of the step raises (its forward: when the batched forward
+        raises, each request group's part is rerun alone to find the one at fault; sampling
+        results, stop checks, detokenization, forking, its output) finishes with
+        ``finish_reason="error"`` and the message in ``RequestOutput.error``; its blocks are
+        freed (not cached) and the other requests go on. An exception in scheduling still
+        propagates.
         """
         sched = self.scheduler.schedule()
         if sched.is_empty and sched.preempted:  # a plan that only made room: admit into it now
@@ -446,12 +448,17 @@ class LLMEngine:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             self.num_prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
-        result = self.runner.execute(sched)
-        # From here on the work is per request: an exception in one request's bookkeeping
-        # (a bug, or a tokenizer that chokes on its text) fails that request alone, with
-        # finish_reason "error"; the others in the batch go on.
+        # From here on the work is per request: an exception in one request's forward or
+        # bookkeeping (a bug, or a tokenizer that chokes on its text) fails that request
+        # alone, with finish_reason "error"; the others in the batch go on.
         failed: dict[str, tuple[RequestGroup, Exception]] = {}
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:  # noqa: BLE001 - find the request(s) at fault, run the others
+            result = self._execute_per_group(sched, e, failed)
         for req, n in sched.scheduled:
+            if self._group_id(req) in failed:
+                continue  # its K/V may be half written: never cache it
             req.num_computed_tokens += n
             with self._isolated(req, failed):
                 self.kv.cache_computed(req)  # before _fork_pending: forks share the cached prompt
@@ -503,6 +510,38 @@ class LLMEngine:
                     self._retire(group)
         outputs.extend(self._fail_group(group, e) for group, e in failed.values())
         return outputs
+
+    def _group_id(self, req: Request) -> Optional[str]:
+        group = self._seq_to_group.get(req.request_id)
+        return None if group is None else group.request_id
+
+    def _execute_per_group(self, sched: SchedulerOutput, error: Exception,
+                           failed: dict[str, tuple[RequestGroup, Exception]]) -> ModelRunnerOutput:
+        """After the batched forward raised ``error``: run each request group's part of the
+        step alone, record the groups whose part raises again in ``failed`` and return the
+        other parts' results merged (the same tokens the batch would have given: a row never
+        depends on its batch-mates; K/V half written by the failed batch is rewritten with
+        the same values). A fault that is not any one request's (every part fails) fails
+        every request of the step; the engine itself goes on."""
+        parts: dict[Optional[str], list[tuple[Request, int]]] = {}
+        for req, n in sched.scheduled:
+            parts.setdefault(self._group_id(req), []).append((req, n))
+        if None in parts:  # a sequence of no live group: the engine's own state is at fault
+            raise error
+        logger.warning("the model forward failed for a batch of %d request(s) (%s: %s); running them one by one",
+                       len(parts), type(error).__name__, error)
+        results = []
+        for gid, scheduled in parts.items():
+            if len(parts) == 1:
+                e = error
+            else:
+                try:
+                    results.append(self.runner.execute(SchedulerOutput(scheduled=scheduled)))
+                    continue
+                except Exception as e2:  # noqa: BLE001 - this group's own fault
+                    e = e2
+            failed.setdefault(gid, (self.groups[gid], e))
+        return ModelRunnerOutput.merge(results)
 
     @contextlib.contextmanager
     def _isolated(self, req: Request, failed: dict[str, tuple[RequestGroup, Exception]]):

@@ -61,6 +61,18 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     beam_topk: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
 
+    @staticmethod
+    def merge(parts: list["ModelRunnerOutput"]) -> "ModelRunnerOutput":
+        """One output for steps run piecewise (disjoint requests), rows in the order of ``parts``."""
+        out = ModelRunnerOutput(sample_requests=[r for p in parts for r in p.sample_requests], sampler_output=None)
+        sampled = [p.sampler_output for p in parts if p.sampler_output is not None]
+        if sampled:
+            out.sampler_output = SamplerOutput.cat(sampled)
+        for p in parts:
+            out.prompt_logprobs.update(p.prompt_logprobs)
+            out.beam_topk.update(p.beam_topk)
+        return out
+
 
 class ModelRunner:
     """Runs the model over the paged cache.

@@ -575,6 +575,34 @@ class SamplerOutput:
     top_token_ids: Optional[torch.Tensor]
     top_logprobs: Optional[torch.Tensor]
 
+    @staticmethod
+    def cat(parts: Sequence["SamplerOutput"]) -> "SamplerOutput":
+        """The rows of ``parts`` one after the other (top columns padded to the widest K with
+        -1 / -inf, as for rows that asked for fewer).
+
+        Raises:
+            ValueError: ``parts`` is empty.
+        """
+        if not parts:
+            raise ValueError("parts must hold at least one SamplerOutput")
+        k = max(p.top_token_ids.shape[1] if p.top_token_ids is not None else 0 for p in parts)
+        ids, lps = [], []
+        for p in parts:
+            b = p.sampled_token_ids.shape[0]
+            have = p.top_token_ids.shape[1] if p.top_token_ids is not None else 0
+            dev = p.sampled_token_ids.device
+            pad_ids = torch.full((b, k - have), -1, dtype=torch.long, device=dev)
+            pad_lps = torch.full((b, k - have), float("-inf"), dtype=torch.float32, device=dev)
+            ids.append(pad_ids if have == 0 else torch.cat([p.top_token_ids, pad_ids], 1))
+            lps.append(pad_lps if have == 0 else torch.cat([p.top_logprobs, pad_lps], 1))
+        return SamplerOutput(
+            sampled_token_ids=torch.cat([p.sampled_token_ids for p in parts]),
+            logprobs=torch.cat([p.logprobs for p in parts]),
+            ranks=torch.cat([p.ranks for p in parts]),
+            top_token_ids=torch.cat(ids) if k else None,
+            top_logprobs=torch.cat(lps) if k else None,
+        )
+
 
 # ------------------------------------------------------------------------ sampler
 class Sampler:
