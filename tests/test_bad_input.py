@@ -269,7 +269,7 @@ def test_bad_engine_args(tiny_model_dir):
         LLM(model=str(folder), kv_cache_memory=0)
 
 
-def test_bad_device_and_max_model_len(tiny_model_dir):
+def test_bad_device_and_max_model_len(tiny_model_dir, monkeypatch):
     folder, _ = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
         LLM(model=str(folder), device="tpu")
@@ -278,6 +278,12 @@ def test_bad_device_and_max_model_len(tiny_model_dir):
             LLM(model=str(folder), device="cuda")
     with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 512\]"):
         LLM(model=str(folder), max_model_len=999999)
+    # checked from the config alone, before the weights are read
+    import kvserve.engine
+    monkeypatch.setattr(kvserve.engine, "load_weights", lambda path: pytest.fail("weights read"))
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 512\]"):
+        LLM(model=str(folder), max_model_len=513)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"max_model_len must be in \[2, the model's context length\], got 0"):
         LLM(model=str(folder), max_model_len=0)
 

@@ -32,7 +32,7 @@ from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.kv_cache import KVCacheManager, allocate_kv_cache, plan_kv_cache
 from kvserve.layers.linear import QUANTIZATIONS
-from kvserve.loader import load_weights, resolve_model_path
+from kvserve.loader import load_model_config, load_weights, resolve_model_path
 from kvserve.model_runner import ModelRunner, ModelRunnerOutput
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.request import (
@@ -198,15 +198,16 @@ class LLMEngine:
         self.device = parse_device(args.device)
         path = resolve_model_path(args.model)
         t0 = time.perf_counter()
-        cfg, state = load_weights(path)
-        self.model_config: ModelConfig = cfg
-        self.model_path = path
-        self.tokenizer = load_tokenizer(path)
+        cfg = load_model_config(path)  # checks that need only the config come before the weights
         if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the model's context length), "
                 f"got {args.max_model_len}"
             )
+        cfg, state = load_weights(path)
+        self.model_config: ModelConfig = cfg
+        self.model_path = path
+        self.tokenizer = load_tokenizer(path)
         max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
         if cfg.sliding_window is not None and max_len > cfg.sliding_window:
             logger.warning("max_model_len capped at the sliding window (%d tokens)", cfg.sliding_window)
@@ -519,7 +520,7 @@ class LLMEngine:
                            failed: dict[str, tuple[RequestGroup, Exception]]) -> ModelRunnerOutput:
         """After the batched forward raised ``error``: run each request group's part of the
         step alone, record the groups whose part raises again in ``failed`` and return the
-        other parts' results merged (the same tokens the batch would have given: a row never
+X
         depends on its batch-mates; K/V half written by the failed batch is rewritten with
         the same values). A fault that is not any one request's (every part fails) fails
         every request of the step; the engine itself goes on."""

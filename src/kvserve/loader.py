@@ -39,6 +39,20 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
+def load_model_config(path: Path) -> ModelConfig:
+    """Read only a model's config (GGUF metadata or ``config.json``): cheap, no weights.
+
+    Raises:
+        ModelLoadError: corrupt or unreadable file.
+        UnsupportedModelError: architecture outside the Llama family.
+    """
+    if path.is_dir():
+        return _hf_config(path)
+    if path.suffix == ".gguf":
+        return gguf_model_config(_gguf_reader(path), path)
+    raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a folder with config.json")
+
+
 def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a model's config and float32 weights.
 
@@ -211,10 +225,7 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 # ------------------------------------------------------------------ Hugging Face folder
 
 
-def _load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def _hf_config(path: Path) -> ModelConfig:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{str(path)!r} has no config.json")
@@ -222,7 +233,14 @@ def _load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         cfg_dict = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{str(cfg_path)!r} is not valid JSON: {e}") from e
-    cfg = ModelConfig.from_hf_dict(cfg_dict, name=path.name)
+    return ModelConfig.from_hf_dict(cfg_dict, name=path.name)
+
+
+def _load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{str(path)!r} has no *.safetensors files")
