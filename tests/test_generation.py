@@ -83,6 +83,16 @@ def test_stop_string_spanning_tokens(llm_fp32):
     assert out.outputs[0].text == " 6, 7, 8"
 
 
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(llm_fp32):
+    # " ", "6", ",", " ", "7", ",", " ", "8": the eighth token completes "7, 8" and is max_tokens' last
+    params = SamplingParams(max_tokens=8, temperature=0, stop=["7, 8"])
+    o = llm_fp32.generate(["1, 2, 3, 4, 5,"], params)[0].outputs[0]
+    assert len(o.token_ids) == 8
+    assert (o.text, o.finish_reason, o.stop_reason) == (" 6, ", "stop", "7, 8")
+    deltas, last = _stream(llm_fp32, "1, 2, 3, 4, 5,", params)
+    assert ("".join(deltas), last.finish_reason, last.stop_reason) == (" 6, ", "stop", "7, 8")
+
+
 def test_stop_string_inside_a_token(llm_fp32):
     # " Paris" is one token; "ari" is inside it
     assert llm_fp32.tokenizer.encode(" Paris") == [7042]

@@ -801,6 +801,7 @@ def test_engine_failure_fails_live_requests_only(server, client):
             raise RuntimeError("boom")
         engine.step = boom
 
+    server.wait_idle()  # (a request left from an earlier test would take the failed step instead)
     server.engine_call(break_step)
     with pytest.raises(openai.InternalServerError) as ei:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
@@ -822,3 +823,105 @@ def test_streamed_echo_with_logprobs_equals_the_non_streamed_response(server):
     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [v for c in choices for v in c["logprobs"][field]] == full["logprobs"][field], field
     assert full["logprobs"]["token_logprobs"][0] is None and len(full["logprobs"]["tokens"]) > 6
+
+
+def test_streamed_text_offsets_equal_the_non_streamed_ones_when_text_is_held_back(server):
+    # a stop string that starts like the text holds a delta's tail back: the offsets still
+    # come from the tokens' own strings, as in the whole response
+    base = {"prompt": PROMPT, "logprobs": 1, **_greedy(8), "ignore_eos": True}
+    text = httpx.post(server.base_url + "/v1/completions", json=base, timeout=60).json()["choices"][0]["text"]
+    body = {**base, "stop": [c + "\u2603" for c in sorted(set(text))][:16]}
+    full = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert full["text"] == text
+    r = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    offsets = [v for c in chunks for ch in c["choices"] if ch["logprobs"] for v in ch["logprobs"]["text_offset"]]
+    assert offsets == full["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets)
+
+
+def test_prompt_logprobs_with_stream_is_rejected(server):
+    for path, extra in (("/v1/completions", {"prompt": PROMPT}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = httpx.post(server.base_url + path, json={**extra, "max_tokens": 2, "stream": True, "prompt_logprobs": 1},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", path
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs(server):
+    # lm-eval's loglikelihood requests: echo the prompt, score it, generate nothing
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "temperature": 0}
+    full = httpx.post(server.base_url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=60).json()
+    only = httpx.post(server.base_url + "/v1/completions", json={**body, "max_tokens": 0}, timeout=60).json()
+    choice = only["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    n_prompt = only["usage"]["prompt_tokens"]
+    assert only["usage"]["completion_tokens"] == 0 and only["usage"]["total_tokens"] == n_prompt
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert choice["logprobs"][field] == full["choices"][0]["logprobs"][field][:n_prompt], field
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    r = httpx.post(server.base_url + "/v1/completions", json={**body, "max_tokens": 0, "stream": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # without echo: nothing to return
+
+
+def test_errors_name_the_field_the_client_sent(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    r = httpx.post(server.base_url + "/v1/chat/completions",
+                   json={**chat, "use_beam_search": True, "n": 2, "logprobs": True}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "logprobs"
+    assert "got logprobs=0" in err["message"] and "top_logprobs" not in err["message"]
+    r = httpx.post(server.base_url + "/v1/chat/completions",
+                   json={**chat, "use_beam_search": True, "n": 2, "logprobs": True, "top_logprobs": 2}, timeout=60)
+    assert r.json()["error"]["param"] == "top_logprobs" and "got top_logprobs=2" in r.json()["error"]["message"]
+    tok = server.api.engine.tokenizer
+    word, tid = next((w, t) for t in range(100, 1000) for w in [tok.decode([t])]
+                     if w.strip() and tok.encode(w, add_special_tokens=False) == [t])
+    r = httpx.post(server.base_url + "/v1/completions",
+                   json={"prompt": PROMPT, "max_tokens": 4, "allowed_token_ids": [tid], "bad_words": [word]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_a_too_long_prompt_stops_the_batch_before_the_rest_is_tokenized(server):
+    seen = []
+    real = server.api.engine.encode
+
+    def encode(text):
+        seen.append(text)
+        return real(text)
+
+    server.api.engine.encode = encode
+    try:
+        long = "fox " * 2000
+        r = httpx.post(server.base_url + "/v1/completions",
+                       json={"prompt": [PROMPT, long, PROMPT + " again", PROMPT + " more"], "max_tokens": 2}, timeout=60)
+    finally:
+        del server.api.engine.encode
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "(prompt 1 of the batch)" in r.json()["error"]["message"]
+    assert seen == [PROMPT, long]
+
+
+def test_bad_words_are_tokenized_off_the_event_loop(server, monkeypatch):
+    import kvserve.server.protocol as protocol
+
+    release = threading.Event()
+    real = protocol.bad_words_token_ids
+
+    def slow(tokenizer, words):
+        assert release.wait(30), "the event loop was blocked"
+        return real(tokenizer, words)
+
+    monkeypatch.setattr(protocol, "bad_words_token_ids", slow)
+    res = {}
+    t = threading.Thread(target=lambda: res.update(r=httpx.post(
+        server.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "bad_words": ["fox"]},
+        timeout=60)))
+    t.start()
+    time.sleep(0.2)
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200  # answered meanwhile
+    release.set()
+    t.join(60)
+    assert res["r"].status_code == 200

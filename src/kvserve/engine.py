@@ -605,7 +605,8 @@ X
         hide = status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output
         upd = req.detokenizer.update([] if hide else [tok], n_out, finished=status is not None)
         req.output_text = req.detokenizer.output_text
-        if upd.stop_str is not None and status is None:
+        if upd.stop_str is not None and status in (None, RequestStatus.FINISHED_LENGTH):
+            # a stop string completed by the last allowed token still ends it as "stop" (vLLM)
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, upd.stop_str
         req.last_delta = upd.text_delta
         if status is not None:

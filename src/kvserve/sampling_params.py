@@ -195,7 +195,7 @@ class SamplingParams:
                 value = getattr(self, name)
                 if not (value in off or (isinstance(value, (list, dict)) and not value)):
                     raise ValueError(f"{name} is not supported with use_beam_search (beams are ranked on the "
-                                     f"model's raw logprobs and return only their cumulative_logprob); got "
+                                     f"model's raw log-probabilities and return only their cumulative_logprob); got "
                                      f"{name}={value!r}")
 
     def check_token_ids(self, vocab_size: int) -> None:

@@ -142,12 +142,16 @@ def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) ->
     Raises:
         ValueError: an entry is not a non-empty string.
     """
-    out: list[list[int]] = []
+    variants: list[str] = []
     for w in words:
         if not isinstance(w, str) or not w:
             raise ValueError(f"bad_words entries must be non-empty strings or token id lists, got {w!r}")
-        for variant in (w, " " + w.lstrip(" ")):
-            ids = list(tokenizer.encode(variant, add_special_tokens=False))
-            if ids and ids not in out:
-                out.append(ids)
+        variants += [w, " " + w.lstrip(" ")]
+    seen: set[tuple[int, ...]] = set()
+    out: list[list[int]] = []
+    for ids in tokenizer(variants, add_special_tokens=False)["input_ids"] if variants else []:
+        key = tuple(ids)
+        if ids and key not in seen:  # first occurrence kept, in order (linear in the list)
+            seen.add(key)
+            out.append(list(ids))
     return out

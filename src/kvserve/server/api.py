@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -241,6 +242,20 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), param="truncate_prompt_tokens", code="invalid_value") from None
 
+    def _encode_prompts(self, prompts: list, truncate: Optional[int]) -> list[list[int]]:
+        """Token ids of a batch's prompts (in the tokenizer thread). Without truncation a
+        prompt too long for the context stops the batch at once, before the rest is
+        tokenized (the thread is shared by every request)."""
+        out = []
+        for i, p in enumerate(prompts):
+            out.append(self.engine.encode(p) if isinstance(p, str) else list(p))
+            if truncate is None:
+                try:
+                    self._check_length(out[-1], "prompt")
+                except APIError as e:
+                    raise (_in_batch(e, i) if len(prompts) > 1 else e) from None
+        return out
+
     async def _in_tokenizer_thread(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
 
@@ -255,8 +270,9 @@ class OpenAIServer:
             return APIError(400, msg, param="max_tokens", code="context_length_exceeded")
         if "max_model_len" in msg or "KV" in msg:
             return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
-        if msg.startswith("min_tokens"):
-            return APIError(400, msg, param="min_tokens", code="invalid_value")
+        field = re.match(r"[a-z_]+", msg)
+        if field and field.group() in SamplingParams.__dataclass_fields__:  # "min_tokens (...) exceeds ..."
+            return APIError(400, msg, param=field.group(), code="invalid_value")
         if msg.startswith("prompt"):
             return APIError(400, msg, param=prompt_param, code="invalid_value")
         return APIError(400, msg, code="invalid_value")
@@ -439,13 +455,19 @@ class OpenAIServer:
         for p in prompts:
             if isinstance(p, str):
                 self._check_chars(len(p), "prompt")
-        params = to_sampling_params(req, req.max_tokens, req.logprobs, self.tokenizer)
+        # echo with max_tokens = 0 returns only the prompt (and its logprobs: how lm-eval scores
+        # loglikelihoods); the engine samples one token, which is dropped
+        echo_only = bool(req.echo and req.max_tokens == 0)
+        if echo_only and req.stream:
+            raise APIError(400, "max_tokens=0 (echo the prompt only) is not supported with stream", param="max_tokens")
+        # (off the event loop: bad_words are tokenized)
+        params = await self._in_tokenizer_thread(to_sampling_params, req, 1 if echo_only else req.max_tokens,
+                                                 req.logprobs, self.tokenizer)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         texts = [p if isinstance(p, str) else None for p in prompts]
         if any(t is not None for t in texts):
-            ids_list = await self._in_tokenizer_thread(
-                lambda: [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts])
+            ids_list = await self._in_tokenizer_thread(self._encode_prompts, prompts, params.truncate_prompt_tokens)
         else:
             ids_list = [list(p) for p in prompts]
         if params.truncate_prompt_tokens is not None:  # (left truncation, before the length check)
@@ -465,6 +487,11 @@ class OpenAIServer:
             gen = self._stream_completion(sub, req, params, base, created, texts)
             return _AbortOnClose(gen, sub.abort_unfinished)
         finals = await self._collect(sub, request)
+        if echo_only:
+            finals = [dataclasses.replace(out, outputs=[
+                dataclasses.replace(o, text="", token_ids=[], logprobs=[] if o.logprobs is not None else None,
+                                    cumulative_logprob=0.0, finish_reason="length", stop_reason=None)
+                for o in out.outputs]) for out in finals]
         choices = []
         for p, out in enumerate(finals):
             for o in out.outputs:
@@ -500,7 +527,6 @@ class OpenAIServer:
                 for i in range(n):
                     if req.logprobs is None:
                         opening.append({"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None})
-                        offsets[(p, i)] = len(text)
                     else:
                         echo_later.add((p, i))
 
@@ -517,8 +543,9 @@ class OpenAIServer:
                     entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
                     token_ids = list(out.prompt_token_ids) + token_ids
                     text = texts[tag] + text
-                logprobs = self.texts.completion_logprobs(entries, token_ids, req.logprobs, offsets.get(key, 0))
-            offsets[key] = offsets.get(key, 0) + len(text)
+                start_offset = offsets.get(key, 0)  # from the tokens' strings, as without streaming
+                logprobs = self.texts.completion_logprobs(entries, token_ids, req.logprobs, start_offset)
+                offsets[key] = start_offset + sum(len(t) for t in logprobs["tokens"])
             return {"index": tag * n + o.index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
 
         return self._stream(sub, req, base, "text_completion", created, opening, choice, "prompt")
@@ -546,10 +573,10 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         k = (req.top_logprobs or 0) if req.logprobs else None
-        renames = {"logprobs": "top_logprobs"}
+        renames = {"logprobs": "top_logprobs" if req.top_logprobs is not None else "logprobs"}
         if req.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
-        params = to_sampling_params(req, max_tokens, k, self.tokenizer, renames)
+        params = await self._in_tokenizer_thread(to_sampling_params, req, max_tokens, k, self.tokenizer, renames)
         add_gen = req.add_generation_prompt and not req.continue_final_message
         ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message)
         ids, _ = self._truncate(ids, None, params)

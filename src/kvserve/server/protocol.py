@@ -255,6 +255,9 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
     if req.best_of is not None and req.stream and req.best_of > req.n:
         raise APIError(400, "best_of > n is not supported with stream (the best samples are only known at the end)",
                        param="best_of")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is not available with stream (the prompt's logprobs are sent "
+                       "only in a whole response)", param="prompt_logprobs")
     if req.use_beam_search and req.stream:
         raise APIError(400, "use_beam_search is not supported with stream (the best beams are only known at the end)",
                        param="use_beam_search")
