@@ -520,10 +520,10 @@ class LLMEngine:
                            failed: dict[str, tuple[RequestGroup, Exception]]) -> ModelRunnerOutput:
         """After the batched forward raised ``error``: run each request group's part of the
         step alone, record the groups whose part raises again in ``failed`` and return the
-X
-        depends on its batch-mates; K/V half written by the failed batch is rewritten with
-        the same values). A fault that is not any one request's (every part fails) fails
-        every request of the step; the engine itself goes on."""
+        other parts' results merged (a row does not depend on its batch-mates beyond float
+        rounding; K/V half written by the failed batch is rewritten with the same values).
+        A fault that is not any one request's (every part fails) fails every request of the
+        step; the engine itself goes on."""
         parts: dict[Optional[str], list[tuple[Request, int]]] = {}
         for req, n in sched.scheduled:
             parts.setdefault(self._group_id(req), []).append((req, n))
