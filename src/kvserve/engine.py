@@ -34,7 +34,7 @@ from kvserve.kv_cache import KVCacheManager, allocate_kv_cache, plan_kv_cache
 from kvserve.layers.linear import QUANTIZATIONS
 from kvserve.loader import load_model_config, load_weights, resolve_model_path
 from kvserve.model_runner import ModelRunner, ModelRunnerOutput
-from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models import model_class
 from kvserve.request import (
     CompletionOutput,
     Request,
@@ -209,12 +209,14 @@ class LLMEngine:
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
         max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
-        if cfg.sliding_window is not None and max_len > cfg.sliding_window:
+        if cfg.sliding_window is not None and cfg.layer_types is None and max_len > cfg.sliding_window:
+            # every layer windowed (Mistral): full attention is exact up to the window. Models
+            # with per-layer windows (Gemma 3) attend with the window and are not capped.
             logger.warning("max_model_len capped at the sliding window (%d tokens)", cfg.sliding_window)
             max_len = cfg.sliding_window
         self.max_model_len = max_len
         backend = default_backend(self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.model = LlamaForCausalLM(cfg, backend, self.dtype, self.device, max_positions=max_len)
+        self.model = model_class(cfg.architecture)(cfg, backend, self.dtype, self.device, max_positions=max_len)
         self.model.load_weights(state, quantization=args.quantization)
         del state
         self.model.eval()
