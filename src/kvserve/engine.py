@@ -236,6 +236,12 @@ class LLMEngine:
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
+        if cfg.architecture == "Gemma3ForCausalLM":
+            # Gemma ends a chat turn with <end_of_turn> (its generation_config lists [1, 106]);
+            # a GGUF names only <eos>
+            eot = self.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+            if isinstance(eot, int) and eot != self.tokenizer.unk_token_id and eot not in self.eos_token_ids:
+                self.eos_token_ids += (eot,)
         self.groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, RequestGroup] = {}
         self._rng = random.Random(args.seed)

