@@ -162,3 +162,97 @@ def test_unsupported_gemma3_fields_are_named(tiny_model_dir, field, value):
     d[field] = value
     with pytest.raises(UnsupportedModelError, match=field):
         ModelConfig.from_hf_dict(d)
+
+
+# ------------------------------------------------------------------ GGUF
+
+def _write_tiny_gemma3_gguf(path, hf) -> None:
+    """``hf``'s weights as llama.cpp's converter writes a gemma3 GGUF: its tensor names, norm
+    weights stored as 1 + w, float32, and only the metadata llama.cpp writes."""
+    import gguf
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(c.sliding_window)
+    w.add_vocab_size(c.vocab_size)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        a = t.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            gname = f"blk.{idx}.{names[rest.removesuffix('.weight')]}.weight"
+        if "norm" in gname:
+            a = a + 1.0
+        w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_matches_transformers_on_the_same_file(tmp_path):
+    """A tiny random Gemma 3 written as llama.cpp does (6 layers: the 6th global, as a gemma3
+    GGUF implies; window 8): kvserve's logits from the file equal transformers' from the file
+    and the source model's. head_dim is 256 = query_pre_attn_scalar: a GGUF does not store the
+    scalar, and llama.cpp takes head_dim where transformers takes its default, 256."""
+    import transformers as tf
+
+    from kvserve.attention import default_backend
+    from kvserve.loader import load_weights
+    from kvserve.models.gemma3 import Gemma3ForCausalLM
+
+    torch.manual_seed(3)
+    cfg = tf.Gemma3TextConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256,
+                              sliding_window=8, max_position_embeddings=512, rms_norm_eps=1e-6,
+                              tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    src = tf.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in src.named_parameters():
+            p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+    path = tmp_path / "tiny-gemma3.gguf"
+    _write_tiny_gemma3_gguf(path, src)
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    kcfg, state = load_weights(path)
+    assert [kcfg.layer_window(i) for i in range(6)] == [8, 8, 8, 8, 8, None]
+    assert (kcfg.rope_local_theta, kcfg.attention_scale, kcfg.tie_word_embeddings) == (1e4, 1 / 16, True)
+    torch.testing.assert_close(state["model.layers.0.input_layernorm.weight"],
+                               src.model.layers[0].input_layernorm.weight, atol=1e-6, rtol=0)
+    model = Gemma3ForCausalLM(kcfg, default_backend("cpu", torch.float32, 4, 2, 256), torch.float32,
+                              torch.device("cpu"), 512)
+    model.load_weights(state)
+    kv = [(torch.zeros(16, 4, 2, 256), torch.zeros(16, 4, 2, 256)) for _ in range(6)]
+    ids = [(13 * j) % 380 + 3 for j in range(30)]
+    T = len(ids)
+    pos = torch.arange(T)
+    meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSegment(0, T, 0)])
+    with torch.inference_mode():
+        ours = model(torch.tensor(ids), pos, kv, meta, pos)
+        ref = hf(torch.tensor([ids])).logits[0]
+        orig = src(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours, orig, atol=1e-4, rtol=0)
