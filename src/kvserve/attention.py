@@ -156,12 +156,12 @@ class TorchSDPABackend(AttentionBackend):
         v_flat.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.num_decode_tokens:
-            self.decode(q, k_flat, v_flat, meta, scale, out, window)
+            self.decode(q, k_flat, v_flat, k_cache.shape[1], meta, scale, out, window)
         self.prefill(q, k, v, k_flat, v_flat, meta, scale, out, window)
         return out
 
     @staticmethod
-    def decode(q, k_flat, v_flat, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+    def decode(q, k_flat, v_flat, block_size: int, meta: AttentionMetadata, scale: float, out: torch.Tensor,
                window: Optional[int] = None) -> None:
         """SDPA of the decode rows over their gathered context, written into ``out[:num_decode_tokens]``.
 
@@ -170,7 +170,7 @@ class TorchSDPABackend(AttentionBackend):
         """
         nd = meta.num_decode_tokens
         num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
-        slots, mask = decode_context(meta, k_flat.shape[0])
+        slots, mask = decode_context(meta, block_size)
         if window is not None:
             mask = decode_window_mask(meta, mask, window)
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; index_select is much cheaper than
@@ -213,10 +213,9 @@ class TorchSDPABackend(AttentionBackend):
             out[seg.start : seg.end] = o.squeeze(0).transpose(0, 1)
 
 
-def decode_context(meta: AttentionMetadata, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_context(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(decode_context_slots [D, L] int64, decode_mask [D, 1, 1, L] bool)`` of the step: the
-    runner's, or (once per step) built from ``decode_block_tables``/``decode_context_lens``
-    with ``block_size = num_slots // num_blocks`` taken from the tables' cache.
+    runner's, or (once per step) built from ``decode_block_tables``/``decode_context_lens``.
     """
     if meta.decode_context_slots is not None:
         return meta.decode_context_slots, meta.decode_mask
@@ -224,7 +223,7 @@ def decode_context(meta: AttentionMetadata, num_slots: int) -> tuple[torch.Tenso
     if key not in meta.derived:
         bt, ctx_len = meta.decode_block_tables, meta.decode_context_lens
         D, L = bt.shape[0], meta.decode_max_context_len
-        bs = meta.derived["block_size"]
+        bs = block_size
         grid = torch.arange(L, dtype=torch.long, device=bt.device)
         slots = bt.gather(1, (grid // bs).expand(D, -1)) * bs + grid % bs
         valid = grid.unsqueeze(0) < ctx_len.unsqueeze(1)
@@ -277,8 +276,7 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
         k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
         if nd and window is not None and meta.decode_max_context_len > window:
             # the C kernel has no window: SDPA over the gathered context with a banded mask
-            meta.derived["block_size"] = k_cache.shape[1]
-            self.decode(q, k_flat, v_flat, meta, scale, out, window)
+            self.decode(q, k_flat, v_flat, k_cache.shape[1], meta, scale, out, window)
         elif nd:
             cpu_ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                            meta.decode_context_lens, scale, out=out[:nd],
