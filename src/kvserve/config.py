@@ -1,7 +1,8 @@
 """Configuration dataclasses: the model's shape, the KV cache, the scheduler.
 
-``ModelConfig`` is the one description of a Llama-family model that the loader fills
-from a GGUF header or a Hugging Face ``config.json``; the rest of kvserve reads only it.
+``ModelConfig`` is the one description of a decoder (the Llama family and Gemma 3) that the
+loader fills from a GGUF header or a Hugging Face ``config.json``; the rest of kvserve reads
+only it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,15 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    # Gemma 3 text (Gemma Team, "Gemma 3 Technical Report", 2025): see models/gemma3.py
+    "Gemma3ForCausalLM": {"qk_norm": True, "norm_style": "gemma"},
 }
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
+#: ``hidden_act`` values kvserve implements (Hugging Face names).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+#: ``layer_types`` entries (Hugging Face names).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class UnsupportedModelError(ValueError):
@@ -47,8 +55,20 @@ class ModelConfig:
         attention_bias: q/k/v projections have biases (Qwen2).
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         bos_token_id, eos_token_ids: special tokens (EOS may be several).
-        sliding_window: attention window (tokens) of Mistral-style models; kvserve caps
-            ``max_model_len`` at it, where full attention is exact.
+        sliding_window: attention window (tokens). Without ``layer_types`` (Mistral) every
+            layer has it and kvserve caps ``max_model_len`` at it, where full attention is
+            exact; with ``layer_types`` (Gemma 3) only the ``sliding_attention`` layers do.
+        layer_types: per layer ``"sliding_attention"`` or ``"full_attention"`` (Gemma 3), or None.
+        rope_local_theta: RoPE base of the sliding-window layers (Gemma 3's
+            ``rope_local_base_freq``); None: they use ``rope_theta``. Global layers use
+            ``rope_theta`` and ``rope_scaling``, local layers never scale.
+        query_pre_attn_scalar: attention scale is ``query_pre_attn_scalar ** -0.5`` (Gemma);
+            None: ``head_dim ** -0.5``.
+        hidden_act: MLP gate activation, one of :data:`SUPPORTED_ACTIVATIONS`.
+        norm_style: ``"llama"`` (``w · cast(x_norm)``) or ``"gemma"`` (``cast(x_norm · (1 + w))``
+            in float32, and the sandwich norms around attention and MLP).
+        embedding_multiplier: the embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)``,
+            rounded to the model dtype as Hugging Face does).
         name: a human-readable model name (used in logs and as the served name).
     """
 
@@ -70,6 +90,12 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: Optional[int] = None
+    layer_types: Optional[list[str]] = None
+    rope_local_theta: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None
+    hidden_act: str = "silu"
+    norm_style: str = "llama"
+    embedding_multiplier: float = 1.0
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -89,6 +115,31 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(f"model config: hidden activation {self.hidden_act!r} is not supported "
+                                        f"(kvserve implements {list(SUPPORTED_ACTIVATIONS)})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ModelConfigError(f"model config: layer_types must list {self.num_layers} entries from "
+                                       f"{list(LAYER_TYPES)}, got {self.layer_types!r}")
+            if "sliding_attention" in self.layer_types and not (
+                    isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+                raise ModelConfigError(f"model config: sliding_window must be a positive integer when layer_types "
+                                       f"has sliding_attention layers, got {self.sliding_window!r}")
+
+    def layer_window(self, i: int) -> Optional[int]:
+        """Attention window (tokens) of layer ``i`` as the model computes it, or None for full
+        attention. Query position p sees keys in ``(p - window, p]`` (Hugging Face's
+        ``sliding_window_overlay``: ``kv_idx > q_idx - window``). Mistral's uniform window is
+        not reported here: kvserve caps ``max_model_len`` at it instead."""
+        if self.layer_types is None or self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale: ``query_pre_attn_scalar ** -0.5`` (Gemma) or ``head_dim ** -0.5``."""
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> "ModelConfig":
@@ -130,6 +181,11 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
+        if arch == "Gemma3ForCausalLM" or cfg.get("model_type") == "gemma3_text":
+            return cls._from_gemma3_dict(cfg, num_heads, eos_ids, name)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported for {arch} "
+                                        "(kvserve implements silu)")
         sliding_window = None
         if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
             sliding_window = int(cfg["sliding_window"])
@@ -154,6 +210,71 @@ class ModelConfig:
             name=name,
         )
 
+    @classmethod
+    def _from_gemma3_dict(cls, cfg: dict[str, Any], num_heads: int, eos_ids: list[int], name: str) -> "ModelConfig":
+        """Gemma 3 text (``model_type: gemma3_text``): both transformers 5's ``rope_parameters``
+        per layer type and the older ``rope_theta``/``rope_local_base_freq``/``rope_scaling``,
+        ``layer_types`` or ``sliding_window_pattern`` (every n-th layer global, default 6), as
+        ``transformers.Gemma3TextConfig`` reads them.
+
+        Raises:
+            UnsupportedModelError: softcapping, bidirectional attention, an activation other
+                than ``gelu_pytorch_tanh``, or scaled RoPE on the local layers; the message names the field.
+        """
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key) is not None:
+                raise UnsupportedModelError(f"config.json: {key}={cfg[key]!r} is not supported (kvserve implements "
+                                            f"Gemma 3 without softcapping: {key} must be null)")
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("config.json: use_bidirectional_attention=true is not supported (causal only)")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(f"config.json: hidden_activation {act!r} is not supported for Gemma 3 "
+                                        "(kvserve implements gelu_pytorch_tanh)")
+        n_layers = cfg["num_hidden_layers"]
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            pattern = int(cfg.get("sliding_window_pattern") or 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        theta, local_theta = cfg.get("rope_theta", 1_000_000.0), cfg.get("rope_local_base_freq", 10_000.0)
+        scaling = cfg.get("rope_scaling")
+        rp = cfg.get("rope_parameters")
+        if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+            full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+            theta, local_theta = full.get("rope_theta", theta), local.get("rope_theta", local_theta)
+            if full.get("rope_type", "default") != "default":
+                scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+            if local.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"config.json: rope_parameters.sliding_attention.rope_type "
+                                            f"{local['rope_type']!r} is not supported (default only)")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        return cls(
+            architecture="Gemma3ForCausalLM",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=n_layers,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 131_072),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id", 2),
+            eos_token_ids=eos_ids,
+            sliding_window=cfg.get("sliding_window", 4096),
+            layer_types=list(layer_types),
+            rope_local_theta=float(local_theta),
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+            hidden_act=act,
+            norm_style="gemma",
+            embedding_multiplier=float(cfg["hidden_size"]) ** 0.5,
+            name=name,
+        )
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """KV cache bytes per token: ``2 · num_layers · num_kv_heads · head_dim · dtype_bytes``."""
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -165,6 +286,10 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        if self.norm_style == "gemma":  # pre/post feed-forward norms (sandwich)
+            per_layer += 2 * h
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         n = L * per_layer + h
         if include_embeddings:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)

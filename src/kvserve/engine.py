@@ -34,7 +34,7 @@ from kvserve.kv_cache import KVCacheManager, allocate_kv_cache, plan_kv_cache
 from kvserve.layers.linear import QUANTIZATIONS
 from kvserve.loader import load_model_config, load_weights, resolve_model_path
 from kvserve.model_runner import ModelRunner, ModelRunnerOutput
-from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models import model_class
 from kvserve.request import (
     CompletionOutput,
     Request,
@@ -209,12 +209,14 @@ class LLMEngine:
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
         max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
-        if cfg.sliding_window is not None and max_len > cfg.sliding_window:
+        if cfg.sliding_window is not None and cfg.layer_types is None and max_len > cfg.sliding_window:
+            # every layer windowed (Mistral): full attention is exact up to the window. Models
+            # with per-layer windows (Gemma 3) attend with the window and are not capped.
             logger.warning("max_model_len capped at the sliding window (%d tokens)", cfg.sliding_window)
             max_len = cfg.sliding_window
         self.max_model_len = max_len
         backend = default_backend(self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.model = LlamaForCausalLM(cfg, backend, self.dtype, self.device, max_positions=max_len)
+        self.model = model_class(cfg.architecture)(cfg, backend, self.dtype, self.device, max_positions=max_len)
         self.model.load_weights(state, quantization=args.quantization)
         del state
         self.model.eval()
@@ -234,6 +236,12 @@ class LLMEngine:
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
+        if cfg.architecture == "Gemma3ForCausalLM":
+            # Gemma ends a chat turn with <end_of_turn> (its generation_config lists [1, 106]);
+            # a GGUF names only <eos>
+            eot = self.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+            if isinstance(eot, int) and eot != self.tokenizer.unk_token_id and eot not in self.eos_token_ids:
+                self.eos_token_ids += (eot,)
         self.groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, RequestGroup] = {}
         self._rng = random.Random(args.seed)

@@ -91,6 +91,14 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+#: Gemma 3's sandwich norms (gguf-py's tensor map for MODEL_ARCH.GEMMA3): ``ffn_norm`` is the
+#: norm *before* the MLP there, where Llama's ``ffn_norm`` is ``post_attention_layernorm``.
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 
 
 def _gguf_reader(path: Path):
@@ -155,6 +163,7 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
     if _field(reader, f"{a}.rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
     head_dim = _field(reader, f"{a}.attention.key_length") or hidden // num_heads
+    extra = _gguf_gemma3_fields(reader, hidden, num_heads, int(head_dim)) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -172,6 +181,45 @@ def gguf_model_config(reader, path: Path) -> ModelConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         name=path.name.removesuffix(".gguf"),
+        **extra,
+    )
+
+
+def _gguf_gemma3_fields(reader, hidden: int, num_heads: int, head_dim: int) -> dict:
+    """The Gemma 3 fields a GGUF header holds or implies.
+
+    llama.cpp's converter writes ``gemma3.attention.sliding_window`` and the global
+    ``rope.freq_base`` only; what it leaves out is fixed by llama.cpp's gemma3 model and by
+    ``transformers.Gemma3TextConfig``'s defaults alike: every 6th layer global (the others
+    sliding), local RoPE base 10000, ``query_pre_attn_scalar = head_dim`` (256; llama.cpp uses
+    ``hidden / heads`` for the 62-layer 27B, done here too), gelu-tanh, ``sqrt(hidden)``
+    embedding scale. A ``sliding_window_pattern`` key (an int, or one bool per layer, True =
+    sliding) is honoured when present; linear RoPE scaling applies to the global layers.
+
+    Raises:
+        UnsupportedModelError: the header sets logit softcapping.
+    """
+    a = "gemma3"
+    n_layers = int(_field(reader, f"{a}.block_count"))
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if _field(reader, f"{a}.{key}") is not None:
+            raise UnsupportedModelError(f"GGUF {a}.{key} is set: softcapping is not supported for Gemma 3")
+    pattern = _field(reader, f"{a}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ModelLoadError(f"GGUF {a}.attention.sliding_window_pattern has {len(pattern)} entries, "
+                                 f"expected {n_layers}")
+        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n_layers)]
+    return dict(
+        sliding_window=int(_field(reader, f"{a}.attention.sliding_window", 4096)),
+        layer_types=layer_types,
+        rope_local_theta=10_000.0,
+        query_pre_attn_scalar=float(hidden // num_heads if n_layers == 62 else head_dim),
+        hidden_act="gelu_pytorch_tanh",
+        norm_style="gemma",
+        embedding_multiplier=float(hidden) ** 0.5,
     )
 
 
@@ -191,6 +239,8 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     reader = _gguf_reader(path)
     cfg = gguf_model_config(reader, path)
+    gemma = cfg.architecture == "Gemma3ForCausalLM"
+    layer_names = _GGUF_GEMMA3_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         try:
@@ -207,10 +257,10 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             hf = "lm_head.weight"
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
-            if rest not in _GGUF_LAYER_NAMES:
+            if rest not in layer_names:
                 logger.warning("ignoring unknown GGUF tensor %s", name)
                 continue
-            hf = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+            hf = f"model.layers.{idx}.{layer_names[rest]}"
             if cfg.architecture == "LlamaForCausalLM" and rest in ("attn_q.weight", "attn_q.bias"):
                 arr = _unpermute_rope(arr, cfg.num_heads)
             elif cfg.architecture == "LlamaForCausalLM" and rest in ("attn_k.weight", "attn_k.bias"):
@@ -218,6 +268,11 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         else:
             logger.warning("ignoring unknown GGUF tensor %s", name)
             continue
+        if gemma and "norm.weight" in name:
+            # llama.cpp stores Gemma's RMSNorm weights as 1 + w; transformers' GGUF loader
+            # (Gemma2TensorProcessor, also used for gemma3) subtracts 1 in float32, and the
+            # model adds it back: the same two roundings here.
+            arr = arr - np.float32(1.0)
         state[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
     return cfg, state
 
@@ -255,7 +310,8 @@ def _load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def iter_layer_names(cfg: ModelConfig) -> Iterator[str]:
-    """Every parameter name the Llama-family model needs (for completeness checks)."""
+    """Every parameter name the model needs (for completeness checks): the Llama family's,
+    plus Gemma's pre/post feed-forward norms."""
     yield "model.embed_tokens.weight"
     yield "model.norm.weight"
     if not cfg.tie_word_embeddings:
@@ -272,3 +328,6 @@ def iter_layer_names(cfg: ModelConfig) -> Iterator[str]:
         if cfg.qk_norm:
             yield p + "self_attn.q_norm.weight"
             yield p + "self_attn.k_norm.weight"
+        if cfg.norm_style == "gemma":
+            yield p + "pre_feedforward_layernorm.weight"
+            yield p + "post_feedforward_layernorm.weight"

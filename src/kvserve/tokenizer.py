@@ -70,13 +70,41 @@ def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
     )
 
 
+#: Gemma's chat format (text only), as Gemma 3's own template writes it: BOS, a system
+#: message merged into the first user turn, ``<start_of_turn>{user|model}\n...<end_of_turn>\n``.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 def _load_gguf(path: Path) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(
+        tok = AutoTokenizer.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True
         )
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from the GGUF file {str(path)!r}: {e}") from e
+    if not getattr(tok, "chat_template", None) and _has_tokens(tok, "<start_of_turn>", "<end_of_turn>"):
+        # Gemma GGUFs converted without their template (llama.cpp falls back the same way)
+        tok.chat_template = GEMMA_CHAT_TEMPLATE
+    return tok
+
+
+def _has_tokens(tok: PreTrainedTokenizerBase, *tokens: str) -> bool:
+    vocab = tok.get_vocab()
+    return all(t in vocab for t in tokens)
 
 
 def apply_chat_template(

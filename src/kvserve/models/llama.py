@@ -59,18 +59,20 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     """RoPE inverse frequencies ``[head_dim / 2]`` float32, with the config's scaling.
 
     Supports no scaling, ``linear`` (positions divided by ``factor``) and ``llama3``
-    (Meta's frequency-dependent interpolation used by Llama 3.1+).
+    (Meta's frequency-dependent interpolation used by Llama 3.1+). ``local``: the
+    sliding-window layers' RoPE (Gemma 3: base ``rope_local_theta``, never scaled).
 
     Raises:
         ValueError: for any other ``rope_type``.
     """
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = cfg.rope_scaling
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = None if local else cfg.rope_scaling
     if not rs:
         return inv
     kind = rs.get("rope_type", rs.get("type", "default"))
@@ -139,10 +141,15 @@ class RotaryEmbedding(nn.Module):
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q, k, v = q.view(T, num_heads, hd), k.view(T, num_kv_heads, hd), v.view(T, num_kv_heads, hd)
         if not self.fused:
-            cos, sin = rope_inputs
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = self.rotate(q, rope_inputs), self.rotate(k, rope_inputs)
         return q, k, v
+
+    @staticmethod
+    def rotate(x: torch.Tensor, rope_inputs) -> torch.Tensor:
+        """``x·cos + rotate_half(x)·sin`` for ``x [T, heads, head_dim]`` and unfused ``rope_inputs``
+        (Hugging Face's ``apply_rotary_pos_emb``); a new tensor."""
+        cos, sin = rope_inputs
+        return x * cos + rotate_half(x) * sin
 
 
 class LlamaAttention(nn.Module):
@@ -247,62 +254,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def load_weights(self, state: dict[str, torch.Tensor], quantization: Optional[str] = None) -> None:
-        """Copy a Hugging Face-named float32 state dict in, fusing q/k/v and gate/up.
+        """Copy a Hugging Face-named float32 state dict in, fusing q/k/v and gate/up
+        (:func:`load_decoder_weights`).
 
         Raises:
             ModelLoadError: when a tensor is missing or has the wrong shape.
         """
-        from kvserve.loader import ModelLoadError, iter_layer_names
-
-        missing = [n for n in iter_layer_names(self.cfg) if n not in state]
-        if missing:
-            raise ModelLoadError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
-        dt, dev = self.dtype, self.device
-
-        def lin(w, b=None):
-            return Linear(w.to(dev, dt), None if b is None else b.to(dev, dt), quantization=quantization)
-
-        def check(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            t = state[name]
-            if tuple(t.shape) != tuple(shape):
-                raise ModelLoadError(f"{name}: expected shape {tuple(shape)} (from the model config), got "
-                                     f"{tuple(t.shape)}")
-            return t
-
-        def put(param: torch.Tensor, name: str):
-            param.copy_(check(name, param.shape))
-
-        beyond = sorted(n for n in state if n.startswith("model.layers.")
-                        and n.split(".")[2].isdigit() and int(n.split(".")[2]) >= self.cfg.num_layers)
-        if beyond:
-            raise ModelLoadError(f"the weights have layers beyond the config's num_hidden_layers="
-                                 f"{self.cfg.num_layers} (e.g. {beyond[0]!r})")
-        H, I = self.cfg.hidden_size, self.cfg.intermediate_size
-
         self._decode_step, self._decode_step_caches = None, None
-        put(self.embed_tokens.weight, "model.embed_tokens.weight")
-        put(self.norm.weight, "model.norm.weight")
-        head = (state["model.embed_tokens.weight"] if self.cfg.tie_word_embeddings
-                else check("lm_head.weight", (self.cfg.vocab_size, H)))
-        self.lm_head = Linear(head.to(dev, dt), None)  # the LM head is never quantized
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            put(layer.input_layernorm.weight, p + "input_layernorm.weight")
-            put(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
-            a = layer.self_attn
-            expect = [a.q_size, a.kv_size, a.kv_size]
-            ws = [check(p + f"self_attn.{n}_proj.weight", (e, H)) for n, e in zip("qkv", expect)]
-            bias = (torch.cat([check(p + f"self_attn.{n}_proj.bias", (e,)) for n, e in zip("qkv", expect)])
-                    if self.cfg.attention_bias else None)
-            a.qkv_proj = lin(torch.cat(ws), bias)
-            a.o_proj = lin(check(p + "self_attn.o_proj.weight", (H, a.q_size)))
-            if self.cfg.qk_norm:
-                put(a.q_norm.weight, p + "self_attn.q_norm.weight")
-                put(a.k_norm.weight, p + "self_attn.k_norm.weight")
-            m = layer.mlp
-            m.gate_up_proj = lin(torch.cat([check(p + "mlp.gate_proj.weight", (I, H)),
-                                            check(p + "mlp.up_proj.weight", (I, H))]))
-            m.down_proj = lin(check(p + "mlp.down_proj.weight", (H, I)))
+        load_decoder_weights(self, state, quantization)
 
     def forward(
         self,
@@ -376,3 +335,78 @@ class LlamaForCausalLM(nn.Module):
                 amx=k.amx_linear if use_amx else None, lm_head_packed=self.lm_head._amx)
         step = self._decode_step
         return step if step is not None and num_tokens <= step.max_tokens else None
+
+
+@torch.inference_mode()
+def load_decoder_weights(model: nn.Module, state: dict[str, torch.Tensor], quantization: Optional[str] = None):
+    """Load the weights every Llama-style decoder shares: embeddings, final norm, LM head (tied
+    or not), and per layer the input and post-attention norms, q/k/v fused into ``qkv_proj``
+    (with biases when ``attention_bias``), ``o_proj``, q/k norms (``qk_norm``), gate/up fused
+    into ``gate_up_proj`` and ``down_proj``.
+
+    Args:
+        model: has ``cfg``, ``dtype``, ``device``, ``embed_tokens``, ``norm``, ``lm_head`` and
+            ``layers`` (each with ``input_layernorm``, ``post_attention_layernorm``,
+            ``self_attn`` and ``mlp`` as in :class:`LlamaDecoderLayer`).
+        state: Hugging Face names -> float32 tensors.
+
+    Returns:
+        ``put(param, name)``: copies ``state[name]`` into ``param`` after a shape check, for
+        the tensors a model has beyond these.
+
+    Raises:
+        ModelLoadError: a tensor is missing (:func:`kvserve.loader.iter_layer_names`), has the
+            wrong shape, or belongs to a layer beyond ``num_layers``.
+    """
+    from kvserve.loader import ModelLoadError, iter_layer_names
+
+    cfg = model.cfg
+    missing = [n for n in iter_layer_names(cfg) if n not in state]
+    if missing:
+        raise ModelLoadError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
+    dt, dev = model.dtype, model.device
+
+    def lin(w, b=None):
+        return Linear(w.to(dev, dt), None if b is None else b.to(dev, dt), quantization=quantization)
+
+    def check(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = state[name]
+        if tuple(t.shape) != tuple(shape):
+            raise ModelLoadError(f"{name}: expected shape {tuple(shape)} (from the model config), got "
+                                 f"{tuple(t.shape)}")
+        return t
+
+    def put(param: torch.Tensor, name: str):
+        param.copy_(check(name, param.shape))
+
+    beyond = sorted(n for n in state if n.startswith("model.layers.")
+                    and n.split(".")[2].isdigit() and int(n.split(".")[2]) >= cfg.num_layers)
+    if beyond:
+        raise ModelLoadError(f"the weights have layers beyond the config's num_hidden_layers="
+                             f"{cfg.num_layers} (e.g. {beyond[0]!r})")
+    H, I = cfg.hidden_size, cfg.intermediate_size
+
+    put(model.embed_tokens.weight, "model.embed_tokens.weight")
+    put(model.norm.weight, "model.norm.weight")
+    head = (state["model.embed_tokens.weight"] if cfg.tie_word_embeddings
+            else check("lm_head.weight", (cfg.vocab_size, H)))
+    model.lm_head = Linear(head.to(dev, dt), None)  # the LM head is never quantized
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        put(layer.input_layernorm.weight, p + "input_layernorm.weight")
+        put(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+        a = layer.self_attn
+        expect = [a.q_size, a.kv_size, a.kv_size]
+        ws = [check(p + f"self_attn.{n}_proj.weight", (e, H)) for n, e in zip("qkv", expect)]
+        bias = (torch.cat([check(p + f"self_attn.{n}_proj.bias", (e,)) for n, e in zip("qkv", expect)])
+                if cfg.attention_bias else None)
+        a.qkv_proj = lin(torch.cat(ws), bias)
+        a.o_proj = lin(check(p + "self_attn.o_proj.weight", (H, a.q_size)))
+        if cfg.qk_norm:
+            put(a.q_norm.weight, p + "self_attn.q_norm.weight")
+            put(a.k_norm.weight, p + "self_attn.k_norm.weight")
+        m = layer.mlp
+        m.gate_up_proj = lin(torch.cat([check(p + "mlp.gate_proj.weight", (I, H)),
+                                        check(p + "mlp.up_proj.weight", (I, H))]))
+        m.down_proj = lin(check(p + "mlp.down_proj.weight", (H, I)))
+    return put
