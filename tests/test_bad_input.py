@@ -543,3 +543,57 @@ def test_interactive_chat_survives_a_turn_that_does_not_fit(tiny_model_dir, tmp_
     assert rc == 0
     assert "max_model_len is 64" in err and "the message was not added" in err
     assert err.count("error:") == 1
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "caf\udce9"], "the prompt is not valid UTF-8 text"),
+    (["chat", "caf\udce9 \udcff"], "the chat message is not valid UTF-8 text"),
+    (["chat", "hi", "--system", "\udcff"], "--system is not valid UTF-8 text"),
+])
+def test_cli_rejects_text_that_is_not_utf8(argv, words, tmp_path, capsys):
+    # (Python hands undecodable argv bytes over as lone surrogates, which no tokenizer takes)
+    from kvserve.cli import main
+
+    rc = main(argv + ["--model", str(tmp_path / "nope.gguf")])
+    assert rc == 2 and capsys.readouterr().err == f"error: {words}\n"
+
+
+def test_cli_errors_found_with_the_model_name_the_option(tiny_model_dir, tmp_path, capsys):
+    from kvserve.cli import main
+
+    folder = str(tiny_model_dir("llama")[0])
+    capsys.readouterr()  # (building the tiny model writes a progress bar)
+    assert main(["generate", "hi", "--model", folder, "--max-model-len", "100000"]) == 2
+    assert capsys.readouterr().err == ("error: --max-model-len must be in [2, 512] (the model's context length), "
+                                       "got 100000\n")
+    assert main(["generate", "hi", "--model", folder, "--device", "tpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: --device must be 'cpu', 'cuda' or 'cuda:N'")
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: --model: {str(tmp_path)!r} has no config.json\n"
+
+
+def _cli(args, **kw):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "kvserve.cli", *args], stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_cli_output_closed_by_the_reader_ends_quietly(tiny_model_dir):
+    import subprocess
+
+    folder = str(tiny_model_dir("llama")[0])
+    proc = _cli(["generate", "hi", "--model", folder, "--max-tokens", "8", "--dtype", "float32"],
+                stdout=subprocess.PIPE)
+    proc.stdout.close()  # like `| head -c 0`: the first write finds no reader
+    err = proc.stderr.read()
+    assert proc.wait(120) == 141 and "Traceback" not in err, err
+
+
+def test_cli_with_stdout_closed_says_so(tiny_model_dir):
+    import os
+
+    folder = str(tiny_model_dir("llama")[0])
+    proc = _cli(["generate", "hi", "--model", folder, "--max-tokens", "2"], preexec_fn=lambda: os.close(1))
+    err = proc.stderr.read()
+    assert proc.wait(120) == 2 and err == "error: standard output is closed; kvserve writes its results there\n", err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -74,6 +75,35 @@ def _params(a: argparse.Namespace):
         raise ValueError(f"{option}: {msg}" if option else msg) from None
 
 
+#: Engine fields whose errors (raised once the model is known) name the option instead.
+_ENGINE_OPTIONS = {f: "--" + f.replace("_", "-") for f in (
+    "max_model_len", "kv_cache_memory", "device", "block_size", "max_num_batched_tokens", "max_num_seqs")}
+
+
+def _option_error(e: ValueError) -> str:
+    """An engine error with the option that caused it first: ``--max-model-len must ...``;
+    a model file that cannot be used is the ``--model`` option's."""
+    from kvserve.config import UnsupportedModelError
+    from kvserve.loader import ModelLoadError
+
+    msg = str(e)
+    if isinstance(e, (ModelLoadError, UnsupportedModelError)):
+        return f"--model: {msg}"
+    field = next((f for f in _ENGINE_OPTIONS if msg.startswith(f + " ") or msg.startswith(f + "=")), None)
+    return _ENGINE_OPTIONS[field] + msg[len(field):] if field else msg
+
+
+def _utf8(text: Optional[str], what: str) -> Optional[str]:
+    """``text`` unchanged; ValueError if it came from bytes that are not UTF-8 (Python keeps
+    such command-line or stdin bytes as lone surrogates, which no tokenizer takes)."""
+    if text is not None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{what} is not valid UTF-8 text") from None
+    return text
+
+
 def _stream_to_terminal(stream) -> Optional[object]:
     last = None
     for out in stream:
@@ -101,7 +131,7 @@ def _print_stats(out, verbose: bool) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
-    if not a.prompt.strip():
+    if not _utf8(a.prompt, "the prompt").strip():
         raise ValueError("the prompt is empty; give a non-empty PROMPT to complete")
     params = _params(a)
     kwargs = _engine_kwargs(a)
@@ -115,7 +145,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
-    if a.message is not None and not a.message.strip():
+    _utf8(a.system, "--system")
+    if a.message is not None and not _utf8(a.message, "the chat message").strip():
         raise ValueError("the chat message is empty; give a non-empty MESSAGE, or none for an interactive chat")
     params = _params(a)
     kwargs = _engine_kwargs(a)
@@ -139,6 +170,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             break
         messages.append({"role": "user", "content": line})
         try:
+            _utf8(line, "the message")
             out = _stream_to_terminal(llm.chat(messages, params, stream=True))
         except ValueError as e:  # e.g. the conversation outgrew max_model_len: the session goes on
             messages.pop()
@@ -182,16 +214,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if sys.stdout is None:  # started with stdout closed (>&-)
+        print("error: standard output is closed; kvserve writes its results there", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except ModelNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_option_error(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, like other tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit)
+        return 141
 
 
 if __name__ == "__main__":
