@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine import EngineArgs, LLMEngine
 from kvserve.tokenizer import apply_chat_template
 
 pytestmark = pytest.mark.slow
@@ -289,3 +290,11 @@ def test_stats_report_prefix_cache_and_blocks(on_llm):
         assert key in st
     assert st["kv_blocks_free"] + st["kv_blocks_cached"] + st["kv_blocks_in_use"] == st["kv_blocks_total"]
     assert 0.0 <= st["prefix_cache_hit_rate_recent"] <= 1.0
+
+
+@pytest.mark.parametrize("salt", ["", 7, b"tenant"])
+def test_cache_salt_must_be_a_non_empty_string(salt, tiny_model_dir):
+    eng = LLMEngine(EngineArgs(model=str(tiny_model_dir("llama")[0]), dtype="float32", num_blocks=16, block_size=4))
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string or None"):
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=2), cache_salt=salt)
+    assert not eng.has_unfinished_requests()

@@ -323,6 +323,9 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      400, "response_format", "structured output"),
     ("completions", {"prompt": "hi", "guided_regex": "[0-9]+"}, 400, "guided_regex", "not supported"),
+    ("completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt", "at least 1 character"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}, 400, "cache_salt",
+     "at least 1 character"),
 ]
 
 

@@ -364,6 +364,8 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         # A checked copy: fields may have been changed since the object was built (SamplingParams
         # checks them in __post_init__), and later changes must not reach a running request.
         params = _replace(params)

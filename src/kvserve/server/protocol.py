@@ -92,7 +92,7 @@ class _SamplingFields(BaseModel):
     beam_width: Optional[StrictInt] = None
     length_penalty: Optional[Number] = None
     echo: StrictBool = False
-    cache_salt: Optional[StrictStr] = None
+    cache_salt: Optional[StrictStr] = Field(default=None, min_length=1)  # vLLM: a non-empty string
     priority: StrictInt = 0
 
 
