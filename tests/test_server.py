@@ -928,3 +928,30 @@ def test_bad_words_are_tokenized_off_the_event_loop(server, monkeypatch):
     release.set()
     t.join(60)
     assert res["r"].status_code == 200
+
+
+def test_metrics_of_echo_only_and_beam_search_requests(server):
+    def deltas(body):
+        server.wait_idle()
+        before = _metrics(server)
+        t0 = time.perf_counter()
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": PROMPT, **body}, timeout=60)
+        wall = time.perf_counter() - t0
+        after = _metrics(server)
+        assert r.status_code == 200, r.text
+        return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}, r.json()["usage"], wall
+
+    # echo with max_tokens 0: the token the engine samples is dropped, so it is not counted
+    d, usage, _ = deltas({"echo": True, "max_tokens": 0, "logprobs": 1})
+    assert usage["completion_tokens"] == 0 and d["kvserve:generation_tokens_total"] == 0
+    assert d["kvserve:time_to_first_token_seconds_count"] == 0 and d["kvserve:time_per_output_token_seconds_count"] == 0
+    assert d["kvserve:e2e_request_latency_seconds_count"] == 1
+    assert d["kvserve:request_success_total{finished_reason=length}"] == 1
+    # beam search: TTFT is the search's first token, not its end; TPOT spreads the rest over the tokens
+    d, usage, wall = deltas({"use_beam_search": True, "n": 2, "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+    assert d["kvserve:generation_tokens_total"] == usage["completion_tokens"] == 16
+    assert d["kvserve:time_to_first_token_seconds_count"] == 1 and d["kvserve:time_per_output_token_seconds_count"] == 1
+    ttft, tpot = d["kvserve:time_to_first_token_seconds_sum"], d["kvserve:time_per_output_token_seconds_sum"]
+    e2e = d["kvserve:e2e_request_latency_seconds_sum"]
+    assert 0 < ttft < e2e <= wall and tpot > 0
+    assert ttft + 7 * tpot == pytest.approx(e2e, rel=1e-6)

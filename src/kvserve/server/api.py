@@ -278,14 +278,16 @@ class OpenAIServer:
         return APIError(400, msg, code="invalid_value")
 
     async def _submit(self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-                      cache_salt: Optional[str], arrival: float, prompt_param: str) -> _Submitted:
+                      cache_salt: Optional[str], arrival: float, prompt_param: str,
+                      prompt_only: bool = False) -> _Submitted:
         """Hand every prompt to the engine, all or nothing: if one is rejected, none runs."""
         q: asyncio.Queue = asyncio.Queue()
         rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         sub = _Submitted(rids, prompts, q, self.async_engine)
         try:
             await self.async_engine.add_requests([(rid, ids, i) for i, (rid, ids) in enumerate(zip(rids, prompts))],
-                                                 params, q, priority=priority, cache_salt=cache_salt, arrival=arrival)
+                                                 params, q, priority=priority, cache_salt=cache_salt, arrival=arrival,
+                                                 prompt_only=prompt_only)
         except (ValueError, TypeError, QueueFullError, EngineStoppedError) as e:
             err = self._engine_error(e, prompt_param)
             index = getattr(e, "request_index", None)
@@ -479,7 +481,7 @@ class OpenAIServer:
             except APIError as e:
                 raise (_in_batch(e, i) if len(ids_list) > 1 else e) from None
         base = f"cmpl-{uuid.uuid4().hex}"
-        sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt")
+        sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt", echo_only)
         created = int(time.time())
         if req.echo:
             texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list)]

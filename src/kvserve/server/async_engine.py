@@ -48,6 +48,7 @@ class _Track:
     arrival: float  # time.perf_counter() when the server received the request
     num_samples: int
     beam: bool = False  # beam search: the returned beams are final only at the end
+    prompt_only: bool = False  # echo with max_tokens 0: the token sampled is dropped, not counted
     first_token: Optional[float] = None
     last_output: Optional[float] = None
     prompt_counted: bool = False
@@ -133,8 +134,13 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         arrival: Optional[float] = None,
+        prompt_only: bool = False,
     ) -> None:
         """Queue several requests ``(request_id, prompt_token_ids, tag)`` all or nothing.
+
+        ``prompt_only``: the caller keeps only the prompt's results (echo with max_tokens 0,
+        run as one sampled token that it drops): the metrics count no generated token and no
+        TTFT/TPOT for these requests.
 
         The engine thread checks every request before it adds any (and takes back the ones it
         added if a later one still fails, before any step), so a rejected batch leaves no
@@ -158,7 +164,7 @@ class AsyncEngine:
         fut = asyncio.get_running_loop().create_future()
         arrival = time.perf_counter() if arrival is None else arrival
         items = [(rid, list(ids), tag) for rid, ids, tag in requests]
-        self._cmds.put(("add", items, params, out_queue, priority, cache_salt, arrival, fut))
+        self._cmds.put(("add", items, params, out_queue, priority, cache_salt, arrival, prompt_only, fut))
         try:
             await fut
         except asyncio.CancelledError:
@@ -258,7 +264,7 @@ class AsyncEngine:
             self._paused = False
 
     def _add(self, items: list[tuple[str, list[int], Any]], params: SamplingParams, out_queue: asyncio.Queue,
-             priority: int, salt: Optional[str], arrival: float, fut: asyncio.Future) -> None:
+             priority: int, salt: Optional[str], arrival: float, prompt_only: bool, fut: asyncio.Future) -> None:
         """Add every request of ``items`` or none (see :meth:`add_requests`)."""
         engine = self.engine
         added: list[str] = []
@@ -277,7 +283,8 @@ class AsyncEngine:
             self._resolve(fut, error=e)
             return
         for rid, _, tag in items:
-            self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, beam=params.use_beam_search)
+            self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, beam=params.use_beam_search,
+                                       prompt_only=prompt_only)
         self._resolve(fut)
 
     def _resolve(self, fut: asyncio.Future, value: Any = None, error: Optional[BaseException] = None) -> None:
@@ -329,10 +336,16 @@ class AsyncEngine:
             t.queue_time_seen = True
             m.queue_time.observe(max(0.0, out.metrics.first_scheduled_time - t.arrival))
         total = sum(len(o.token_ids) for o in out.outputs)
-        if t.beam:  # the best beams change until the end: their tokens are counted once, at the end
-            progressed = True
+        if t.prompt_only:
+            progressed = False
+        elif t.beam:  # the best beams change until the end: counted once, at the end, with the
+            progressed = False  # time of the search's first token as TTFT (no ITL: no token stream)
             if out.finished:
                 m.generation_tokens.inc(total)
+                if total:
+                    first = out.metrics.first_token_time
+                    t.first_token = now if first is None else min(first, now)
+                    m.ttft.observe(max(0.0, t.first_token - t.arrival))
         else:
             progressed = total > t.num_tokens
             if progressed:
