@@ -955,3 +955,34 @@ def test_metrics_of_echo_only_and_beam_search_requests(server):
     e2e = d["kvserve:e2e_request_latency_seconds_sum"]
     assert 0 < ttft < e2e <= wall and tpot > 0
     assert ttft + 7 * tpot == pytest.approx(e2e, rel=1e-6)
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("--num-prompts", "0", "--num-prompts must be ≥ 1, got 0"),
+    ("--random-input-len", "-5", "--random-input-len must be ≥ 1 (tokens), got -5"),
+    ("--random-output-len", "0", "--random-output-len must be ≥ 1 (tokens), got 0"),
+    ("--random-range-ratio", "5", "--random-range-ratio must be in [0, 1), got 5.0"),
+    ("--request-rate", "-3", "--request-rate must be > 0 requests/s (inf: all at once), got -3.0"),
+    ("--max-concurrency", "0", "--max-concurrency must be ≥ 1 (omit: unbounded), got 0"),
+    ("--warmup", "-1", "--warmup must be ≥ 0 (requests), got -1"),
+    ("--base-url", "notaurl", "--base-url must be an http:// or https:// URL, got 'notaurl'"),
+    ("--tokenizer", "/nonexistent", "--tokenizer must be an existing GGUF file or folder, got '/nonexistent'"),
+])
+def test_bench_serve_rejects_bad_options_before_sending(option, value, words, capsys):
+    from kvserve.cli import main
+
+    assert main(["bench", "serve", "--model", "x", option, value]) == 2
+    assert capsys.readouterr().err == f"error: {words}\n"
+
+
+def test_bench_serve_against_no_server_is_one_line(tiny_folder, capsys):
+    from kvserve.cli import main
+    from test_server_helpers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["bench", "serve", "--base-url", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot list the models of {url}") and "Traceback" not in err
+    assert main(["bench", "serve", "--base-url", url, "--model", "x", "--tokenizer", str(tiny_folder)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: warm-up request failed") and err.count("\n") == 1, err

@@ -55,12 +55,49 @@ def _model_name(base_url: str, api_key) -> str:
     return r.json()["data"][0]["id"]
 
 
+def _check_args(a: argparse.Namespace) -> None:
+    """ValueError naming the first option out of range (before anything is sent)."""
+    def need(ok: bool, option: str, allowed: str, value) -> None:
+        if not ok:
+            raise ValueError(f"{option} must be {allowed}, got {value!r}")
+
+    need(a.base_url.startswith(("http://", "https://")), "--base-url", "an http:// or https:// URL", a.base_url)
+    need(a.num_prompts >= 1, "--num-prompts", "≥ 1", a.num_prompts)
+    need(a.random_input_len >= 1, "--random-input-len", "≥ 1 (tokens)", a.random_input_len)
+    need(a.random_output_len >= 1, "--random-output-len", "≥ 1 (tokens)", a.random_output_len)
+    need(0.0 <= a.random_range_ratio < 1.0, "--random-range-ratio", "in [0, 1)", a.random_range_ratio)
+    need(a.shared_prefix_len >= 1, "--shared-prefix-len", "≥ 1 (tokens)", a.shared_prefix_len)
+    need(a.num_prefixes >= 1, "--num-prefixes", "≥ 1", a.num_prefixes)
+    need(a.request_rate > 0, "--request-rate", "> 0 requests/s (inf: all at once)", a.request_rate)
+    need(a.max_concurrency is None or a.max_concurrency >= 1, "--max-concurrency", "≥ 1 (omit: unbounded)",
+         a.max_concurrency)
+    need(0.0 <= a.temperature < math.inf, "--temperature", "≥ 0 and finite", a.temperature)
+    need(a.warmup >= 0, "--warmup", "≥ 0 (requests)", a.warmup)
+    need(a.tokenizer is None or Path(a.tokenizer).exists(), "--tokenizer", "an existing GGUF file or folder",
+         a.tokenizer)
+    if a.save_json:  # before the run, not after it
+        out = Path(a.save_json)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--save-json: cannot create {str(out.parent)!r}: {e.strerror or e}") from None
+        need(not out.is_dir(), "--save-json", "a file path", a.save_json)
+
+
 def cmd_bench_serve(a: argparse.Namespace) -> int:
+    import httpx
+
     from kvserve.bench.serve import BenchConfig, format_table, make_prompts, run_benchmark
     from kvserve.default_model import default_model_path
     from kvserve.tokenizer import load_tokenizer
 
-    model = a.model or _model_name(a.base_url, a.api_key)
+    _check_args(a)
+    try:
+        model = a.model or _model_name(a.base_url, a.api_key)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        print(f"error: cannot list the models of {a.base_url} (GET /v1/models; pass --model to skip it): "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     cfg = BenchConfig(
         base_url=a.base_url, model=model, endpoint=a.endpoint, dataset=a.dataset, num_prompts=a.num_prompts,
         input_len=a.random_input_len, output_len=a.random_output_len, range_ratio=a.random_range_ratio,
@@ -71,7 +108,11 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     tok = load_tokenizer(a.tokenizer or default_model_path())
     prompts = make_prompts(cfg, len(tok), tok.all_special_ids)
     texts = [tok.decode(p) for p in prompts] if cfg.endpoint == "chat" else None
-    summary = asyncio.run(run_benchmark(cfg, prompts, texts))
+    try:
+        summary = asyncio.run(run_benchmark(cfg, prompts, texts))
+    except RuntimeError as e:  # the warm-up failed: the server is unreachable or rejects these requests
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(format_table(summary))
     if a.save_json:
         Path(a.save_json).parent.mkdir(parents=True, exist_ok=True)
