@@ -11,7 +11,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.attention import AttentionMetadata, PrefillSegment, TorchSDPABackend
 from kvserve.config import ModelConfig, UnsupportedModelError
 from kvserve.kernels import cpu_ops
-from tiny_models import GEMMA_ARCHS
+from tiny_models import GEMMA_ARCHS, prefill_logits
 
 PROMPTS = [
     [5, 17, 99, 3, 250, 40, 41, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],  # 19 tokens > window 8
@@ -19,15 +19,6 @@ PROMPTS = [
     [77] * 9,
     [(11 * j) % 380 + 3 for j in range(30)],
 ]
-
-
-def _prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    eng = llm.engine
-    T = len(ids)
-    pos = torch.arange(T, device=eng.device)
-    meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSegment(0, T, 0)])
-    with torch.inference_mode():
-        return eng.model(torch.tensor(ids, device=eng.device), pos, eng.kv_caches, meta, pos).cpu()
 
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -54,7 +45,7 @@ def test_logits_match_transformers(tiny_model_dir, arch, path):
         assert type(llm.engine.model.attn_backend) is TorchSDPABackend
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 384, (40,), generator=g).tolist()  # 5x the window
-    ours = _prefill_logits(llm, ids)
+    ours = prefill_logits(llm, ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert ours.shape == ref.shape == (40, 384)
@@ -62,7 +53,7 @@ def test_logits_match_transformers(tiny_model_dir, arch, path):
     # the window matters: the same model with full attention on every layer is far off
     for layer in llm.engine.model.layers:
         layer.self_attn.window = None
-    assert (_prefill_logits(llm, ids) - ref)[8:].abs().max() > 1e-2
+    assert (prefill_logits(llm, ids) - ref)[8:].abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("arch", GEMMA_ARCHS)
@@ -107,8 +98,8 @@ def test_prefix_caching_hits_and_stays_exact(tiny_model_dir, path):
 def test_bfloat16_close_to_float32(tiny_model_dir):
     folder, _ = tiny_model_dir("gemma3")
     ids = list(range(3, 35))
-    a = _prefill_logits(LLM(model=str(folder), dtype="float32", num_blocks=16), ids)
-    b = _prefill_logits(LLM(model=str(folder), dtype="bfloat16", num_blocks=16), ids)
+    a = prefill_logits(LLM(model=str(folder), dtype="float32", num_blocks=16), ids)
+    b = prefill_logits(LLM(model=str(folder), dtype="bfloat16", num_blocks=16), ids)
     assert b.dtype == torch.bfloat16
     assert (a - b.float()).abs().max() < 0.1 * a.abs().max()
     assert (a.argmax(-1) == b.float().argmax(-1)).float().mean() >= 0.9

@@ -6,17 +6,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.attention import AttentionMetadata, CPUPagedAttentionBackend, PrefillSegment, TorchSDPABackend
 from kvserve.kernels import cpu_ops
-from tiny_models import ARCHS
-
-
-def _prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits at every position from one prefill through the engine's model and KV pool (on CPU)."""
-    eng = llm.engine
-    T = len(ids)
-    pos = torch.arange(T, device=eng.device)
-    meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSegment(0, T, 0)])
-    with torch.inference_mode():
-        return eng.model(torch.tensor(ids, device=eng.device), pos, eng.kv_caches, meta, pos).cpu()
+from tiny_models import ARCHS, prefill_logits
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -25,7 +15,7 @@ def test_logits_match_transformers(tiny_model_dir, arch):
     llm = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 384, (40,), generator=g).tolist()
-    ours = _prefill_logits(llm, ids)
+    ours = prefill_logits(llm, ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert ours.shape == ref.shape
@@ -71,8 +61,8 @@ def test_pytorch_path_matches_transformers_generate(tiny_model_dir, arch, monkey
 def test_bfloat16_close_to_float32(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     ids = list(range(3, 35))
-    a = _prefill_logits(LLM(model=str(folder), dtype="float32", num_blocks=16), ids)
-    b = _prefill_logits(LLM(model=str(folder), dtype="bfloat16", num_blocks=16), ids)
+    a = prefill_logits(LLM(model=str(folder), dtype="float32", num_blocks=16), ids)
+    b = prefill_logits(LLM(model=str(folder), dtype="bfloat16", num_blocks=16), ids)
     assert a.dtype == torch.float32 and b.dtype == torch.bfloat16  # logits come in the model dtype
     assert (a - b.float()).abs().max() < 0.1 * a.abs().max()
 

@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama-family and Gemma 3 models built with transformers, saved as HF folders.
+"""Tiny random-weight Llama-family and Gemma 3 models built with transformers, saved as HF folders,
+and prefill_logits (every position's logits from one prefill through an engine's model).
 
 Each folder has config.json, model.safetensors and a small byte-level BPE tokenizer, so
 kvserve loads it exactly as it would a real checkpoint.
@@ -9,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from kvserve.attention import AttentionMetadata, PrefillSegment
 
 VOCAB = 384
 CORPUS = [
@@ -104,3 +107,13 @@ def make_model(path: Path, arch: str, seed: int = 0):
     model.save_pretrained(str(path), safe_serialization=True)
     make_tokenizer(path)
     return model
+
+
+def prefill_logits(llm, ids: list[int]) -> torch.Tensor:
+    """Logits at every position from one prefill through the engine's model and KV pool (on CPU)."""
+    eng = llm.engine
+    T = len(ids)
+    pos = torch.arange(T, device=eng.device)
+    meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSegment(0, T, 0)])
+    with torch.inference_mode():
+        return eng.model(torch.tensor(ids, device=eng.device), pos, eng.kv_caches, meta, pos).cpu()

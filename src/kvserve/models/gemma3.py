@@ -174,18 +174,9 @@ class Gemma3ForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Run the decoder over a flat batch.
-
-        Args:
-            input_ids: ``[T]`` int64 token ids of every scheduled token of every request.
-            positions: ``[T]`` int64 absolute position of each token in its sequence.
-            kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-            meta: attention metadata for the step.
-            logits_indices: ``[S]`` int64 batch positions whose logits are needed.
-
-        Returns:
-            ``[S, vocab_size]`` logits in the model dtype.
-        """
+        """Run the decoder over a flat batch: the contract of :meth:`LlamaForCausalLM.forward`
+        (``[T]`` ids and positions in, ``[S, vocab_size]`` logits in the model dtype out for
+        the ``S`` rows of ``logits_indices``)."""
         h = self.embed_tokens(input_ids) * self.embed_scale
         rope = {False: self.rotary_global.prepare(positions), True: self.rotary_local.prepare(positions)}
         for layer, kv in zip(self.layers, kv_caches):
