@@ -597,3 +597,12 @@ def test_cli_with_stdout_closed_says_so(tiny_model_dir):
     proc = _cli(["generate", "hi", "--model", folder, "--max-tokens", "2"], preexec_fn=lambda: os.close(1))
     err = proc.stderr.read()
     assert proc.wait(120) == 2 and err == "error: standard output is closed; kvserve writes its results there\n", err
+
+
+def test_public_names_import_from_the_package():
+    import kvserve
+    from kvserve.llm import GenerationError
+    from kvserve.request import TokenLogprob
+
+    assert kvserve.GenerationError is GenerationError and kvserve.TokenLogprob is TokenLogprob
+    assert set(kvserve.__all__) >= {"LLM", "SamplingParams", "GenerationError", "TokenLogprob"}

@@ -50,3 +50,22 @@ def test_chat_api_matches_reference(llm_fp32, reference):
     outs = llm_fp32.chat([other, case["messages"]], SamplingParams(max_tokens=48, temperature=0))
     assert len(outs) == 2 and outs[1].token_ids == case["greedy_ids"]
     assert outs[0].token_ids == llm_fp32.chat(other, SamplingParams(max_tokens=48, temperature=0)).token_ids
+
+
+def test_a_gguf_is_parsed_once_per_start(tmp_path):
+    """The config check and the weight loading share one parse of the file (seconds each for SmolLM2)."""
+    import shutil
+
+    from kvserve import loader
+
+    src = loader.resolve_model_path(None)
+    path = tmp_path / "copy.gguf"
+    shutil.copyfile(src, path)
+    before = loader._parsed_gguf.cache_info()
+    loader.load_model_config(path)
+    loader.load_weights(path)
+    after = loader._parsed_gguf.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    path.write_bytes(path.read_bytes()[:100])  # a changed file is parsed again (and found corrupt)
+    with pytest.raises(loader.ModelLoadError):
+        loader.load_model_config(path)

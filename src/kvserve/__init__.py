@@ -18,7 +18,7 @@ if "torch" not in _sys.modules:
 
 from kvserve.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineArgs", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineArgs", "RequestOutput", "GenerationError", "TokenLogprob"]
 __version__ = "0.1.0"
 
 
@@ -31,8 +31,12 @@ def __getattr__(name):  # lazy: importing kvserve stays cheap
         from kvserve import engine
 
         return getattr(engine, name)
-    if name == "RequestOutput":
-        from kvserve.request import RequestOutput
+    if name in ("RequestOutput", "TokenLogprob"):
+        from kvserve import request
 
-        return RequestOutput
+        return getattr(request, name)
+    if name == "GenerationError":
+        from kvserve.llm import GenerationError
+
+        return GenerationError
     raise AttributeError(name)

@@ -7,6 +7,7 @@ names (``model.layers.0.self_attn.q_proj.weight`` ...), dequantized to float32.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -102,8 +103,20 @@ _GGUF_GEMMA3_LAYER_NAMES = {
 
 
 def _gguf_reader(path: Path):
+    """The parsed GGUF file (a memory map); parsed once per file version, since the config
+    check and the weight loading of one start both read it (parsing SmolLM2's takes seconds)."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {e.strerror or e}") from e
+    return _parsed_gguf(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_gguf(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader
 
+    path = Path(path)
     try:
         return GGUFReader(str(path))
     except OSError as e:
