@@ -41,11 +41,11 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def load_model_config(path: Path) -> ModelConfig:
-    """Read only a model's config (GGUF metadata or ``config.json``): cheap, no weights.
+    """Read only a model's config (GGUF metadata or ``config.json``), no weights.
 
     Raises:
         ModelLoadError: corrupt or unreadable file.
-        UnsupportedModelError: architecture outside the Llama family.
+        UnsupportedModelError: an architecture or setting kvserve does not implement.
     """
     if path.is_dir():
         return _hf_config(path)
