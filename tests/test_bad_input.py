@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -606,3 +607,91 @@ def test_public_names_import_from_the_package():
 
     assert kvserve.GenerationError is GenerationError and kvserve.TokenLogprob is TokenLogprob
     assert set(kvserve.__all__) >= {"LLM", "SamplingParams", "GenerationError", "TokenLogprob"}
+
+
+def _run_engine(engine, max_steps: int = 500) -> dict:
+    """Step until every request finished; the final output of each (fails on a hang)."""
+    final = {}
+    for _ in range(max_steps):
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            return final
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def test_beam_wider_than_max_num_seqs_is_rejected_and_a_preempted_group_comes_back(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=2)
+    engine = llm.engine
+    with pytest.raises(ValueError, match=r"beam_width=3 exceeds max_num_seqs=2"):
+        engine.add_request([5, 6, 7], SamplingParams(use_beam_search=True, beam_width=3, max_tokens=8))
+    beam = SamplingParams(use_beam_search=True, beam_width=2, max_tokens=8, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7, 8, 9]], beam)[0]
+    # the same group preempted mid-search by a higher-priority request (it livelocked when a
+    # group could be wider than max_num_seqs: it never gathered its beams again)
+    engine.add_request([5, 6, 7, 8, 9], beam, request_id="beams")
+    engine.step(), engine.step()
+    engine.add_request([10, 11, 12], SamplingParams(max_tokens=2, temperature=0), request_id="urgent", priority=-1)
+    final = _run_engine(engine)
+    assert engine.scheduler.num_priority_preemptions >= 1
+    assert [o.token_ids for o in final["beams"].outputs] == [o.token_ids for o in alone.outputs]
+    assert len(final["urgent"].outputs[0].token_ids) == 2
+
+
+def test_request_ids_that_look_like_the_engines_sequence_ids(tiny_llm):
+    engine = tiny_llm.engine
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    alone = {p: tiny_llm.generate([[p, p + 1]], greedy)[0].outputs[0].token_ids for p in (5, 9, 13)}
+    # n=2 samples of "a" are sequences of their own; user ids of that form once shared their KV
+    engine.add_request([5, 6], dataclasses.replace(greedy, n=2), request_id="a")
+    engine.add_request([9, 10], greedy, request_id="a#1")
+    engine.add_request([13, 14], greedy, request_id="a#0")
+    k = int(engine.add_request([9, 10], greedy).removeprefix("req-"))  # a generated id
+    taken = engine.add_request([13, 14], greedy, request_id=f"req-{k + 1}")  # the next one, taken by a user
+    assert engine.add_request([9, 10], greedy) == f"req-{k + 2}"
+    final = _run_engine(engine)
+    assert [o.token_ids for o in final["a"].outputs] == [alone[5]] * 2
+    assert final["a#1"].outputs[0].token_ids == alone[9] and final["a#0"].outputs[0].token_ids == alone[13]
+    assert len(final) == 6 and taken in final
+    assert all(o.finish_reason == "length" for out in final.values() for o in out.outputs)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    with pytest.raises(ValueError, match="request_id must be a string"):
+        engine.add_request([5, 6], greedy, request_id=7)
+
+
+@pytest.mark.parametrize("priority", [None, "high", 1.5, True])
+def test_priority_must_be_an_integer(tiny_llm, priority):
+    engine = tiny_llm.engine
+    with pytest.raises(ValueError, match=f"priority must be an integer .*got {priority!r}"):
+        engine.add_request([5, 6], GOOD, priority=priority)
+    assert not engine.has_unfinished_requests()  # nothing of it was queued
+    engine.add_request([5, 6], GOOD, request_id="next", priority=np.int64(-2))
+    assert len(_run_engine(engine)["next"].outputs[0].token_ids) == 4
+
+
+def test_full_waiting_queue_fails_only_the_prompts_that_found_it_full(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype="float32", num_blocks=32, block_size=4, max_model_len=64, max_waiting=1)
+    with pytest.raises(GenerationError, match="waiting queue is full") as ei:
+        llm.generate([[5, 6, 7], [8, 9]], GOOD)
+    assert list(ei.value.errors) == [1] and len(ei.value.outputs[0].token_ids) == 4
+    assert not llm.engine.has_unfinished_requests()  # the first ran: nothing is left queued
+    assert len(llm.generate([[8, 9]], GOOD)[0].token_ids) == 4
+
+
+def test_string_bad_words_pass_the_engines_checks_before_tokenization(tiny_llm):
+    # the server's batch pre-check validates the raw params (bad_words still strings)
+    params = SamplingParams(max_tokens=3, bad_words=["fox", [7]])
+    assert tiny_llm.engine.validate_request([5, 6], params) == 3
+    with pytest.raises(ValueError, match=r"bad_words: token id 999 is outside the vocabulary \[0, 384\)"):
+        SamplingParams(bad_words=["fox", [999]]).check_token_ids(384)
+
+
+def test_engine_seed_given_as_a_numpy_integer(tiny_model_dir):
+    folder, _ = tiny_model_dir("llama")
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)  # unseeded: the engine's seed
+    runs = [LLM(model=str(folder), dtype="float32", num_blocks=32, block_size=4, max_model_len=64, seed=seed)
+            .generate([[5, 6, 7]], sampled)[0].token_ids for seed in (3, np.int64(3))]
+    assert runs[0] == runs[1]

@@ -142,6 +142,8 @@ class EngineArgs:
             v = getattr(self, field)
             if not (is_int(v) or (optional and v is None)):
                 raise ValueError(f"{name(field)} must be an integer{' or None' if optional else ''}, got {v!r}")
+            if v is not None:
+                setattr(self, field, int(v))  # (a numpy integer would reach random.Random)
         if not isinstance(self.kv_cache_memory, numbers.Real) or isinstance(self.kv_cache_memory, bool):
             raise ValueError(f"{name('kv_cache_memory')} must be a number of GiB, got {self.kv_cache_memory!r}")
         if not isinstance(self.enable_prefix_caching, (bool, np.bool_)):
@@ -247,6 +249,7 @@ class LLMEngine:
         self._rng = random.Random(args.seed)
         self._arrivals = itertools.count()
         self._ids = itertools.count()
+        self._seq_ids = itertools.count()
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (excludes cache hits)
         self.num_generated_tokens = 0
         self.load_time_s = time.perf_counter() - t0
@@ -278,8 +281,9 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, prompt or
-                prompt + max_tokens longer than ``max_model_len``, or a request larger than
-                the whole KV pool.
+                prompt + max_tokens longer than ``max_model_len``, a request larger than
+                the whole KV pool, or more beams than ``max_num_seqs``.
+            QueueFullError: the waiting queue holds ``max_waiting`` requests.
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -323,6 +327,11 @@ class LLMEngine:
                 f"prompt + max_tokens = {n + max_tokens} tokens needs {need} KV blocks, but the whole "
                 f"KV cache has {self.kv.num_blocks} blocks ({self.kv_spec.capacity_tokens} tokens)"
             )
+        if params.use_beam_search and params.beam_width > self.args.max_num_seqs:
+            # the beams run side by side: a group wider than the running-sequence limit could
+            # never gather its beams again once preempted
+            raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs={self.args.max_num_seqs}: "
+                             f"every beam of a group runs at once")
         if params.use_beam_search and params.beam_width > 1:
             # Every beam extends each step, so all of them hold their KV side by side (the
             # prompt's full blocks shared, the rest each beam's own). The samples of n /
@@ -353,19 +362,25 @@ class LLMEngine:
         Args:
             prompt: text (tokenized with the model's tokenizer) or token ids.
             params: sampling parameters (default: ``SamplingParams()``).
-            request_id: unique id (generated when None).
-            priority: lower runs first.
+            request_id: unique id (generated when None); any string: the engine's own
+                sequence ids (``Request.request_id``) cannot collide with it.
+            priority: lower runs first (an integer).
             cache_salt: tenant key for prefix-cache isolation.
 
         Raises:
-            ValueError: invalid prompt or params (see :meth:`validate_request`); the engine
-                and every other request are unaffected.
+            ValueError: invalid prompt or params (see :meth:`validate_request`), a
+                ``request_id`` in use or not a string, a ``priority`` that is not an integer;
+                the engine and every other request are unaffected.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string or None, got {type(request_id).__name__}")
         # A checked copy: fields may have been changed since the object was built (SamplingParams
         # checks them in __post_init__), and later changes must not reach a running request.
         params = _replace(params)
@@ -389,7 +404,9 @@ class LLMEngine:
             text, ids = None, [int(t) if isinstance(t, np.integer) else t for t in prompt]
         ids, text = self.truncate_prompt(ids, text, params.truncate_prompt_tokens)
         params.max_tokens = self.validate_request(ids, params)  # (the request's own copy)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        rid = request_id
+        while rid is None or (request_id is None and rid in self.groups):  # (a user may have taken it)
+            rid = f"req-{next(self._ids)}"
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in use")
         arrival = next(self._arrivals)
@@ -397,13 +414,13 @@ class LLMEngine:
         for i in range(1 if params.use_beam_search else params.num_samples):
             seed = sample_seed(params.seed, i) if params.seed is not None else self._rng.getrandbits(63)
             seq = Request(
-                request_id=rid if params.num_samples == 1 or params.use_beam_search else f"{rid}#{i}",
+                request_id=self._seq_id(rid),
                 prompt_token_ids=ids,
                 sampling_params=params,
                 seed=seed,
                 eos_token_ids=self.eos_token_ids,
                 prompt=text,
-                priority=priority,
+                priority=int(priority),
                 cache_salt=cache_salt,
                 arrival_index=arrival,
                 parent_id=rid,
@@ -416,11 +433,16 @@ class LLMEngine:
             beam = BeamSearchState(params.beam_width, params.max_tokens, params.length_penalty,
                                    () if params.ignore_eos else self.eos_token_ids)
         group = RequestGroup(rid, params, seqs, beam)
+        self.scheduler.add_request(seqs[0])
         self.groups[rid] = group
         for s in seqs:
             self._seq_to_group[s.request_id] = group
-        self.scheduler.add_request(seqs[0])
         return rid
+
+    def _seq_id(self, request_id: str) -> str:
+        """A new sequence id ``"{request_id}#{k}"``, ``k`` an engine-wide counter: read from the
+        right it names ``k``, so it equals no other sequence's id whatever the user ids are."""
+        return f"{request_id}#{next(self._seq_ids)}"
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed at once. Unknown ids are ignored."""
@@ -658,7 +680,7 @@ class LLMEngine:
         while len(live) < len(cands):
             lead = live[0]
             beam = Request(
-                request_id=f"{group.request_id}#beam{len(live)}", prompt_token_ids=lead.prompt_token_ids,
+                request_id=self._seq_id(group.request_id), prompt_token_ids=lead.prompt_token_ids,
                 sampling_params=lead.sampling_params, seed=lead.seed, eos_token_ids=lead.eos_token_ids,
                 prompt=lead.prompt, priority=lead.priority, cache_salt=lead.cache_salt,
                 arrival_index=lead.arrival_index, parent_id=group.request_id, sample_index=len(live),

@@ -9,7 +9,7 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from kvserve.engine import EngineArgs, LLMEngine
+from kvserve.engine import EngineArgs, LLMEngine, QueueFullError
 from kvserve.request import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import apply_chat_template
@@ -94,7 +94,7 @@ class LLM:
                     raise ValueError("use_beam_search and best_of > n are not supported with stream (the best "
                                      "sequences are only known at the end)")
                 ids.append(self.engine.add_request(p, sp))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, QueueFullError) as e:  # this prompt's error: the others run
                 ids.append(None)
                 errors[i] = str(e)
         return ids, errors
@@ -128,7 +128,8 @@ class LLM:
         Raises:
             TypeError: ``prompts`` is none of the accepted forms (a 1-D integer numpy array or
                 tensor counts as a token-id list).
-            GenerationError: some prompts were invalid. Without ``stream``, raised after the
+            GenerationError: some prompts were invalid or found the waiting queue full
+                (``max_waiting``). Without ``stream``, raised after the
                 valid ones finished (``.outputs`` holds their results); with ``stream``, raised
                 at the first iteration and no prompt runs.
         """

@@ -210,7 +210,8 @@ class SamplingParams:
         groups = {
             "logit_bias": list(self.logit_bias or ()),
             "allowed_token_ids": list(self.allowed_token_ids or ()),
-            "bad_words": [t for w in self.bad_words or () for t in w],
+            # (string words become ids through the engine's tokenizer: always in the vocabulary)
+            "bad_words": [t for w in self.bad_words or () if not isinstance(w, str) for t in w],
             "stop_token_ids": list(self.stop_token_ids or ()),
         }
         for name, ids in groups.items():
