@@ -114,6 +114,221 @@ def test_rope_in_place_on_fused_qkv(dtype, head_dim):
     assert torch.equal(qkv[:, (H + KVH) * head_dim:], v_before)  # V untouched
 
 
+# ------------------------------------------------------------------ Gemma 3's ops
+
+def ref_gemma_rms_norm(x, w, eps):
+    """Gemma3RMSNorm (transformers; kvserve.models.gemma3.GemmaRMSNorm): float32, rounded once."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.float())).to(x.dtype)
+
+
+def ulps(a, b):
+    """Distance between two bfloat16 tensors in units in the last place (0 for equal values,
+    +0 and -0 equal)."""
+    assert a.dtype == b.dtype == torch.bfloat16
+
+    def key(t):
+        v = t.view(torch.int16).int()
+        return torch.where(v >= 0, v, -(v & 0x7FFF))
+
+    return (key(a) - key(b)).abs()
+
+
+def close_gemma(a, b, dtype, max_diff_frac=0.001):
+    """float32: float rounding (a float32 reduction in another order); bfloat16: at most one ulp
+    apart, and rarely (a float32 sum that rounds the other way)."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        d = ulps(a, b)
+        assert d.max() <= 1, f"{d.max().item()} ulps apart"
+        assert (d > 0).float().mean() <= max_diff_frac, f"{(d > 0).float().mean().item()} differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,dim", [(1, 640), (5, 64), (33, 100), (300, 1024), (3, 7)])
+def test_gemma_rms_norm(dtype, M, dim):
+    g = torch.Generator().manual_seed(M * dim + 1)
+    x = (torch.randn(M, dim, generator=g) * 3).to(dtype)
+    w = (torch.randn(dim, generator=g) * 0.5).to(dtype)
+    close_gemma(K.gemma_rms_norm(x, w, 1e-6), ref_gemma_rms_norm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_on_strided_rows_and_exact_cases(dtype):
+    g = torch.Generator().manual_seed(2)
+    big = (torch.randn(9, 300, generator=g) * 2).to(dtype)
+    x = big[:, 17:117]  # row stride 300, 100 columns (a 4-element tail)
+    w = torch.randn(100, generator=g).to(dtype)
+    y = K.gemma_rms_norm(x, w, 1e-6)
+    assert y.is_contiguous() and y.shape == (9, 100)
+    close_gemma(y, ref_gemma_rms_norm(x, w, 1e-6), dtype)
+    # a zero weight is the identity scale; a constant row normalizes to +-1 exactly
+    ones = torch.full((2, 48), -3.0, dtype=dtype)
+    assert torch.equal(K.gemma_rms_norm(ones, torch.zeros(48, dtype=dtype), 0.0), torch.full((2, 48), -1.0, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,dim", [(1, 640), (7, 100), (65, 640)])
+def test_gemma_add_rms_norm_is_the_sandwich_step(dtype, M, dim):
+    """``h += post_norm(a)`` (norm rounded, then the add rounded: PyTorch's ``h + norm(a)``),
+    then the next norm of the updated ``h``; ``a`` a strided view."""
+    g = torch.Generator().manual_seed(M + dim)
+    big = (torch.randn(M, dim + 40, generator=g) * 4).to(dtype)
+    a = big[:, 40:]
+    h = (torch.randn(M, dim, generator=g) * 10).to(dtype)
+    w, w_next = [(torch.randn(dim, generator=g) * 0.5).to(dtype) for _ in range(2)]
+    expect_h = h + ref_gemma_rms_norm(a, w, 1e-6)
+    expect = ref_gemma_rms_norm(expect_h, w_next, 1e-6)
+    big_before = big.clone()
+    got_h = h.clone()
+    out = K.gemma_add_rms_norm_(a, w, got_h, 1e-6, next_weight=w_next)
+    assert torch.equal(big, big_before)  # the input is not written
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_h, expect_h, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+    else:
+        close_gemma(got_h, expect_h, dtype, max_diff_frac=0.002)
+        # compare the next norm on the residual the kernel produced (one rounding, not two)
+        close_gemma(out, ref_gemma_rms_norm(got_h, w_next, 1e-6), dtype)
+    again = h.clone()
+    assert K.gemma_add_rms_norm_(a, w, again, 1e-6) is None  # without next_weight: only the add
+    assert torch.equal(again, got_h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KVH,head_dim", [(4, 1, 256), (4, 2, 24), (3, 3, 64)])
+def test_gemma_qk_norm_rope_on_fused_qkv(dtype, H, KVH, head_dim):
+    """Per-head Gemma norm of q (q weight) and k (k weight), rounded, then RoPE, in place on a
+    fused QKV output whose rows are padded (row stride > width); v and the padding untouched."""
+    from kvserve.models.llama import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(H * 100 + head_dim)
+    T, P, pad = 13, 200, 8
+    width = (H + 2 * KVH) * head_dim
+    buf = (torch.randn(T, width + pad, generator=g) * 3).to(dtype)
+    qkv = buf[:, :width]
+    qw, kw = [(torch.randn(head_dim, generator=g) * 0.5).to(dtype) for _ in range(2)]
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    rot = RotaryEmbedding(inv, P, dtype, "cpu", fused=False)
+    pos = torch.randint(0, P, (T,), generator=g)
+    q = ref_gemma_rms_norm(qkv[:, : H * head_dim].reshape(T, H, head_dim), qw, 1e-6)
+    k = ref_gemma_rms_norm(qkv[:, H * head_dim: (H + KVH) * head_dim].reshape(T, KVH, head_dim), kw, 1e-6)
+    rope_inputs = rot.prepare(pos)
+    expect_q, expect_k = RotaryEmbedding.rotate(q, rope_inputs), RotaryEmbedding.rotate(k, rope_inputs)
+    rest_before = buf[:, (H + KVH) * head_dim:].clone()
+    K.gemma_qk_norm_rope_(qkv, H, KVH, head_dim, qw, kw, 1e-6, pos, rot.cos_table, rot.sin_table)
+    got_q = qkv[:, : H * head_dim].reshape(T, H, head_dim)
+    got_k = qkv[:, H * head_dim: (H + KVH) * head_dim].reshape(T, KVH, head_dim)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_q, expect_q, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_k, expect_k, rtol=1e-5, atol=1e-5)
+    else:
+        # a norm value one ulp off (rare) moves the rotated value by at most about one ulp
+        for got, exp in ((got_q, expect_q), (got_k, expect_k)):
+            d = ulps(got, exp)
+            assert (d > 0).float().mean() <= 0.002
+            assert ((got.float() - exp.float()).abs() <= exp.float().abs() * 2**-7 + 2**-10).all()
+    assert torch.equal(buf[:, (H + KVH) * head_dim:], rest_before)  # v and the padding untouched
+
+
+def ref_gelu_and_mul(x):
+    inter = x.shape[1] // 2
+    return F.gelu(x[:, :inter], approximate="tanh") * x[:, inter:]
+
+
+def close_gelu_bf16(got, expect):
+    """At most one bf16 ulp apart (and rarely) except on values below 1e-5 in magnitude, which
+    differ by less than 1e-5: where gelu is tiny (gate < -4.5) 1 + tanh has cancelled, and
+    PyTorch itself gives 0 on its vector path (Sleef's tanh) and ~1e-7 on its scalar tail
+    (std::tanh) for the same gate."""
+    d = ulps(got, expect)
+    tiny = (expect.float().abs() < 1e-5) & ((got.float() - expect.float()).abs() < 1e-5)
+    assert (d[~tiny] <= 1).all(), f"{d[~tiny].max().item()} ulps apart"
+    assert (d[~tiny] > 0).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,inter", [(1, 2048), (7, 40), (129, 512), (2, 9)])
+def test_gelu_tanh_and_mul(dtype, M, inter):
+    g = torch.Generator().manual_seed(inter + M)
+    x = (torch.randn(M, 2 * inter, generator=g) * 4).to(dtype)
+    x[0, :9] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -5.0, 5.0, 0.6, -0.6, 1e-3])
+    expect = ref_gelu_and_mul(x)
+    got = K.gelu_tanh_and_mul(x)
+    assert got.shape == (M, inter) and got.dtype == dtype
+    if dtype == torch.float32:
+        # tanh differs from PyTorch's (Sleef) by an ulp now and then; where gelu is tiny
+        # (gate < -3) PyTorch's own 1 + tanh has cancelled, hence the absolute part.
+        torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+    else:
+        close_gelu_bf16(got, expect)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_alone_and_on_strided_rows(dtype):
+    """With up = 1 the kernel gives gelu itself, rounded once (bf16: what F.gelu returns, within
+    an ulp); a row-strided view of a wider buffer needs no copy."""
+    g = torch.Generator().manual_seed(5)
+    gate = torch.linspace(-12, 12, 4096).to(dtype)  # a multiple of 64: all of it on PyTorch's vector path
+    x = torch.cat([gate, torch.ones_like(gate)]).unsqueeze(0)
+    expect = F.gelu(gate, approximate="tanh").unsqueeze(0)
+    got = K.gelu_tanh_and_mul(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6)
+    else:
+        close_gelu_bf16(got, expect)
+    big = (torch.randn(6, 2 * 50 + 30, generator=g) * 3).to(dtype)
+    view = big[:, 30:]
+    close_gemma(K.gelu_tanh_and_mul(view), K.gelu_tanh_and_mul(view.contiguous()), dtype)
+    torch.testing.assert_close(K.gelu_tanh_and_mul(view).float(), ref_gelu_and_mul(view).float(),
+                               rtol=2**-7, atol=1e-5)
+
+
+def test_gemma_kernels_reject_bad_input():
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="weight"):
+        K.gemma_rms_norm(x, torch.zeros(63), 1e-6)
+    with pytest.raises(ValueError, match="bfloat16"):
+        K.gemma_rms_norm(x.bfloat16(), torch.zeros(64), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        K.gemma_add_rms_norm_(x, torch.zeros(64), torch.zeros(3, 64), 1e-6)
+    with pytest.raises(ValueError, match="even"):
+        K.gelu_tanh_and_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="2-D"):
+        K.gelu_tanh_and_mul(torch.randn(2, 2, 8))
+    cos = torch.zeros(10, 16)
+    with pytest.raises(ValueError, match="heads"):
+        K.gemma_qk_norm_rope_(torch.randn(2, 40), 2, 1, 16, torch.zeros(16), torch.zeros(16), 1e-6,
+                              torch.zeros(2, dtype=torch.int64), cos, cos)
+    with pytest.raises(ValueError, match="positions"):
+        K.gemma_qk_norm_rope_(torch.randn(2, 64), 2, 1, 16, torch.zeros(16), torch.zeros(16), 1e-6,
+                              torch.zeros(2, dtype=torch.int32), cos, cos)
+
+
+@pytest.mark.skipif("avx512_bf16" not in K.cpu_flags(), reason="needs AVX512_BF16 (VCVTNEPS2BF16)")
+def test_gemma_kernels_hardware_and_software_bf16_rounding_agree():
+    from kvserve.kernels import load_library
+
+    lib = load_library("cpu_ops_sw_rounding", K._source(hardware_bf16=False))
+    sw = K._Lib(lib)
+    g = torch.Generator().manual_seed(9)
+    M, E = 16, 640
+    a = (torch.randn(M, E, generator=g) * 5).bfloat16()
+    w, w2 = torch.randn(E, generator=g).bfloat16(), torch.randn(E, generator=g).bfloat16()
+    h_hw, h_sw = [(torch.randn(M, E, generator=torch.Generator().manual_seed(1)) * 9).bfloat16() for _ in range(2)]
+    out_sw = torch.empty(M, E, dtype=torch.bfloat16)
+    out_hw = K.gemma_add_rms_norm_(a, w, h_hw, 1e-6, next_weight=w2)
+    sw.gemma_rms_norm(a.data_ptr(), E, w.data_ptr(), h_sw.data_ptr(), E, w2.data_ptr(), out_sw.data_ptr(), E, M, E,
+                      1e-6, 1, 1)
+    assert torch.equal(h_hw, h_sw) and torch.equal(out_hw, out_sw)
+    gu = (torch.randn(M, 2 * 2048, generator=g) * 4).bfloat16()
+    act_sw = torch.empty(M, 2048, dtype=torch.bfloat16)
+    sw.gelu_tanh_and_mul(gu.data_ptr(), 4096, act_sw.data_ptr(), 2048, M, 2048, 1, 1)
+    assert torch.equal(K.gelu_tanh_and_mul(gu), act_sw)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reshape_and_cache(dtype):
     nb, bs, KVH, hd, T = 6, 4, 2, 16, 5

@@ -1,5 +1,6 @@
 """Fused CPU kernels for the model's non-matmul ops: RMSNorm, SiLU-and-mul, RoPE, KV write,
-paged decode attention (AVX-512, and AMX tiles for bf16 attention where the CPU has them).
+paged decode attention (AVX-512, and AMX tiles for bf16 attention where the CPU has them), and
+Gemma 3's own: its RMSNorm with the sandwich residual add, QK-norm + RoPE, and GeGLU.
 
 Why: a decode step of a small model is a few hundred tiny ops; in eager PyTorch each costs
 5-50 us of dispatch, allocation and a separate pass over memory, which for SmolLM2 is more
@@ -252,6 +253,144 @@ TGT void kv_rope(void* x, int64_t ldx, int64_t T, int64_t nheads, int64_t hd, co
     for (int64_t t = 0; t < T; t++) {
         if (bf) rope_row(atw(x, t * ldx, 1), nheads, hd, at(cos, pos[t] * hd, 1), at(sin, pos[t] * hd, 1), 1);
         else rope_row(atw(x, t * ldx, 0), nheads, hd, at(cos, pos[t] * hd, 0), at(sin, pos[t] * hd, 0), 0);
+    }
+}
+
+/* ---- Gemma RMSNorm (zero-centred weight), optionally the sandwich residual add --------------
+ * gnorm(x; w) = to_dtype((x * rsqrt(mean(x^2) + eps)) * (1 + w)), x and 1 + w in float32,
+ * rounded once at the end (Hugging Face Gemma3RMSNorm). In place is allowed (out == x). */
+INLINE TGT void gemma_norm_row(const void* x, const void* w, void* out, int64_t dim, float eps, int bf) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        __m512 v = ld(x, i, tail_mask(dim - i), bf);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 vinv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < dim; i += 16) {
+        __mmask16 m = tail_mask(dim - i);
+        __m512 h = _mm512_mul_ps(ld(x, i, m, bf), vinv);
+        st(out, i, _mm512_mul_ps(h, _mm512_add_ps(one, ld(w, i, m, bf))), m, bf);
+    }
+}
+
+/* Sandwich step: res = res + gnorm(x; w) (the norm rounded to the dtype, then the add rounded,
+ * as PyTorch's `h + norm(a)`); then, when w2 is given, out = gnorm(res; w2) (the next norm). */
+INLINE TGT void gemma_add_norm_row(const void* x, void* res, const void* w, const void* w2, void* out, int64_t dim,
+                                   float eps, int bf) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        __m512 v = ld(x, i, tail_mask(dim - i), bf);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 vinv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 acc2 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        __mmask16 m = tail_mask(dim - i);
+        __m512 n = rnd(_mm512_mul_ps(_mm512_mul_ps(ld(x, i, m, bf), vinv), _mm512_add_ps(one, ld(w, i, m, bf))), bf);
+        __m512 r = rnd(_mm512_add_ps(ld(res, i, m, bf), n), bf);
+        st(res, i, r, m, bf);
+        acc2 = _mm512_fmadd_ps(r, r, acc2);
+    }
+    if (!w2) return;
+    const __m512 vinv2 = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc2) / (float)dim + eps));
+    for (int64_t i = 0; i < dim; i += 16) {
+        __mmask16 m = tail_mask(dim - i);
+        __m512 h = _mm512_mul_ps(ld(res, i, m, bf), vinv2);
+        st(out, i, _mm512_mul_ps(h, _mm512_add_ps(one, ld(w2, i, m, bf))), m, bf);
+    }
+}
+
+/* res == NULL: out = gnorm(x; w).  Else: res = res + gnorm(x; w), and out = gnorm(res; w2) when
+ * w2 (and out) are given. M rows of dim values; row strides ldx, ldr, ldo. */
+TGT void kv_gemma_rms_norm(const void* x, int64_t ldx, const void* w, void* res, int64_t ldr, const void* w2,
+                           void* out, int64_t ldo, int64_t M, int64_t dim, float eps, int bf, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        if (!res) {
+            if (bf) gemma_norm_row(at(x, m * ldx, 1), w, atw(out, m * ldo, 1), dim, eps, 1);
+            else gemma_norm_row(at(x, m * ldx, 0), w, atw(out, m * ldo, 0), dim, eps, 0);
+        } else if (bf) {
+            gemma_add_norm_row(at(x, m * ldx, 1), atw(res, m * ldr, 1), w, w2, w2 ? atw(out, m * ldo, 1) : NULL, dim,
+                               eps, 1);
+        } else {
+            gemma_add_norm_row(at(x, m * ldx, 0), atw(res, m * ldr, 0), w, w2, w2 ? atw(out, m * ldo, 0) : NULL, dim,
+                               eps, 0);
+        }
+    }
+}
+
+/* ---- Gemma QK-norm + RoPE, in place ----------------------------------------------------------
+ * x: T rows (stride ldx) holding H query heads then KVH key heads of hd values (a fused QKV
+ * output; v after them is untouched). Each head: gnorm with qw (query) or kw (key), rounded to
+ * the dtype, then rope_row at position pos[t] (tables [P, hd]). */
+INLINE TGT void qk_norm_rope_row(void* x, int64_t H, int64_t KVH, int64_t hd, const void* qw, const void* kw,
+                                 float eps, const void* c, const void* s, int bf) {
+    for (int64_t h = 0; h < H + KVH; h++) {
+        void* xh = atw(x, h * hd, bf);
+        gemma_norm_row(xh, h < H ? qw : kw, xh, hd, eps, bf);
+        rope_row(xh, 1, hd, c, s, bf);
+    }
+}
+
+TGT void kv_gemma_qk_norm_rope(void* x, int64_t ldx, int64_t T, int64_t H, int64_t KVH, int64_t hd, const void* qw,
+                               const void* kw, float eps, const int64_t* pos, const void* cos, const void* sin, int bf,
+                               int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        if (bf)
+            qk_norm_rope_row(atw(x, t * ldx, 1), H, KVH, hd, qw, kw, eps, at(cos, pos[t] * hd, 1),
+                             at(sin, pos[t] * hd, 1), 1);
+        else
+            qk_norm_rope_row(atw(x, t * ldx, 0), H, KVH, hd, qw, kw, eps, at(cos, pos[t] * hd, 0),
+                             at(sin, pos[t] * hd, 0), 0);
+    }
+}
+
+/* ---- GeGLU: out = to_dtype(gelu_tanh(gate)) * up, x = [gate | up] --------------------------
+ * gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), evaluated in the order of
+ * PyTorch's vectorized kernel (GeluKernel.cpp). tanh: Cephes tanhf, an odd polynomial for
+ * |y| < 0.625, else 1 - 2 / (exp(2|y|) + 1) with the sign of y (~2 ulp), and exactly +-1 for
+ * |y| > 8.6643 as PyTorch's vectorized tanh (Sleef) gives, so that gelu of gates below about
+ * -4.9 is 0 as in PyTorch, not a value of ~1e-7. */
+INLINE TGT __m512 tanh_ps(__m512 y) {
+    const __m512 a = _mm512_abs_ps(y), one = _mm512_set1_ps(1.0f);
+    const __m512 z = _mm512_mul_ps(y, y);
+    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), y, y);
+    __m512 big = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(exp_ps(_mm512_add_ps(a, a)), one)));
+    big = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(8.664339742f), _CMP_GT_OQ), big, one);
+    big = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(big), /* the sign of y */
+                                              _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN))));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_LT_OQ), big, small);
+}
+
+INLINE TGT __m512 gelu_tanh_ps(__m512 g) {
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                       _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g),
+                         _mm512_add_ps(_mm512_set1_ps(1.0f), tanh_ps(inner)));
+}
+
+INLINE TGT void gelu_mul_row(const void* x, void* out, int64_t I, int bf) {
+    for (int64_t i = 0; i < I; i += 16) {
+        __mmask16 m = tail_mask(I - i);
+        st(out, i, _mm512_mul_ps(rnd(gelu_tanh_ps(ld(x, i, m, bf)), bf), ld(x, I + i, m, bf)), m, bf);
+    }
+}
+
+TGT void kv_gelu_tanh_and_mul(const void* x, int64_t ldx, void* out, int64_t ldo, int64_t M, int64_t I, int bf,
+                              int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        if (bf) gelu_mul_row(at(x, m * ldx, 1), atw(out, m * ldo, 1), I, 1);
+        else gelu_mul_row(at(x, m * ldx, 0), atw(out, m * ldo, 0), I, 0);
     }
 }
 
@@ -1133,6 +1272,9 @@ class _Lib:
             "kv_log_sum_exp": [vp, i64, vp, vp, i64, i64, ci],
             "kv_greedy": [vp, i64, ci, vp, vp, vp, i64, i64, ci],
             "kv_rope": [vp, i64, i64, i64, i64, vp, vp, vp, ci, ci],
+            "kv_gemma_rms_norm": [vp, i64, vp, vp, i64, vp, vp, i64, i64, i64, cf, ci, ci],
+            "kv_gemma_qk_norm_rope": [vp, i64, i64, i64, i64, i64, vp, vp, cf, vp, vp, vp, ci, ci],
+            "kv_gelu_tanh_and_mul": [vp, i64, vp, i64, i64, i64, ci, ci],
             "kv_reshape_and_cache": [vp, i64, vp, i64, vp, vp, vp, i64, i64, i64],
             "kv_paged_attention_decode": [vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, i64, cf, ci, ci],
             "kv_paged_attention_prefill": [vp, i64, vp, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, cf, ci],
@@ -1331,6 +1473,152 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tenso
     T = x.shape[0]
     _lib().rope(x.data_ptr(), x.stride(0), T, num_heads, head_dim, positions.data_ptr(), cos.data_ptr(),
                 sin.data_ptr(), int(x.dtype == torch.bfloat16), _threads(T * num_heads * head_dim))
+
+
+def _same_dtype(dtype: torch.dtype, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} like the input, got {t.dtype}")
+
+
+def _vector(w: torch.Tensor, dim: int, name: str) -> torch.Tensor:
+    if w.dim() != 1 or w.shape[0] != dim or not w.is_contiguous():
+        raise ValueError(f"{name} must be contiguous [{dim}], got shape {tuple(w.shape)} strides {w.stride()}")
+    return w
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm (zero-centred weight): ``to_dtype(x / sqrt(mean(x², -1) + eps) · (1 + weight))``
+    computed in float32 and rounded once at the end (Hugging Face's ``Gemma3RMSNorm``).
+
+    Args:
+        x: ``[M, dim]`` float32 or bfloat16, unit last stride (any row stride).
+        weight: ``[dim]`` contiguous, ``x.dtype``.
+        eps: added to the mean square.
+
+    Returns:
+        ``[M, dim]`` new contiguous tensor in ``x.dtype``.
+
+    Raises:
+        ValueError: on a shape, stride or dtype the kernel cannot take.
+    """
+    _rows(x, "x")
+    M, dim = x.shape
+    _vector(weight, dim, "weight")
+    _same_dtype(x.dtype, weight=weight)
+    out = torch.empty((M, dim), dtype=x.dtype)
+    _lib().gemma_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), None, 0, None, out.data_ptr(), dim, M, dim,
+                          float(eps), int(x.dtype == torch.bfloat16), _threads(M * dim))
+    return out
+
+
+def gemma_add_rms_norm_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float,
+                        next_weight: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Gemma's sandwich-norm residual add, in place, optionally followed by the next norm:
+    ``residual += gemma_rms_norm(x, weight)``, then ``gemma_rms_norm(residual, next_weight)``.
+
+    In bfloat16 the norm is rounded to bfloat16 before the add and the sum is rounded again,
+    as PyTorch's ``h + norm(a)``; the next norm reads the rounded sum.
+
+    Args:
+        x: ``[M, dim]`` float32 or bfloat16, unit last stride (e.g. the attention or MLP output).
+        weight: ``[dim]`` contiguous, ``x.dtype``: the norm applied to ``x`` (post-attention or
+            post-feed-forward).
+        residual: ``[M, dim]`` ``x.dtype``, unit last stride, not overlapping ``x``: the residual
+            stream, updated in place.
+        eps: added to the mean square (both norms).
+        next_weight: optional ``[dim]`` contiguous, ``x.dtype``: the norm of the updated
+            residual to return (pre-feed-forward, or the next layer's input norm).
+
+    Returns:
+        ``[M, dim]`` new tensor ``gemma_rms_norm(residual, next_weight)``, or None without
+        ``next_weight``.
+
+    Raises:
+        ValueError: on a shape, stride or dtype the kernel cannot take.
+    """
+    _rows(x, "x")
+    _rows(residual, "residual")
+    M, dim = x.shape
+    if tuple(residual.shape) != (M, dim):
+        raise ValueError(f"residual must have x's shape {(M, dim)}, got {tuple(residual.shape)}")
+    _vector(weight, dim, "weight")
+    _same_dtype(x.dtype, weight=weight, residual=residual)
+    out = None
+    if next_weight is not None:
+        _vector(next_weight, dim, "next_weight")
+        _same_dtype(x.dtype, next_weight=next_weight)
+        out = torch.empty((M, dim), dtype=x.dtype)
+    _lib().gemma_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), residual.data_ptr(), residual.stride(0),
+                          None if out is None else next_weight.data_ptr(), None if out is None else out.data_ptr(),
+                          dim, M, dim, float(eps), int(x.dtype == torch.bfloat16), _threads(M * dim))
+    return out
+
+
+def gemma_qk_norm_rope_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                        q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Gemma's QK-norm then RoPE on the q and k heads of a fused QKV output, in place: each
+    head is :func:`gemma_rms_norm`-ed (``q_weight`` for the query heads, ``k_weight`` for the
+    key heads), rounded to the dtype, then rotated as :func:`rope_` does.
+
+    Args:
+        qkv: ``[T, ≥ (num_heads + num_kv_heads)·head_dim]`` float32 or bfloat16, unit last
+            stride (any row stride); the first ``num_heads`` heads of each row are q, the next
+            ``num_kv_heads`` k; columns after them (v) are not touched.
+        num_heads, num_kv_heads: query and key heads per row.
+        head_dim: values per head (even).
+        q_weight, k_weight: ``[head_dim]`` contiguous, ``qkv.dtype``.
+        eps: the norms' epsilon.
+        positions: ``[T]`` int64 contiguous, each in ``[0, cos.shape[0])`` (not checked).
+        cos, sin: ``[max_positions, head_dim]`` contiguous tables in ``qkv.dtype`` (the layer
+            type's: Gemma 3's local and global layers differ).
+
+    Raises:
+        ValueError: on a shape, stride or dtype the kernel cannot take.
+    """
+    _rows(qkv, "qkv")
+    T = qkv.shape[0]
+    if head_dim % 2 or qkv.shape[1] < (num_heads + num_kv_heads) * head_dim:
+        raise ValueError(f"qkv [{T}, {qkv.shape[1]}] cannot hold {num_heads}+{num_kv_heads} heads of even "
+                         f"head_dim {head_dim}")
+    _vector(q_weight, head_dim, "q_weight")
+    _vector(k_weight, head_dim, "k_weight")
+    _same_dtype(qkv.dtype, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin)
+    if positions.dtype != torch.int64 or positions.shape != (T,) or not positions.is_contiguous():
+        raise ValueError(f"positions must be contiguous int64 [{T}], got {positions.dtype} {tuple(positions.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim or not (
+            cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"cos and sin must be contiguous [max_positions, {head_dim}], got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    _lib().gemma_qk_norm_rope(qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, head_dim,
+                              q_weight.data_ptr(), k_weight.data_ptr(), float(eps), positions.data_ptr(),
+                              cos.data_ptr(), sin.data_ptr(), int(qkv.dtype == torch.bfloat16),
+                              _threads(T * (num_heads + num_kv_heads) * head_dim))
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU's activation (Shazeer 2020): ``to_dtype(gelu_tanh(gate)) * up`` for ``x = [gate | up]``,
+    as ``F.gelu(gate, approximate="tanh") * up`` (bfloat16: gelu rounded before the multiply).
+
+    Args:
+        x: ``[M, 2·I]`` float32 or bfloat16, unit last stride (any row stride).
+
+    Returns:
+        ``[M, I]`` new tensor in ``x.dtype``.
+
+    Raises:
+        ValueError: when ``x`` is not 2-D with unit last stride and an even number of columns.
+    """
+    _rows(x, "x")
+    M, two_i = x.shape
+    if two_i % 2:
+        raise ValueError(f"x must have an even number of columns (gate | up), got {two_i}")
+    inter = two_i // 2
+    out = torch.empty((M, inter), dtype=x.dtype)
+    _lib().gelu_tanh_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), inter, M, inter,
+                             int(x.dtype == torch.bfloat16), _threads(M * inter))
+    return out
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
