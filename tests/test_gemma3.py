@@ -1,16 +1,20 @@
 """Gemma 3: tiny random-weight models (a window of 8 tokens, local and global layers mixed)
-give transformers' logits and greedy tokens through the whole engine; config parsing."""
+give transformers' logits and greedy tokens through the whole engine, on the fused CPU kernels
+and on PyTorch ops; config parsing."""
 
 import copy
+import functools
 import json
 
 import pytest
 import torch
 
+import kvserve.engine as engine_mod
 from kvserve import LLM, SamplingParams
 from kvserve.attention import AttentionMetadata, PrefillSegment, TorchSDPABackend
 from kvserve.config import ModelConfig, UnsupportedModelError
 from kvserve.kernels import cpu_ops
+from kvserve.models.gemma3 import Gemma3ForCausalLM
 from tiny_models import GEMMA_ARCHS, prefill_logits
 
 PROMPTS = [
@@ -29,8 +33,9 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(params=["kernels", "pytorch"])
 def path(request, monkeypatch):
-    """Both CPU paths: the default backend (C decode attention on the global layers where the
-    kernels build) and the plain PyTorch one (CUDA's, and machines without the kernels)."""
+    """Both CPU paths: the default one (where the kernels build: the fused Gemma kernels, and C
+    decode attention within the window) and the plain PyTorch one (CUDA's, and machines
+    without the kernels)."""
     if request.param == "pytorch":
         monkeypatch.setattr(cpu_ops, "available", lambda: False)
     return request.param
@@ -41,6 +46,7 @@ def test_logits_match_transformers(tiny_model_dir, arch, path):
     folder, hf = tiny_model_dir(arch)
     llm = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4)
     assert type(llm.engine.model).__name__ == "Gemma3ForCausalLM"
+    assert llm.engine.model.fused_cpu_ops == (cpu_ops.available() and llm.engine.device.type == "cpu")
     if path == "pytorch":
         assert type(llm.engine.model.attn_backend) is TorchSDPABackend
     g = torch.Generator().manual_seed(1)
@@ -63,6 +69,7 @@ def test_greedy_matches_transformers_chunked_and_batched(tiny_model_dir, arch, p
     folder, hf = tiny_model_dir(arch)
     llm = LLM(model=str(folder), dtype="float32", num_blocks=96, block_size=4, max_num_batched_tokens=7,
               enable_prefix_caching=False)
+    assert llm.engine.model.fused_cpu_ops == (cpu_ops.available() and llm.engine.device.type == "cpu")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
     for p, o in zip(PROMPTS, outs):
         assert o.outputs[0].token_ids == _hf_greedy(hf, p, 14), p
@@ -103,6 +110,32 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
     assert b.dtype == torch.bfloat16
     assert (a - b.float()).abs().max() < 0.1 * a.abs().max()
     assert (a.argmax(-1) == b.float().argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the fused CPU kernels need x86-64 AVX-512 and a C compiler")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_kernels_match_the_pytorch_ops(tiny_model_dir, monkeypatch, dtype):
+    """The same engine and attention backend with the model on the fused CPU kernels and on
+    PyTorch ops: prefill logits (40 tokens, 5x the window) and greedy decode agree. In bfloat16
+    the kernels round where PyTorch does, so the logits agree up to a rare one-ulp flip of a
+    float32 sum (on this model they are identical)."""
+    folder, _ = tiny_model_dir("gemma3")
+    fused = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=4)
+    monkeypatch.setattr(engine_mod, "model_class",
+                        lambda arch: functools.partial(Gemma3ForCausalLM, fused_cpu_ops=False))
+    plain = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=4)
+    assert fused.engine.model.fused_cpu_ops and not plain.engine.model.fused_cpu_ops
+    assert type(fused.engine.model.attn_backend) is type(plain.engine.model.attn_backend)
+    ids = torch.randint(3, 384, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, b = prefill_logits(fused, ids), prefill_logits(plain, ids)
+    assert a.dtype == b.dtype == getattr(torch, dtype)
+    if dtype == "float32":
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+    else:
+        assert (a != b).float().mean() <= 0.01 and (a.float() - b.float()).abs().max() <= 0.05
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in fused.generate(PROMPTS, params)] == \
+        [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
 
 
 def test_max_model_len_not_capped_at_the_window(tiny_model_dir):
@@ -211,7 +244,6 @@ def test_gguf_matches_transformers_on_the_same_file(tmp_path):
 
     from kvserve.attention import default_backend
     from kvserve.loader import load_weights
-    from kvserve.models.gemma3 import Gemma3ForCausalLM
 
     torch.manual_seed(3)
     cfg = tf.Gemma3TextConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6,

@@ -15,10 +15,22 @@ A Llama-style decoder with these differences, each checked against transformers'
   RoPE base ``rope_local_theta`` (10000); global layers (``full_attention``, every 6th) attend
   over the whole context with ``rope_theta`` (1e6) and the config's RoPE scaling.
 
-No logit softcapping (Gemma 3 has none; the config parser rejects it). Everything runs on
-PyTorch ops (the fused C kernels of :mod:`kvserve.kernels.cpu_ops` compute Llama's norm and
-SiLU, and the one-call C decode step is Llama-only); the linears are :class:`Linear` and the
-attention is the engine's backend (its C decode kernel serves the global layers on CPU).
+No logit softcapping (Gemma 3 has none; the config parser rejects it).
+
+On CPU in float32/bfloat16, when :mod:`kvserve.kernels.cpu_ops` builds (``fused_cpu_ops``),
+the non-matmul ops run on its fused C kernels, which round where the PyTorch ops do:
+
+* ``gemma_add_rms_norm_``: each sandwich step ``h += post_norm(out)`` together with the norm
+  that follows it (``pre_feedforward``, the next layer's ``input``, or the final norm), the
+  residual stream ``h`` updated in place;
+* ``gemma_qk_norm_rope_``: QK-norm and RoPE (the layer type's table) in place on the fused
+  QKV output;
+* ``gelu_tanh_and_mul``: the GeGLU activation.
+
+Otherwise (CUDA, other dtypes, no kernels) every op is PyTorch's, as written in the modules'
+``forward``. The one-call C decode step is Llama-only; the linears are :class:`Linear` and the
+attention is the engine's backend (its C decode kernel serves every layer on CPU while the
+context fits the window, then the global layers only).
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from torch import nn
 
 from kvserve.attention import AttentionBackend, AttentionMetadata
 from kvserve.config import ModelConfig
+from kvserve.kernels import cpu_ops
 from kvserve.layers.linear import Linear
 from kvserve.models.llama import RotaryEmbedding, load_decoder_weights, rope_inv_freq
 
@@ -57,11 +70,19 @@ class Gemma3Attention(nn.Module):
     """Self-attention of one layer: fused q/k/v projection, QK-norm, RoPE (the layer type's
     table), paged attention with the layer's window (None on global layers), output projection.
 
-    ``forward(x [T, hidden], rope_inputs, kv_cache, meta) -> [T, hidden]`` in the model dtype.
+    ``forward(x [T, hidden], rope_inputs, kv_cache, meta) -> [T, hidden]`` in the model dtype;
+    ``rope_inputs`` is ``rotary.prepare(positions)``.
+
+    Args:
+        rotary: the layer type's :class:`RotaryEmbedding`; when it is fused, QK-norm and RoPE
+            run in place on the QKV output (:func:`cpu_ops.gemma_qk_norm_rope_`).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 dtype, device) -> None:
         super().__init__()
+        self.rotary = [rotary]  # shared with the other layers of its type; a list keeps it out of children
+        self.eps = cfg.rms_norm_eps
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -75,6 +96,16 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, x, rope_inputs, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
+        rot = self.rotary[0]
+        if rot.fused:
+            qkv = self.qkv_proj(x)
+            cpu_ops.gemma_qk_norm_rope_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+                                        self.k_norm.weight, self.eps, rope_inputs, rot.cos_table, rot.sin_table)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k, v = k.view(T, self.num_kv_heads, self.head_dim), v.view(T, self.num_kv_heads, self.head_dim)
+            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
+            return self.o_proj(o.reshape(T, self.q_size))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
@@ -85,31 +116,42 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    """GeGLU MLP (Shazeer 2020): ``down(gelu_tanh(gate(x)) * up(x))`` with gate/up fused."""
+    """GeGLU MLP (Shazeer 2020): ``down(gelu_tanh(gate(x)) * up(x))`` with gate/up fused
+    (``fused``: the activation on :func:`cpu_ops.gelu_tanh_and_mul`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj: Optional[Linear] = None
         self.down_proj: Optional[Linear] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(cpu_ops.gelu_tanh_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3DecoderLayer(nn.Module):
-    """``h + post_ffw(mlp(pre_ffw(h')))`` with ``h' = h + post_attn(attn(input_norm(h)))``."""
+    """``h + post_ffw(mlp(pre_ffw(h')))`` with ``h' = h + post_attn(attn(input_norm(h)))``.
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, dtype, device) -> None:
+    ``forward`` runs it on PyTorch ops; ``forward_fused`` on the fused CPU kernels, carrying the
+    residual stream in place and each norm's output to the next step.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend, rotary: RotaryEmbedding, dtype, device,
+                 fused: bool = False) -> None:
         super().__init__()
         eps, H = cfg.rms_norm_eps, cfg.hidden_size
+        self.eps = eps
         self.is_local = cfg.layer_window(layer_idx) is not None
         self.input_layernorm = GemmaRMSNorm(H, eps, dtype, device)
-        self.self_attn = Gemma3Attention(cfg, layer_idx, backend, dtype, device)
+        self.self_attn = Gemma3Attention(cfg, layer_idx, backend, rotary, dtype, device)
         self.post_attention_layernorm = GemmaRMSNorm(H, eps, dtype, device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(H, eps, dtype, device)
-        self.mlp = Gemma3MLP(cfg)
+        self.mlp = Gemma3MLP(cfg, fused)
         self.post_feedforward_layernorm = GemmaRMSNorm(H, eps, dtype, device)
 
     def forward(self, h: torch.Tensor, rope_inputs, kv_cache, meta) -> torch.Tensor:
@@ -118,6 +160,26 @@ class Gemma3DecoderLayer(nn.Module):
         h = h + self.post_attention_layernorm(a)
         m = self.mlp(self.pre_feedforward_layernorm(h))
         return h + self.post_feedforward_layernorm(m)
+
+    def forward_fused(self, h: torch.Tensor, x: torch.Tensor, rope_inputs, kv_cache, meta,
+                      next_norm: torch.Tensor) -> torch.Tensor:
+        """The layer on the fused CPU kernels (what :meth:`forward` computes, rounded alike).
+
+        Args:
+            h: ``[T, hidden]`` contiguous residual stream (model dtype), updated in place to the
+                layer's output.
+            x: ``[T, hidden]`` this layer's ``input_layernorm(h)``.
+            next_norm: ``[hidden]`` weight of the norm that follows the layer (the next
+                layer's ``input_layernorm`` or the model's final norm).
+
+        Returns:
+            ``[T, hidden]``: that norm applied to the updated ``h``.
+        """
+        a = self.self_attn(x, rope_inputs, kv_cache, meta)
+        x = cpu_ops.gemma_add_rms_norm_(a, self.post_attention_layernorm.weight, h, self.eps,
+                                        self.pre_feedforward_layernorm.weight)
+        m = self.mlp(x)
+        return cpu_ops.gemma_add_rms_norm_(m, self.post_feedforward_layernorm.weight, h, self.eps, next_norm)
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -131,8 +193,9 @@ class Gemma3ForCausalLM(nn.Module):
         dtype: compute and weight dtype (``torch.float32`` or ``torch.bfloat16``).
         device: where weights live.
         max_positions: length of the precomputed RoPE tables (tokens).
-        fused_cpu_ops: accepted for interface parity and ignored: Gemma runs per op
-            (``self.fused_cpu_ops`` is False).
+        fused_cpu_ops: on CPU in float32/bfloat16, run the norms (with the residual adds),
+            QK-norm + RoPE and GeGLU on the fused kernels of :mod:`kvserve.kernels.cpu_ops`
+            when they are available (``self.fused_cpu_ops`` says whether they are used).
     """
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
@@ -140,15 +203,20 @@ class Gemma3ForCausalLM(nn.Module):
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.attn_backend = backend
-        self.fused_cpu_ops = False
+        fused = fused_cpu_ops and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
+            and cpu_ops.available()
+        self.fused_cpu_ops = fused
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         # transformers: torch.tensor(sqrt(hidden)) (float32) cast to the weight dtype
         self.register_buffer("embed_scale", torch.tensor(cfg.embedding_multiplier).to(dtype).to(device),
                              persistent=False)
-        self.rotary_global = RotaryEmbedding(rope_inv_freq(cfg), max_positions, dtype, device, fused=False)
-        self.rotary_local = RotaryEmbedding(rope_inv_freq(cfg, local=True), max_positions, dtype, device, fused=False)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, backend, dtype, device) for i in range(cfg.num_layers))
+        self.rotary_global = RotaryEmbedding(rope_inv_freq(cfg), max_positions, dtype, device, fused)
+        self.rotary_local = RotaryEmbedding(rope_inv_freq(cfg, local=True), max_positions, dtype, device, fused)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, i, backend, self.rotary_local if cfg.layer_window(i) is not None
+                               else self.rotary_global, dtype, device, fused)
+            for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head: Optional[Linear] = None
 
@@ -179,6 +247,12 @@ class Gemma3ForCausalLM(nn.Module):
         the ``S`` rows of ``logits_indices``)."""
         h = self.embed_tokens(input_ids) * self.embed_scale
         rope = {False: self.rotary_global.prepare(positions), True: self.rotary_local.prepare(positions)}
+        if self.fused_cpu_ops:
+            x = cpu_ops.gemma_rms_norm(h, self.layers[0].input_layernorm.weight, self.cfg.rms_norm_eps)
+            norms = [layer.input_layernorm.weight for layer in self.layers[1:]] + [self.norm.weight]
+            for layer, kv, next_norm in zip(self.layers, kv_caches, norms):
+                x = layer.forward_fused(h, x, rope[layer.is_local], kv, meta, next_norm)
+            return self.lm_head(x[logits_indices])
         for layer, kv in zip(self.layers, kv_caches):
             h = layer(h, rope[layer.is_local], kv, meta)
         return self.lm_head(self.norm(h[logits_indices]))
