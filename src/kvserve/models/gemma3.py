@@ -97,19 +97,15 @@ class Gemma3Attention(nn.Module):
     def forward(self, x, rope_inputs, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         rot = self.rotary[0]
-        if rot.fused:
-            qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x)
+        if rot.fused:  # rope_inputs: the positions
             cpu_ops.gemma_qk_norm_rope_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
                                         self.k_norm.weight, self.eps, rope_inputs, rot.cos_table, rot.sin_table)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, self.num_heads, self.head_dim)
-            k, v = k.view(T, self.num_kv_heads, self.head_dim), v.view(T, self.num_kv_heads, self.head_dim)
-            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
-            return self.o_proj(o.reshape(T, self.q_size))
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
-        q, k = RotaryEmbedding.rotate(q, rope_inputs), RotaryEmbedding.rotate(k, rope_inputs)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.reshape(T, self.num_heads, self.head_dim), k.reshape(T, self.num_kv_heads, self.head_dim)
+        if not rot.fused:
+            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = RotaryEmbedding.rotate(q, rope_inputs), RotaryEmbedding.rotate(k, rope_inputs)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
         return self.o_proj(o.reshape(T, self.q_size))
