@@ -1385,6 +1385,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
+def _gated(x: torch.Tensor, kernel) -> torch.Tensor:
+    """``kernel(gate) * up`` for ``x = [gate | up]`` ``[M, 2·I]`` on a C kernel of the
+    ``kv_silu_and_mul`` signature; returns ``[M, I]`` in ``x.dtype``."""
+    _rows(x, "x")
+    M, two_i = x.shape
+    if two_i % 2:
+        raise ValueError(f"x must have an even number of columns (gate | up), got {two_i}")
+    inter = two_i // 2
+    out = torch.empty((M, inter), dtype=x.dtype)
+    kernel(x.data_ptr(), x.stride(0), out.data_ptr(), inter, M, inter, int(x.dtype == torch.bfloat16),
+           _threads(M * inter))
+    return out
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation (Shazeer 2020): ``to_dtype(silu(gate)) * up`` for ``x = [gate | up]``.
 
@@ -1394,15 +1408,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[M, I]`` new tensor in ``x.dtype``.
     """
-    _rows(x, "x")
-    M, two_i = x.shape
-    if two_i % 2:
-        raise ValueError(f"x must have an even number of columns (gate | up), got {two_i}")
-    inter = two_i // 2
-    out = torch.empty((M, inter), dtype=x.dtype)
-    _lib().silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), inter, M, inter,
-                        int(x.dtype == torch.bfloat16), _threads(M * inter))
-    return out
+    return _gated(x, _lib().silu_and_mul)
 
 
 def log_sum_exp(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
@@ -1610,15 +1616,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: when ``x`` is not 2-D with unit last stride and an even number of columns.
     """
-    _rows(x, "x")
-    M, two_i = x.shape
-    if two_i % 2:
-        raise ValueError(f"x must have an even number of columns (gate | up), got {two_i}")
-    inter = two_i // 2
-    out = torch.empty((M, inter), dtype=x.dtype)
-    _lib().gelu_tanh_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), inter, M, inter,
-                             int(x.dtype == torch.bfloat16), _threads(M * inter))
-    return out
+    return _gated(x, _lib().gelu_tanh_and_mul)
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
