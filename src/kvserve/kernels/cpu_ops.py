@@ -106,6 +106,16 @@ INLINE TGT __m512 exp_ps(__m512 x) {
  * With residual (vLLM's fused_add_rms_norm):  residual = x + residual;  out = norm(residual).
  * Without:                                      out = norm(x).
  * norm(h) = w * to_dtype(h * rsqrt(mean(h^2) + eps)), h in float32 (Hugging Face LlamaRMSNorm). */
+/* 1 / sqrt(mean(x^2) + eps) over a row of dim values, in float32, broadcast to a vector. */
+INLINE TGT __m512 inv_rms(const void* x, int64_t dim, float eps, int bf) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        __m512 v = ld(x, i, tail_mask(dim - i), bf);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    return _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+}
+
 INLINE TGT void rms_norm_row(const void* x, void* res, const void* w, void* out, int64_t dim, float eps, int bf) {
     const void* src = x;
     if (res) {
@@ -115,13 +125,7 @@ INLINE TGT void rms_norm_row(const void* x, void* res, const void* w, void* out,
         }
         src = res;
     }
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < dim; i += 16) {
-        __m512 v = ld(src, i, tail_mask(dim - i), bf);
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps);
-    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512 vinv = inv_rms(src, dim, eps, bf);
     for (int64_t i = 0; i < dim; i += 16) {
         __mmask16 m = tail_mask(dim - i);
         __m512 h = rnd(_mm512_mul_ps(ld(src, i, m, bf), vinv), bf);
@@ -260,12 +264,7 @@ TGT void kv_rope(void* x, int64_t ldx, int64_t T, int64_t nheads, int64_t hd, co
  * gnorm(x; w) = to_dtype((x * rsqrt(mean(x^2) + eps)) * (1 + w)), x and 1 + w in float32,
  * rounded once at the end (Hugging Face Gemma3RMSNorm). In place is allowed (out == x). */
 INLINE TGT void gemma_norm_row(const void* x, const void* w, void* out, int64_t dim, float eps, int bf) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < dim; i += 16) {
-        __m512 v = ld(x, i, tail_mask(dim - i), bf);
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    const __m512 vinv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+    const __m512 vinv = inv_rms(x, dim, eps, bf);
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t i = 0; i < dim; i += 16) {
         __mmask16 m = tail_mask(dim - i);
@@ -278,12 +277,7 @@ INLINE TGT void gemma_norm_row(const void* x, const void* w, void* out, int64_t 
  * as PyTorch's `h + norm(a)`); then, when w2 is given, out = gnorm(res; w2) (the next norm). */
 INLINE TGT void gemma_add_norm_row(const void* x, void* res, const void* w, const void* w2, void* out, int64_t dim,
                                    float eps, int bf) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < dim; i += 16) {
-        __m512 v = ld(x, i, tail_mask(dim - i), bf);
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    const __m512 vinv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+    const __m512 vinv = inv_rms(x, dim, eps, bf);
     const __m512 one = _mm512_set1_ps(1.0f);
     __m512 acc2 = _mm512_setzero_ps();
     for (int64_t i = 0; i < dim; i += 16) {
