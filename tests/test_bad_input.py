@@ -543,13 +543,15 @@ def test_interactive_chat_survives_a_turn_that_does_not_fit(tiny_model_dir, tmp_
     err = capsys.readouterr().err
     assert rc == 0
     assert "max_model_len is 64" in err and "the message was not added" in err
+    assert "start a new chat, or restart with a larger --max-model-len or a smaller --max-tokens" in err
     assert err.count("error:") == 1
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["generate", "caf\udce9"], "the prompt is not valid UTF-8 text"),
-    (["chat", "caf\udce9 \udcff"], "the chat message is not valid UTF-8 text"),
-    (["chat", "hi", "--system", "\udcff"], "--system is not valid UTF-8 text"),
+    (["generate", "caf\udce9"], "the prompt is not valid UTF-8 text (a lone surrogate '\\udce9' at character 3)"),
+    (["chat", "caf\udce9 \udcff"],
+     "the chat message is not valid UTF-8 text (a lone surrogate '\\udce9' at character 3)"),
+    (["chat", "hi", "--system", "\udcff"], "--system is not valid UTF-8 text (a lone surrogate '\\udcff' at character 0)"),
 ])
 def test_cli_rejects_text_that_is_not_utf8(argv, words, tmp_path, capsys):
     # (Python hands undecodable argv bytes over as lone surrogates, which no tokenizer takes)
@@ -674,7 +676,7 @@ def test_priority_must_be_an_integer(tiny_llm, priority):
 def test_full_waiting_queue_fails_only_the_prompts_that_found_it_full(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     llm = LLM(model=str(folder), dtype="float32", num_blocks=32, block_size=4, max_model_len=64, max_waiting=1)
-    with pytest.raises(GenerationError, match="waiting queue is full") as ei:
+    with pytest.raises(GenerationError, match=r"waiting queue is full \(max_waiting=1\)") as ei:
         llm.generate([[5, 6, 7], [8, 9]], GOOD)
     assert list(ei.value.errors) == [1] and len(ei.value.outputs[0].token_ids) == 4
     assert not llm.engine.has_unfinished_requests()  # the first ran: nothing is left queued
@@ -695,3 +697,21 @@ def test_engine_seed_given_as_a_numpy_integer(tiny_model_dir):
     runs = [LLM(model=str(folder), dtype="float32", num_blocks=32, block_size=4, max_model_len=64, seed=seed)
             .generate([[5, 6, 7]], sampled)[0].token_ids for seed in (3, np.int64(3))]
     assert runs[0] == runs[1]
+
+
+def test_text_that_is_not_utf8_names_the_field(tiny_llm):
+    # Python keeps undecodable bytes (surrogateescape) as lone surrogates, which no tokenizer takes
+    with pytest.raises(GenerationError, match=r"prompt is not valid UTF-8 text \(a lone surrogate '\\udcff' at "
+                                              r"character 3\)") as ei:
+        tiny_llm.generate(["abc\udcff", [5, 6]], GOOD)
+    assert len(ei.value.outputs[1].token_ids) == 4
+    with pytest.raises(ValueError, match="prompt is not valid UTF-8 text"):
+        tiny_llm.engine.add_request("abc\udcff", GOOD)
+    with pytest.raises(ValueError, match="stop string is not valid UTF-8 text"):
+        SamplingParams(stop=["ok", "\udcff"])
+
+
+@pytest.mark.parametrize("model", ["", "  "])
+def test_empty_model_path(model):
+    with pytest.raises(ModelNotFoundError, match="model path is empty"):
+        LLM(model=model)

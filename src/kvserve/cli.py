@@ -94,14 +94,11 @@ def _option_error(e: ValueError) -> str:
 
 
 def _utf8(text: Optional[str], what: str) -> Optional[str]:
-    """``text`` unchanged; ValueError if it came from bytes that are not UTF-8 (Python keeps
-    such command-line or stdin bytes as lone surrogates, which no tokenizer takes)."""
-    if text is not None:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{what} is not valid UTF-8 text") from None
-    return text
+    """:func:`kvserve.sampling_params.require_utf8` on a text that may be None (checked before
+    the model loads)."""
+    from kvserve.sampling_params import require_utf8
+
+    return text if text is None else require_utf8(text, what)
 
 
 def _stream_to_terminal(stream) -> Optional[object]:
@@ -174,7 +171,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
             out = _stream_to_terminal(llm.chat(messages, params, stream=True))
         except ValueError as e:  # e.g. the conversation outgrew max_model_len: the session goes on
             messages.pop()
-            print(f"error: {e}\n(the message was not added; an empty line or Ctrl-D quits)", file=sys.stderr)
+            hint = "an empty line or Ctrl-D quits"
+            if "max_model_len" in str(e):
+                hint = ("the conversation no longer fits: quit (an empty line or Ctrl-D) and start a new chat, or "
+                        "restart with a larger --max-model-len or a smaller --max-tokens")
+            print(f"error: {e}\n(the message was not added; {hint})", file=sys.stderr)
             continue
         messages.append({"role": "assistant", "content": out.outputs[0].text if out else ""})
         _print_stats(out, a.verbose)

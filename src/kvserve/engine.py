@@ -43,7 +43,7 @@ from kvserve.request import (
     TokenLogprob,
 )
 from kvserve.sampler import sample_seed
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, require_utf8
 from kvserve.scheduler import Scheduler, SchedulerOutput
 from kvserve.tokenizer import bad_words_token_ids, load_tokenizer
 
@@ -256,8 +256,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list[int]:
-        """Token ids of a plain-text prompt (the tokenizer's own special-token rules)."""
-        return self.tokenizer.encode(prompt)
+        """Token ids of a plain-text prompt (the tokenizer's own special-token rules).
+
+        Raises:
+            ValueError: the text is not valid UTF-8 (lone surrogates).
+        """
+        return self.tokenizer.encode(require_utf8(prompt, "prompt"))
 
     def truncate_prompt(self, ids: list[int], text: Optional[str], k: Optional[int]) -> tuple[list[int], Optional[str]]:
         """The last ``k`` prompt tokens (``truncate_prompt_tokens``; -1: ``max_model_len - 1``)
@@ -346,7 +350,7 @@ class LLMEngine:
                     f"({self.kv_spec.capacity_tokens} tokens)"
                 )
         if self.args.max_waiting and len(self.scheduler.waiting) >= self.args.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.args.max_waiting} requests)")
+            raise QueueFullError(f"the waiting queue is full (max_waiting={self.args.max_waiting})")
         return max_tokens
 
     def add_request(

@@ -34,6 +34,9 @@ def resolve_model_path(model: str | Path | None) -> Path:
     """
     if model is None:
         return default_model_path()
+    if str(model).strip() == "":
+        raise ModelNotFoundError("model path is empty: give a .gguf file or a Hugging Face folder, or leave it "
+                                 "out for the default model")
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelNotFoundError(f"model path {str(path)!r} does not exist")

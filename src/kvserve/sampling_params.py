@@ -176,6 +176,7 @@ class SamplingParams:
             for s in self.stop:
                 if not isinstance(s, str) or s == "":
                     raise ValueError("stop must be a list of non-empty strings")
+                require_utf8(s, "stop string")
         if self.stop_token_ids is not None:
             for tok in self.stop_token_ids:
                 _int("stop_token_ids entry", tok, lo=0)
@@ -250,6 +251,19 @@ def _bias_dict(bias) -> dict[int, float]:
             raise ValueError(f"logit_bias[{tok}] must be a number, got {v!r}")
         out[tok] = float(v)
     return out
+
+
+def require_utf8(text: str, what: str) -> str:
+    """``text`` unchanged; ValueError naming ``what`` if it holds lone surrogates, i.e. came
+    from bytes that are not UTF-8 (Python keeps such command-line, stdin or
+    ``errors="surrogateescape"`` bytes as lone surrogates, which no tokenizer takes and no
+    generated text can contain)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid UTF-8 text (a lone surrogate {text[e.start]!r} at character "
+                         f"{e.start})") from None
+    return text
 
 
 def _int(name: str, value, lo: Optional[int] = None, hi: Optional[int] = None, allow_none: bool = False) -> None:
