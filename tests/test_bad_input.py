@@ -709,6 +709,8 @@ def test_text_that_is_not_utf8_names_the_field(tiny_llm):
         tiny_llm.engine.add_request("abc\udcff", GOOD)
     with pytest.raises(ValueError, match="stop string is not valid UTF-8 text"):
         SamplingParams(stop=["ok", "\udcff"])
+    with pytest.raises(ValueError, match="bad_words entry is not valid UTF-8 text"):
+        SamplingParams(bad_words=["ok", "x\udcff"])
 
 
 @pytest.mark.parametrize("model", ["", "  "])

@@ -162,6 +162,7 @@ class SamplingParams:
         if self.bad_words is not None:
             for word in self.bad_words:
                 if isinstance(word, str) and word:
+                    require_utf8(word, "bad_words entry")
                     continue  # tokenized by the engine
                 if not isinstance(word, (list, tuple)) or len(word) == 0:
                     raise ValueError("bad_words must be a list of non-empty strings or non-empty token id lists")
