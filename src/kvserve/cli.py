@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: generate, chat, serve, bench."""
+"""The ``kvserve`` command: generate, chat, serve, bench, plan."""
 
 from __future__ import annotations
 
@@ -75,9 +75,11 @@ def _params(a: argparse.Namespace):
         raise ValueError(f"{option}: {msg}" if option else msg) from None
 
 
-#: Engine fields whose errors (raised once the model is known) name the option instead.
+#: Engine fields whose errors (raised once the model is known) name the option instead
+#: (context_len: `kvserve plan`'s).
 _ENGINE_OPTIONS = {f: "--" + f.replace("_", "-") for f in (
-    "max_model_len", "kv_cache_memory", "device", "block_size", "max_num_batched_tokens", "max_num_seqs")}
+    "max_model_len", "kv_cache_memory", "device", "block_size", "max_num_batched_tokens", "max_num_seqs",
+    "context_len")}
 
 
 def _option_error(e: ValueError) -> str:
@@ -182,6 +184,30 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(a: argparse.Namespace) -> int:
+    """Print the capacity plan (no weights are loaded)."""
+    from kvserve.capacity import plan_capacity
+    from kvserve.default_model import default_model_path
+
+    for opt, v in (("--bandwidth", a.bandwidth), ("--flops", a.flops)):
+        if v is not None and not 0 < v < float("inf"):
+            raise ValueError(f"{opt} must be > 0, got {v}")
+    plan = plan_capacity(a.model if a.model is not None else default_model_path(), a.dtype, a.kv_cache_memory,
+                         a.max_model_len, a.block_size, a.context_len)
+    bandwidth = a.bandwidth * 1e9 if a.bandwidth else None
+    flops = a.flops * 1e9 if a.flops else None
+    if not a.no_measure:
+        from kvserve import roofline
+
+        device = a.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+        if bandwidth is None:
+            bandwidth = roofline.measure_memory_bandwidth(device=device)
+        if flops is None:
+            flops = roofline.measure_matmul_flops(plan.dtype, device=device)
+    print(plan.format(bandwidth, flops))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +222,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c)
     _add_engine_args(c)
     c.set_defaults(func=cmd_chat)
+    pl = sub.add_parser("plan", help="capacity planner: KV cache size, sequences that fit, decode rooflines "
+                                     "(reads only the model's config)")
+    pl.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    pl.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    pl.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB (default 2)")
+    pl.add_argument("--max-model-len", type=int, default=None, help="longest sequence in tokens")
+    pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    pl.add_argument("--context-len", type=int, default=None,
+                    help="typical context of a running sequence, tokens (default: max_model_len / 2)")
+    pl.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (default: measured)")
+    pl.add_argument("--flops", type=float, default=None, help="matmul rate in GFLOP/s (default: measured)")
+    pl.add_argument("--no-measure", action="store_true", help="measure nothing (rooflines only from the given rates)")
+    pl.add_argument("--device", default=None, help="where to measure: cpu or cuda (default: cuda when available)")
+    pl.set_defaults(func=cmd_plan)
     try:
         from kvserve.server import cli as server_cli  # noqa: F401
 
