@@ -80,7 +80,7 @@ def main() -> None:
                  sum(len(c.token_ids) for r in bl for c in r.candidates), time.perf_counter() - t))
 
     t = time.perf_counter()
-    bj = best_of_n(llm, prompts, args.n, LLMJudge(llm), sp)
+    bj = best_of_n(llm, prompts, args.n, LLMJudge(llm), sp, verifier_prompts=[q for q, _ in probs])
     rows.append((f"best-of-{args.n}, LLM judge (same model)", acc([last_number(r.text) for r in bj]),
                  sum(len(c.token_ids) for r in bj for c in r.candidates), time.perf_counter() - t))
 

@@ -54,6 +54,11 @@ def test_best_of_n_returns_the_samples_and_the_verifiers_choice(tiny):
         assert r.text == r.best.text
     one = best_of_n(llm, PROMPTS[0], 5, verifier, sp)  # one prompt: one result
     assert [c.token_ids for c in one.candidates] == [c.token_ids for c in res[0].candidates]
+    calls.clear()
+    best_of_n(llm, [llm.engine.encode(PROMPTS[0])], 2, verifier, sp, verifier_prompts=["the question"])
+    assert [p for p, _ in calls] == ["the question"] * 2
+    with pytest.raises(ValueError, match="verifier_prompts must be 2 string"):
+        best_of_n(llm, PROMPTS, 2, verifier, sp, verifier_prompts=["only one"])
 
 
 def test_mean_logprob_verifier_scores_with_the_models_logprobs(tiny):

@@ -274,7 +274,8 @@ def _sample_params(sampling_params: Optional[SamplingParams], n: int, what: str)
 # ------------------------------------------------------------------------- best-of-N
 def best_of_n(llm: LLM, prompts: PromptType | Sequence[PromptType], n: int,
               verifier: Verifier | Callable[[str, str], float],
-              sampling_params: Optional[SamplingParams] = None):
+              sampling_params: Optional[SamplingParams] = None,
+              verifier_prompts: Optional[Sequence[str]] = None):
     """Draw ``n`` samples per prompt and keep the one ``verifier`` scores highest.
 
     Args:
@@ -286,13 +287,17 @@ def best_of_n(llm: LLM, prompts: PromptType | Sequence[PromptType], n: int,
             ``(prompt_text, completion_text) -> float``.
         sampling_params: how each sample is drawn (``n`` and ``best_of`` are replaced);
             default temperature 1, at most 256 tokens.
+        verifier_prompts: the text the verifier sees as each prompt (one per prompt), e.g.
+            the bare question when ``prompts`` are chat-template renderings; default the
+            prompts' own text.
 
     Returns:
         A :class:`BestOfNResult` for one prompt, or a list of them in prompt order.
 
     Raises:
-        ValueError: ``n`` out of range, greedy sampling with n > 1, beam search, or a prompt
-            the engine refuses (:class:`kvserve.llm.GenerationError`).
+        ValueError: ``n`` out of range, greedy sampling with n > 1, beam search, a
+            ``verifier_prompts`` of the wrong length, or a prompt the engine refuses
+            (:class:`kvserve.llm.GenerationError`).
         TypeError: ``verifier`` is neither a Verifier nor callable, or returns a non-number.
     """
     plist, single = _as_list(prompts)
@@ -304,8 +309,14 @@ def best_of_n(llm: LLM, prompts: PromptType | Sequence[PromptType], n: int,
         raise TypeError(f"verifier must have a score(prompts, completions) method or be a function "
                         f"(prompt, completion) -> float; got {type(verifier).__name__}")
     params = _sample_params(sampling_params, n, "best_of_n")
+    if verifier_prompts is not None:
+        if isinstance(verifier_prompts, str):
+            verifier_prompts = [verifier_prompts]
+        if len(verifier_prompts) != len(plist) or not all(isinstance(t, str) for t in verifier_prompts):
+            raise ValueError(f"verifier_prompts must be {len(plist)} string(s), one per prompt; got "
+                             f"{verifier_prompts!r:.80}")
     outs = llm.generate(plist, params)
-    texts = [_prompt_text(llm, p) for p in plist]
+    texts = list(verifier_prompts) if verifier_prompts is not None else [_prompt_text(llm, p) for p in plist]
     cands = [[Candidate.of(c) for c in o.outputs] for o in outs]
     flat_prompts = [t for t, cs in zip(texts, cands) for _ in cs]
     flat = [c for cs in cands for c in cs]
