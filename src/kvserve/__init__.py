@@ -16,9 +16,9 @@ import sys as _sys
 if "torch" not in _sys.modules:
     _os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
-from kvserve.sampling_params import SamplingParams  # noqa: E402
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineArgs", "RequestOutput", "GenerationError", "TokenLogprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineArgs", "RequestOutput", "GenerationError", "TokenLogprob"]
 __version__ = "0.1.0"
 
 

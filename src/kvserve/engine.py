@@ -45,6 +45,7 @@ from kvserve.request import (
 from kvserve.sampler import sample_seed
 from kvserve.sampling_params import SamplingParams, require_utf8
 from kvserve.scheduler import Scheduler, SchedulerOutput
+from kvserve.structured_output import StructuredOutputManager
 from kvserve.tokenizer import bad_words_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -244,6 +245,7 @@ class LLMEngine:
             eot = self.tokenizer.convert_tokens_to_ids("<end_of_turn>")
             if isinstance(eot, int) and eot != self.tokenizer.unk_token_id and eot not in self.eos_token_ids:
                 self.eos_token_ids += (eot,)
+        self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, RequestGroup] = {}
         self._rng = random.Random(args.seed)
@@ -408,6 +410,8 @@ class LLMEngine:
             text, ids = None, [int(t) if isinstance(t, np.integer) else t for t in prompt]
         ids, text = self.truncate_prompt(ids, text, params.truncate_prompt_tokens)
         params.max_tokens = self.validate_request(ids, params)  # (the request's own copy)
+        if params.structured_outputs is not None:  # compiled (or found in the cache) now: errors are the request's
+            self.structured_output.compile(params.structured_outputs)
         rid = request_id
         while rid is None or (request_id is None and rid in self.groups):  # (a user may have taken it)
             rid = f"req-{next(self._ids)}"
@@ -431,6 +435,8 @@ class LLMEngine:
                 sample_index=i,
             )
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            if params.structured_outputs is not None:  # each sample follows the grammar on its own
+                seq.grammar = self.structured_output.new_grammar(params.structured_outputs)
             seqs.append(seq)
         beam = None
         if params.use_beam_search:
@@ -629,16 +635,23 @@ class LLMEngine:
         p = req.sampling_params
         n_out = len(req.output_token_ids)
         status = None
+        grammar_done = False
+        if req.grammar is not None:  # structured output: the grammar follows every sampled token
+            req.grammar.accept_token(tok)
+            grammar_done = req.grammar.is_terminated()  # complete: nothing but EOS could follow
         if n_out >= p.min_tokens:
             if tok in req.eos_token_ids and not p.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
             elif p.stop_token_ids and tok in p.stop_token_ids:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-        if status is None and (n_out >= p.max_tokens or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
         # As in vLLM, an EOS or stop token that ends the sequence adds no text unless
         # include_stop_str_in_output (its id stays in token_ids).
         hide = status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output
+        if status is None and grammar_done:  # the token completed the output: it ends it, as a stop
+            status = RequestStatus.FINISHED_STOPPED
+            hide = tok in req.eos_token_ids and not p.include_stop_str_in_output  # (EOS under ignore_eos)
+        if status is None and (n_out >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
         upd = req.detokenizer.update([] if hide else [tok], n_out, finished=status is not None)
         req.output_text = req.detokenizer.output_text
         if upd.stop_str is not None and status in (None, RequestStatus.FINISHED_LENGTH):

@@ -19,6 +19,7 @@ from kvserve.attention import AttentionMetadata, PrefillSegment
 from kvserve.request import Request, TokenLogprob
 from kvserve.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenHistory, compute_logprobs
 from kvserve.scheduler import SchedulerOutput
+from kvserve.structured_output import grammar_bitmask
 
 
 def token_slice(req: Request, start: int, end: int) -> list[int]:
@@ -192,7 +193,8 @@ class ModelRunner:
     # --------------------------------------------------------------- execute
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: forward over every scheduled token, then sample."""
+        """Run one step: forward over every scheduled token, then sample (rows of sequences with a
+        structured-output grammar under its token bitmask)."""
         batch = self.prepare_inputs(sched)
         logits = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, batch.logits_indices)
         out = ModelRunnerOutput(sample_requests=batch.sample_requests, sampler_output=None)
@@ -212,7 +214,10 @@ class ModelRunner:
                 )
                 for r in batch.sample_requests
             ]
-            meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
+            # structured output: the token bitmasks of the rows that follow a grammar
+            g_rows = [i for i, r in enumerate(batch.sample_requests) if r.grammar is not None]
+            g_mask = grammar_bitmask([batch.sample_requests[i].grammar for i in g_rows]) if g_rows else None
+            meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device, g_rows, g_mask)
             out.sampler_output = self.sampler(sample_logits, meta)
             beam_rows = [i for i, r in enumerate(batch.sample_requests) if r.sampling_params.use_beam_search]
             if beam_rows:

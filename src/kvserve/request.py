@@ -92,6 +92,9 @@ class Request:
         token_history: the sampler's incremental record of this sequence's tokens
             (:class:`kvserve.sampler.TokenHistory`, created on first use), which makes the
             repetition/frequency/presence penalties cheap to build every step.
+        grammar: the sequence's structured-output grammar state
+            (:class:`kvserve.structured_output.StructuredOutputGrammar`), None when unconstrained;
+            it has consumed exactly ``output_token_ids``.
     """
 
     request_id: str
@@ -120,6 +123,7 @@ class Request:
     sample_index: int = 0
     last_delta: str = ""  # text of the latest token, until an output reports it
     token_history: Any = field(default=None, repr=False, compare=False)  # sampler.TokenHistory, for penalties
+    grammar: Any = field(default=None, repr=False, compare=False)  # structured_output.StructuredOutputGrammar
 
     @property
     def num_prompt_tokens(self) -> int:

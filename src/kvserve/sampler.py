@@ -6,8 +6,12 @@ Every step the model runner hands the sampler ``logits [B, V]`` (one row per seq
 that needs a next token) and a :class:`SamplingMetadata` built from the rows'
 :class:`SamplingRow`. The sampler applies, in this order:
 
-1. **logit_bias, allowed_token_ids, bad_words** — the request's hard edits of the
-   support. ``logit_bias`` is added to the raw logits (OpenAI semantics: the bias is on
+1. **structured output, logit_bias, allowed_token_ids, bad_words** — the request's hard
+   edits of the support. A row with a grammar (``structured_outputs``) gets its token bitmask
+   (:attr:`SamplingMetadata.grammar_bitmask`, filled by :mod:`kvserve.structured_output`):
+   every token the grammar does not allow next is ``-inf``, for all such rows in one
+   ``masked_fill`` (the model's padded vocabulary rows included), so nothing later —
+   penalties, the greedy argmax, temperature, the truncations, the draw — can pick one. ``logit_bias`` is added to the raw logits (OpenAI semantics: the bias is on
    the model's own scale, so it must come before temperature and penalties rescale
    it). ``allowed_token_ids`` sets every other token to ``-inf``. A single-token bad
    word is always banned; a multi-token bad word bans its last token when the output
@@ -60,7 +64,9 @@ leave a row with no finite logit (e.g. ``allowed_token_ids`` all banned
 by ``bad_words`` or ``min_tokens``), that row is processed again without the bans:
 ``allowed_token_ids`` is a hard constraint, bad words and min_tokens yield to it (the
 engine rejects at admission the requests where that is certain: every allowed token a
-one-token bad word, or a stop/EOS token under min_tokens).
+one-token bad word, or a stop/EOS token under min_tokens). The grammar is the hardest
+constraint: a row still dead (no allowed token in the grammar's mask) is processed once
+more with the grammar's mask alone.
 
 Randomness
 ----------
@@ -146,6 +152,7 @@ __all__ = [
     "process_logits",
     "sample_seed",
     "row_uniform",
+    "unpack_bitmask",
 ]
 
 TokenIds = Union[Sequence[int], torch.Tensor]
@@ -158,6 +165,7 @@ _SEL_BLOCK = 32  # block size of the block-maxima pre-selection of the largest e
 _ARGMAX_BLOCK = 256  # block size of the block maxima when no row needs a selection
 _CHUNK_BYTES = 1 << 20  # row chunks of the log-partition pass (cache-sized)
 _CAND_ALIGN = 32  # the candidate path takes a multiple of this many candidates per row
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # bit positions of a token bitmask word
 
 
 # ---------------------------------------------------------------------------- RNG
@@ -385,15 +393,20 @@ class SamplingMetadata:
     num_top_logprobs: int  # K = max requested logprobs (0: none)
     logprob_rows: Optional[torch.Tensor]  # rows that requested logprobs; None: all
     any_logprobs: bool
+    # step 1, structured output
+    grammar_rows: Optional[torch.Tensor] = None  # rows with a grammar (None: all, if grammar_bitmask is set)
+    grammar_bitmask: Optional[torch.Tensor] = None  # [G, W] int32: bit j of word w allows token 32·w + j
 
     @property
     def edits_logits(self) -> bool:
-        """Whether some row needs steps 1-3 (bias, allowed ids, bad words / min_tokens, penalties)."""
+        """Whether some row needs steps 1-3 (grammar, bias, allowed ids, bad words / min_tokens, penalties)."""
         return not (self.logit_bias is None and self.allowed is None and self.bans is None
-                    and self.repetition is None and self.freq_presence is None)
+                    and self.repetition is None and self.freq_presence is None and self.grammar_bitmask is None)
 
     @classmethod
-    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingMetadata":
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device,
+              grammar_rows: Optional[Sequence[int]] = None,
+              grammar_bitmask: Optional[torch.Tensor] = None) -> "SamplingMetadata":
         """Gather the rows' parameters into tensors on ``device``.
 
         One Python pass over the rows (host work proportional to the number of rows
@@ -401,9 +414,19 @@ class SamplingMetadata:
         the tokens appended since the last step when the row has a
         :class:`TokenHistory`, else its whole prompt + output).
 
+        Args:
+            rows: the batch's rows.
+            vocab_size: V, the logits' columns.
+            device: where the tensors go.
+            grammar_rows: the rows (ascending batch indices) that follow a grammar
+                (structured output), and ``grammar_bitmask`` their token bitmasks, ``[G, W]``
+                int32 (:func:`kvserve.structured_output.grammar_bitmask`); tokens at or past
+                ``32·W`` are not allowed in those rows.
+
         Raises:
             ValueError: a token id in logit_bias, allowed_token_ids, bad_words or
-                stop_token_ids is ≥ ``vocab_size`` (the message names the field).
+                stop_token_ids is ≥ ``vocab_size`` (the message names the field); a
+                ``grammar_bitmask`` whose row count differs from ``grammar_rows``.
         """
         device = torch.device(device)
         V = int(vocab_size)
@@ -488,6 +511,10 @@ class SamplingMetadata:
             if p.logprobs is not None:
                 rank_rows.append(i)
 
+        grammar = grammar_bitmask is not None and len(grammar_rows or ()) > 0
+        if grammar and (grammar_bitmask.dim() != 2 or grammar_bitmask.shape[0] != len(grammar_rows)):
+            raise ValueError(f"grammar_bitmask must have one row per grammar row ({len(grammar_rows)}), "
+                             f"got shape {tuple(grammar_bitmask.shape)}")
         S = len(sample_idx)
         i64 = dict(dtype=torch.int64, device=device)
         f32 = dict(dtype=torch.float32, device=device)
@@ -531,7 +558,7 @@ class SamplingMetadata:
             if allowed_rows
             else None,
             bans=_TokenEdit(torch.tensor(bans[0], **i64), torch.tensor(bans[1], **i64)) if bans[0] else None,
-            any_masked=bool(allowed_rows or bans[0]),
+            any_masked=bool(allowed_rows or bans[0] or (grammar_bitmask is not None and grammar_rows)),
             repetition=repetition,
             freq_presence=freq_presence,
             num_greedy=B - S,
@@ -548,6 +575,8 @@ class SamplingMetadata:
             num_top_logprobs=max((r.params.logprobs or 0 for r in rows), default=0),
             logprob_rows=rows_or_none(rank_rows, B),
             any_logprobs=bool(rank_rows),
+            grammar_rows=rows_or_none(list(grammar_rows), B) if grammar else None,
+            grammar_bitmask=grammar_bitmask.to(device) if grammar else None,
         )
 
 
@@ -670,16 +699,22 @@ def process_logits(raw: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         dead = torch.isneginf(x.amax(dim=-1))
         if bool(dead.any()):  # (e.g. a multi-token bad word that admission cannot foresee)
             x[dead] = _edited(raw, meta, bans=False)[dead]
+            if meta.grammar_bitmask is not None and meta.allowed is not None:
+                dead = torch.isneginf(x.amax(dim=-1))
+                if bool(dead.any()):  # allowed_token_ids outside the grammar: the grammar wins
+                    x[dead] = _edited(raw, meta, bans=False, allowed=False)[dead]
     return x
 
 
-def _edited(raw: torch.Tensor, meta: SamplingMetadata, bans: bool) -> torch.Tensor:
-    """A copy of ``raw`` with steps 1-3: bias, allowed ids, (``bans``: bad words and
-    min_tokens), penalties."""
+def _edited(raw: torch.Tensor, meta: SamplingMetadata, bans: bool, allowed: bool = True) -> torch.Tensor:
+    """A copy of ``raw`` with steps 1-3: the grammar's mask, bias, (``allowed``: allowed ids),
+    (``bans``: bad words and min_tokens), penalties."""
     x = raw.clone(memory_format=torch.contiguous_format)  # the edits' flat indices need it
+    if meta.grammar_bitmask is not None:
+        x = _on_rows(x, meta.grammar_rows, lambda sub: _apply_bitmask(sub, meta.grammar_bitmask))
     if meta.logit_bias is not None:
         x.view(-1).index_add_(0, meta.logit_bias.flat, meta.logit_bias.values)
-    if meta.allowed is not None:
+    if allowed and meta.allowed is not None:
         x = _on_rows(x, meta.allowed_rows, lambda sub: _keep_only(sub, meta.allowed))
     if bans and meta.bans is not None:
         x.index_put_((meta.bans.rows, meta.bans.toks), torch.tensor(_NEG_INF, device=x.device))
@@ -728,6 +763,27 @@ def _raw_max(x: torch.Tensor, mx: torch.Tensor, flat: torch.Tensor, saved: torch
         return None
     rows = torch.div(flat, x.shape[1], rounding_mode="floor")
     return mx.scatter_reduce(0, rows, saved, reduce="amax")
+
+
+def _apply_bitmask(sub: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set to -inf, in place, every entry of ``sub`` [G, V] whose bit in ``bitmask`` [G, W] int32
+    is clear (bit j of word w stands for column 32·w + j; columns past 32·W are cleared)."""
+    return sub.masked_fill_(unpack_bitmask(bitmask, sub.shape[1]).logical_not_(), _NEG_INF)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[G, W]`` int32 token bitmasks → ``[G, vocab_size]`` bool (True: allowed).
+
+    Tokens at or past ``32·W`` (beyond the grammar's vocabulary) are not allowed.
+    """
+    G, W = bitmask.shape
+    shifts = _BIT_SHIFTS if bitmask.device.type == "cpu" else _BIT_SHIFTS.to(bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts).bitwise_and_(1).view(G, W * 32)
+    if W * 32 >= vocab_size:
+        return bits[:, :vocab_size].bool()
+    out = torch.zeros(G, vocab_size, dtype=torch.bool, device=bitmask.device)
+    out[:, : W * 32] = bits.bool()
+    return out
 
 
 def _keep_only(sub: torch.Tensor, allowed: _TokenEdit) -> torch.Tensor:

@@ -7,9 +7,10 @@ request is rejected before it reaches the engine.
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -26,6 +27,90 @@ _NOT_WITH_BEAM_SEARCH = {
     "logit_bias": (None,), "allowed_token_ids": (None,), "bad_words": (None,), "stop": (None,),
     "stop_token_ids": (None,),
 }
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a formal language (structured output; vLLM's names).
+
+    Set exactly one of:
+
+    Attributes:
+        json: a JSON Schema (a dict, or its JSON text): the output is one JSON value that
+            validates against it (keywords llguidance does not implement are refused).
+        regex: a regular expression (Rust ``regex`` syntax) that the whole output must match.
+        choice: a non-empty list of strings; the output is exactly one of them.
+        grammar: a context-free grammar whose ``start`` rule the whole output must match: Lark
+            syntax as llguidance reads it (``start: "a" NUM`` / ``NUM: /[0-9]+/``), or llama.cpp's
+            GBNF (``root ::= ...``), which llguidance converts.
+        json_object: True: the output is any JSON object (OpenAI's JSON mode).
+        disable_any_whitespace: for ``json`` / ``json_object``: no whitespace between JSON
+            tokens (compact JSON). By default any amount is allowed where JSON allows it, as in
+            vLLM, which lets a model that likes to indent do so (and a poor one pad with it).
+
+    Only the shape is checked here (types, exactly one kind, a non-empty choice of strings);
+    the engine compiles the grammar when it admits the request and reports an invalid schema,
+    regex or grammar there, as a ``ValueError`` naming the field (``structured_outputs.regex``)
+    with llguidance's message.
+
+    Raises:
+        ValueError: no kind or more than one set, or a value of the wrong type (the message
+            names the field).
+    """
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {value!r}")
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                             + (f"got {len(kinds)}: {', '.join(kinds)}" if kinds else "got none"))
+        if self.json is not None:
+            if isinstance(self.json, str):
+                require_utf8(self.json, "structured_outputs.json")
+            elif isinstance(self.json, dict):
+                try:
+                    _json.dumps(self.json, allow_nan=False)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"structured_outputs.json: the schema is not JSON-serializable: {e}") from None
+            else:
+                raise ValueError(f"structured_outputs.json must be a JSON Schema (a dict or its JSON text), "
+                                 f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
+                require_utf8(value, f"structured_outputs.{name}")
+        if self.grammar is not None and not self.grammar.strip():
+            raise ValueError("structured_outputs.grammar must not be empty")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or len(self.choice) == 0:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            for i, c in enumerate(self.choice):
+                if not isinstance(c, str):
+                    raise ValueError(f"structured_outputs.choice[{i}] must be a string, got {c!r}")
+                require_utf8(c, f"structured_outputs.choice[{i}]")
+            self.choice = list(self.choice)
+
+    def kinds(self) -> list[str]:
+        """The names of the constraint fields that are set (exactly one once constructed)."""
+        return [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None] + (
+            ["json_object"] if self.json_object else [])
+
+    @property
+    def kind(self) -> str:
+        """The constraint's kind: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"`` or ``"json_object"``."""
+        return self.kinds()[0]
 
 
 @dataclass
@@ -72,6 +157,12 @@ class SamplingParams:
         n: number of samples to return.
         best_of: number of samples to draw; the ``n`` with the highest cumulative
             logprob are returned (best_of ≥ n).
+        structured_outputs: a :class:`StructuredOutputsParams` (or a dict of its fields):
+            constrain the output to a JSON schema, regex, choice list or grammar. Each sample
+            (``n``) follows the grammar on its own; the request ends with ``"stop"`` as soon as
+            the grammar is complete (nothing but EOS could follow), even before ``min_tokens``
+            and with ``ignore_eos``; ``max_tokens`` first gives ``"length"`` and an incomplete
+            output. Not with beam search.
         use_beam_search / beam_width / length_penalty: beam search; the score is
             ``cum_logprob / output_len ** length_penalty``. Beams are ranked on the model's raw
             logprobs (temperature and seed do not apply); the fields that would edit them or
@@ -106,6 +197,7 @@ class SamplingParams:
     use_beam_search: bool = False
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
+    structured_outputs: Optional[StructuredOutputsParams] = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -124,6 +216,12 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.logit_bias is not None:
             self.logit_bias = _bias_dict(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {unknown}; the fields are json, regex, "
+                                 f"choice, grammar, json_object, disable_any_whitespace")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     # ------------------------------------------------------------------ checks
@@ -169,6 +267,9 @@ class SamplingParams:
                 for tok in word:
                     _int("bad_words entry", tok, lo=0)
         _int("seed", self.seed, lo=-(2**63), hi=2**63 - 1, allow_none=True)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or k >= 1)):
             raise ValueError(f"truncate_prompt_tokens must be -1 (up to max_model_len - 1) or an integer ≥ 1, "
@@ -193,6 +294,10 @@ class SamplingParams:
                 self.beam_width = max(self.n, self.best_of or 1)
             if self.beam_width < self.n:
                 raise ValueError(f"beam_width must be at least n ({self.n}), got {self.beam_width}")
+            if self.structured_outputs is not None:  # (as vLLM)
+                raise ValueError(f"structured_outputs is not supported with use_beam_search (beams are ranked on the "
+                                 f"model's raw log-probabilities, without the grammar's mask); got a "
+                                 f"{self.structured_outputs.kind} constraint")
             for name, off in _NOT_WITH_BEAM_SEARCH.items():
                 value = getattr(self, name)
                 if not (value in off or (isinstance(value, (list, dict)) and not value)):
