@@ -320,8 +320,11 @@ BAD_REQUESTS = [
      "max_completion_tokens", "max_completion_tokens must satisfy 1 ≤ max_completion_tokens, got 0"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
      "max_tokens", "max_tokens must satisfy 1 ≤ max_tokens, got 0"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     400, "response_format", "structured output"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}}},
+     400, "response_format", "response_format.json_schema.schema: invalid JSON schema: Invalid type: nope"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"regex": "a(("}}, 400, "structured_outputs",
+     "structured_outputs.regex: invalid regex"),
     ("completions", {"prompt": "hi", "guided_regex": "[0-9]+"}, 400, "guided_regex", "not supported"),
     ("completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt", "at least 1 character"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}, 400, "cache_salt",
@@ -359,20 +362,16 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 @pytest.mark.parametrize("cls", ["ChatCompletionRequest", "CompletionRequest"])
 @pytest.mark.parametrize("field, value, feature", [
-    ("response_format", {"type": "json_object"}, "structured output"),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}, "structured output"),
-    ("response_format", "json", "structured output"),
     ("tools", [TOOL], "tool calling"),
     ("tool_choice", "auto", "tool calling"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool calling"),
     ("functions", [TOOL["function"]], "tool calling"),
-    ("guided_json", {"type": "object"}, "structured output"),
-    ("guided_regex", "[0-9]+", "structured output"),
-    ("guided_choice", ["yes", "no"], "structured output"),
-    ("guided_grammar", "root ::= \"a\"", "structured output"),
-    ("structured_outputs", {"choice": ["yes", "no"]}, "structured output"),
+    ("guided_json", {"type": "object"}, "use 'structured_outputs'"),
+    ("guided_regex", "[0-9]+", "use 'structured_outputs'"),
+    ("guided_choice", ["yes", "no"], "use 'structured_outputs'"),
+    ("guided_grammar", "root ::= \"a\"", "use 'structured_outputs'"),
 ])
-def test_structured_output_and_tools_are_rejected(cls, field, value, feature):
+def test_guided_fields_and_tools_are_rejected(cls, field, value, feature):
     from kvserve.server import protocol
 
     body = {**(USER if cls == "ChatCompletionRequest" else {"prompt": "hi"}), field: value}
@@ -392,23 +391,19 @@ def test_fields_that_ask_for_nothing_are_accepted(caplog):
             "guided_json": None, "structured_outputs": None, "some_future_field": 1}
     with caplog.at_level(logging.WARNING, logger="kvserve.server"):
         req = protocol.parse_request(protocol.ChatCompletionRequest, json.dumps(body).encode())
-    assert req.model_extra["response_format"] == {"type": "text"}
+    assert req.response_format == {"type": "text"}
     assert "some_future_field" in caplog.text  # other unknown fields are still ignored with a warning
     req = protocol.parse_request(protocol.CompletionRequest, json.dumps({"prompt": "hi", "tool_choice": None,
                                                                          "response_format": None}).encode())
     assert req.prompt == "hi"
 
 
-def test_openai_client_gets_400_for_tools_and_json_mode(client):
+def test_openai_client_gets_400_for_tools(client):
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model="tiny", messages=USER["messages"], tools=[TOOL], max_tokens=2)
     assert ei.value.status_code == 400
     assert ei.value.body["param"] == "tools" and ei.value.body["code"] == "unsupported_parameter"
     assert "tool calling" in ei.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as ei:
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2,
-                                  extra_body={"response_format": {"type": "json_object"}})
-    assert ei.value.body["param"] == "response_format" and "structured output" in ei.value.body["message"]
     ok = client.chat.completions.create(model="tiny", messages=USER["messages"], max_tokens=2,
                                         response_format={"type": "text"}, tool_choice="none")
     assert ok.choices[0].message.content is not None

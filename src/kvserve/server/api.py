@@ -10,8 +10,9 @@ server-sent events ending in ``data: [DONE]``. A client that disconnects has its
 aborted at once (its KV blocks are freed before the engine's next step).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for an
-invalid parameter (``param`` names it), a prompt beyond the context window or a request for
-structured output or tool calling (not supported yet, code ``unsupported_parameter``), 401
+invalid parameter (``param`` names it: an invalid JSON schema, regex or grammar names
+``response_format`` or ``structured_outputs``), a prompt beyond the context window or a request
+for tool calling (not supported yet, code ``unsupported_parameter``), 401
 for a missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 503
 when the waiting queue is full.
 """
@@ -47,6 +48,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     chat_messages,
     parse_request,
+    structured_output_error,
     to_sampling_params,
 )
 from kvserve.server.tokens import TokenTexts, safe_logprob
@@ -256,6 +258,25 @@ class OpenAIServer:
                     raise (_in_batch(e, i) if len(prompts) > 1 else e) from None
         return out
 
+    def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: Optional[int],
+                         logprobs: Optional[int], renames: Optional[dict[str, str]] = None) -> SamplingParams:
+        """The request's :class:`SamplingParams`, its structured-output grammar compiled (into the
+        engine's cache, off the engine thread), in the tokenizer thread.
+
+        Raises:
+            APIError: 400 naming the field (an invalid schema, regex or grammar: the field that
+                set it, ``response_format`` or ``structured_outputs``, with llguidance's message).
+        """
+        params = to_sampling_params(req, max_tokens, logprobs, self.tokenizer, renames)
+        if params.structured_outputs is not None:
+            rf = req.response_format
+            field = "response_format" if isinstance(rf, dict) and rf.get("type") != "text" else "structured_outputs"
+            try:
+                self.engine.structured_output.compile(params.structured_outputs)
+            except ValueError as e:
+                raise structured_output_error(e, field) from None
+        return params
+
     async def _in_tokenizer_thread(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
 
@@ -463,8 +484,8 @@ class OpenAIServer:
         if echo_only and req.stream:
             raise APIError(400, "max_tokens=0 (echo the prompt only) is not supported with stream", param="max_tokens")
         # (off the event loop: bad_words are tokenized)
-        params = await self._in_tokenizer_thread(to_sampling_params, req, 1 if echo_only else req.max_tokens,
-                                                 req.logprobs, self.tokenizer)
+        params = await self._in_tokenizer_thread(self._sampling_params, req, 1 if echo_only else req.max_tokens,
+                                                 req.logprobs)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         texts = [p if isinstance(p, str) else None for p in prompts]
@@ -578,7 +599,7 @@ class OpenAIServer:
         renames = {"logprobs": "top_logprobs" if req.top_logprobs is not None else "logprobs"}
         if req.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
-        params = await self._in_tokenizer_thread(to_sampling_params, req, max_tokens, k, self.tokenizer, renames)
+        params = await self._in_tokenizer_thread(self._sampling_params, req, max_tokens, k, renames)
         add_gen = req.add_generation_prompt and not req.continue_final_message
         ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message)
         ids, _ = self._truncate(ids, None, params)

@@ -4,19 +4,22 @@ Field names follow OpenAI where OpenAI has one and vLLM for the rest. Types are 
 (``"temperature": "hot"`` or ``"n": 1.5`` are rejected, never coerced); value ranges are
 checked by :class:`SamplingParams`, whose ``ValueError`` names the field. Unknown fields
 are accepted and ignored with a warning in the log, as vLLM does, except the ones that ask
-for structured output or tool calling (``response_format``, ``tools``, ``guided_json``...):
-ignoring those would return unconstrained text the client cannot parse, so they get a 400.
+for what kvserve does not implement (tool calling: ``tools``, ``tool_choice``...; vLLM's old
+``guided_*`` fields): ignoring those would return text the client cannot parse, so they get a
+400. Structured output comes from OpenAI's ``response_format`` (``json_object``,
+``json_schema``) or vLLM's ``structured_outputs`` (:func:`structured_outputs_params`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger("kvserve.server")
@@ -94,6 +97,9 @@ class _SamplingFields(BaseModel):
     echo: StrictBool = False
     cache_salt: Optional[StrictStr] = Field(default=None, min_length=1)  # vLLM: a non-empty string
     priority: StrictInt = 0
+    # structured output: OpenAI's response_format, vLLM's structured_outputs (checked by structured_outputs_params)
+    response_format: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -157,7 +163,7 @@ def parse_request(cls: type[BaseModel], body: bytes) -> BaseModel:
     return req
 
 
-_STRUCTURED_OUTPUT = "structured output (JSON mode, JSON schema, regex, choice and grammar constraints)"
+_GUIDED = "vLLM's removed guided_* fields (use 'structured_outputs', e.g. {\"regex\": ...}, or 'response_format')"
 _TOOL_CALLING = "tool calling (tools, functions)"
 
 
@@ -165,27 +171,24 @@ def _unsupported_feature(name: str, value: Any) -> Optional[str]:
     """The feature that request field ``name`` = ``value`` asks for, or None if it asks for none."""
     if value is None:
         return None
-    if name == "response_format":
-        if isinstance(value, dict) and value.get("type") == "text":
-            return None
-        return _STRUCTURED_OUTPUT
     if name in ("tools", "functions"):
         return _TOOL_CALLING if value != [] else None
     if name in ("tool_choice", "function_call"):
         return _TOOL_CALLING if value != "none" else None
-    return _STRUCTURED_OUTPUT  # guided_* and structured_outputs: any value asks for a constraint
+    return _GUIDED  # guided_*: any value asks for a constraint
 
 
 # Fields that ask for features kvserve does not implement: a 400 rather than unconstrained text.
-UNSUPPORTED_FIELDS = ("response_format", "tools", "tool_choice", "functions", "function_call", "guided_json",
-                      "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar")
 
 
 def reject_unsupported_features(req: BaseModel) -> None:
-    """400 for a request asking for structured output or tool calling, which are not supported yet.
+    """400 for a request asking for tool calling (not supported yet) or using vLLM's old
+    ``guided_*`` fields.
 
-    ``response_format`` absent, null or ``{"type": "text"}``, ``tools``/``functions`` null or
-    empty and ``tool_choice``/``function_call`` null or ``"none"`` ask for nothing and pass.
+    ``tools``/``functions`` null or empty and ``tool_choice``/``function_call`` null or
+    ``"none"`` ask for nothing and pass.
 
     Raises:
         APIError: 400 with ``param`` naming the first such field and code ``unsupported_parameter``.
@@ -194,9 +197,80 @@ def reject_unsupported_features(req: BaseModel) -> None:
     for name in UNSUPPORTED_FIELDS:
         feature = _unsupported_feature(name, extra.get(name))
         if feature is not None:
-            raise APIError(400, f"'{name}' is not supported: kvserve does not support {feature} yet; "
+            raise APIError(400, f"'{name}' is not supported: kvserve does not support {feature}; "
                                 f"remove '{name}' from the request",
                            param=name, code="unsupported_parameter")
+
+
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def structured_outputs_params(req: "_SamplingFields") -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+    """The request's structured-output constraint and the request field that set it.
+
+    ``response_format`` (OpenAI): ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any
+    JSON object), ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...},
+    "strict": ...}}`` (the schema; it is enforced whatever ``strict`` says). ``structured_outputs``
+    (vLLM): an object with one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``
+    (and optionally ``disable_any_whitespace``). Only the shape is checked here; the grammar is
+    compiled by the engine's :class:`~kvserve.structured_output.StructuredOutputManager`.
+
+    Returns:
+        (params, field): (None, None) when the request asks for no constraint.
+
+    Raises:
+        APIError: 400 naming the field (``response_format`` or ``structured_outputs``) for a
+            value of the wrong shape, an unknown type, or both fields set.
+    """
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in _RESPONSE_FORMATS:
+            got = rf.get("type") if isinstance(rf, dict) else rf
+            raise APIError(400, f"response_format must be an object whose 'type' is one of "
+                                f"{list(_RESPONSE_FORMATS)}, got {got!r}", param="response_format", code="invalid_value")
+        if rf["type"] == "text":
+            rf = None
+    if rf is not None and so is not None:
+        raise APIError(400, "set either response_format or structured_outputs, not both", param="structured_outputs",
+                       code="invalid_value")
+    try:
+        if rf is not None:
+            if rf["type"] == "json_object":
+                return StructuredOutputsParams(json_object=True), "response_format"
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise APIError(400, "response_format.json_schema must be an object with a 'schema' (a JSON Schema "
+                                    "object) for type 'json_schema'", param="response_format", code="invalid_value")
+            if spec.get("name") is not None and not isinstance(spec["name"], str):
+                raise APIError(400, "response_format.json_schema.name must be a string", param="response_format",
+                               code="invalid_value")
+            schema = spec["schema"]
+            return StructuredOutputsParams(json=schema if isinstance(schema, dict) else json.dumps(schema)), \
+                "response_format"
+        if so is not None:
+            if not isinstance(so, dict):
+                raise APIError(400, f"structured_outputs must be an object with one of json, regex, choice, grammar, "
+                                    f"json_object; got {type(so).__name__}", param="structured_outputs",
+                               code="invalid_value")
+            unknown = sorted(set(so) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise APIError(400, f"structured_outputs: unknown field(s) {unknown}; kvserve takes json, regex, "
+                                    f"choice, grammar, json_object, disable_any_whitespace",
+                               param="structured_outputs", code="invalid_value")
+            return StructuredOutputsParams(**so), "structured_outputs"
+    except ValueError as e:
+        raise structured_output_error(e, "response_format" if rf is not None else "structured_outputs") from None
+    return None, None
+
+
+def structured_output_error(e: ValueError, field: str) -> APIError:
+    """A structured-output ``ValueError`` (its message names ``structured_outputs.<kind>``) → 400
+    naming the request field that set the constraint."""
+    msg = str(e)
+    if field == "response_format":
+        msg = msg.replace("structured_outputs.json_object", "response_format") \
+                 .replace("structured_outputs.json", "response_format.json_schema.schema")
+    return APIError(400, msg, param=field, code="invalid_value")
 
 
 def _validation_error(e: ValidationError) -> APIError:
@@ -290,6 +364,10 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
         kw["stop"] = None
     if req.bad_words:
         kw["bad_words"] = _bad_words(req.bad_words, tokenizer)
+    so, so_field = structured_outputs_params(req)
+    if so is not None:
+        kw["structured_outputs"] = so
+        renames = {**(renames or {}), "structured_outputs": so_field}
     try:
         params = SamplingParams(**kw)
         if tokenizer is not None:

@@ -1,0 +1,154 @@
+"""Structured output over HTTP on a tiny random model: OpenAI's ``response_format`` (json_object,
+json_schema) and vLLM's ``structured_outputs`` on /v1/completions and /v1/chat/completions,
+streamed or not, equal to the offline engine; bad values get a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from test_server_helpers import ServerThread
+
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
+from kvserve.engine import EngineArgs, LLMEngine
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}},
+    "required": ["name", "age", "tags"], "additionalProperties": False}
+ARGS = dict(dtype="float32", num_blocks=512, block_size=4, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_dir):
+    return tiny_model_dir("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    engine = LLMEngine(EngineArgs(model=str(folder), **ARGS))
+    engine.tokenizer.chat_template = CHAT_TEMPLATE
+    with ServerThread(engine, names=["tiny"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(folder):
+    llm = LLM(model=str(folder), **ARGS)
+    llm.engine.tokenizer.chat_template = CHAT_TEMPLATE
+    return llm
+
+
+def test_chat_json_schema_equals_offline_and_validates(client, offline):
+    """response_format json_schema: the same text as the offline engine; whitespace is free by
+    default (this model may pad with it up to max_tokens), and the outputs that end validate."""
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    done = 0
+    for seed in (None, 1, 2, 3):
+        kw = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=120, response_format=rf, **kw)
+        c = r.choices[0]
+        want = offline.chat(MESSAGES, SamplingParams(max_tokens=120, structured_outputs=StructuredOutputsParams(
+            json=SCHEMA), **kw)).outputs[0]
+        assert (c.message.content, c.finish_reason) == (want.text, want.finish_reason)
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), SCHEMA)
+            done += 1
+    assert done
+
+
+def test_chat_json_object_mode(client):
+    outs = []
+    for seed in range(4):
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60, temperature=1.0, seed=seed,
+                                           response_format={"type": "json_object"})
+        outs.append(r.choices[0])
+    done = [c.message.content for c in outs if c.finish_reason == "stop"]
+    assert done and all(isinstance(json.loads(t), dict) for t in done)
+
+
+def test_completions_structured_outputs_each_kind(client):
+    cases = [({"regex": r"[a-z]{3}-[0-9]{2}"}, lambda t: re.fullmatch(r"[a-z]{3}-[0-9]{2}", t)),
+             ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+             ({"grammar": 'start: "n=" NUM\nNUM: /[0-9]{1,3}/'}, lambda t: re.fullmatch(r"n=[0-9]{1,3}", t)),
+             ({"json": SCHEMA, "disable_any_whitespace": True},
+              lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None
+              and t == json.dumps(json.loads(t), separators=(",", ":"), ensure_ascii=False))]
+    for so, ok in cases:
+        r = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=100, n=3,
+                                      temperature=1.0, seed=4, extra_body={"structured_outputs": so})
+        assert len(r.choices) == 3
+        for c in r.choices:
+            assert c.finish_reason == "stop" and ok(c.text), (so, c.text)
+
+
+def test_chat_structured_outputs_and_stream(client):
+    so = {"json": SCHEMA, "disable_any_whitespace": True}
+    full = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200, temperature=0,
+                                          extra_body={"structured_outputs": so})
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=200, temperature=0,
+                                                 stream=True, extra_body={"structured_outputs": so}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == full.choices[0].message.content and finish == ["stop"]
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+CHAT = {"messages": MESSAGES, "max_tokens": 8}
+BAD = [
+    ({"response_format": {"type": "xml"}}, "response_format", "'type' is one of ['text', 'json_object', 'json_schema']"),
+    ({"response_format": "json"}, "response_format", "response_format must be an object"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "must be an object with a 'schema'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "no"}}}, "response_format",
+     "with a 'schema'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": 3, "schema": {}}}}, "response_format",
+     "name must be a string"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "response_format.json_schema.schema: invalid JSON schema: Invalid type: nope"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "either response_format or structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "use_beam_search": True}, "response_format",
+     "response_format is not supported with use_beam_search"),
+    ({"structured_outputs": "json"}, "structured_outputs", "structured_outputs must be an object"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got 2: regex, choice"),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "unknown field(s) ['regexp']"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "structured_outputs.choice must be a non-empty"),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs", "structured_outputs.choice[1] must be a str"),
+    ({"structured_outputs": {"regex": "a(("}}, "structured_outputs", "structured_outputs.regex: invalid regex"),
+    ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs",
+     "structured_outputs.grammar: invalid grammar"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": 3}}}, "structured_outputs",
+     "structured_outputs.json: invalid JSON schema"),
+    ({"structured_outputs": {"regex": "a"}, "use_beam_search": True}, "structured_outputs",
+     "structured_outputs is not supported with use_beam_search"),
+]
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+@pytest.mark.parametrize("extra, param, words", BAD)
+def test_bad_structured_output_gets_400_naming_the_field(server, endpoint, extra, param, words):
+    base = CHAT if endpoint == "chat/completions" else {"prompt": "hi", "max_tokens": 8}
+    r = httpx.post(f"{server.base_url}/v1/{endpoint}", json={**base, **extra}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert words in err["message"], err["message"]
+    ok = httpx.post(f"{server.base_url}/v1/{endpoint}", json=base, timeout=60)  # the server carries on
+    assert ok.status_code == 200
