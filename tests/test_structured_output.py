@@ -7,7 +7,6 @@ requests, preemption, and every bad input. The SmolLM2 case is at the end (slow)
 from __future__ import annotations
 
 import json
-import math
 import re
 
 import jsonschema
@@ -484,7 +483,7 @@ def test_smollm2_chat_returns_json_that_validates(llm_fp32):
     schema = {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 40},
         "country": {"type": "string", "maxLength": 40},
-        "population_millions": {"type": "number", "minimum": 0}},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 10000}},
         "required": ["city", "country", "population_millions"], "additionalProperties": False}
     messages = [{"role": "user", "content": "Give the capital of France, its country and its population in "
                                             "millions as JSON."}]
@@ -494,7 +493,7 @@ def test_smollm2_chat_returns_json_that_validates(llm_fp32):
     assert o.finish_reason == "stop", o.text
     value = json.loads(o.text)
     jsonschema.validate(value, schema)
-    assert "paris" in value["city"].lower()
-    free = llm_fp32.chat(messages, SamplingParams(temperature=0, max_tokens=100))
-    assert free.outputs[0].text != o.text
-    assert math.isfinite(value["population_millions"])
+    assert value["city"] == "Paris"
+    free = llm_fp32.chat(messages, SamplingParams(temperature=0, max_tokens=100)).outputs[0].text
+    with pytest.raises(ValueError):  # left alone, the model writes a trailing comma and other keys
+        json.loads(free)
