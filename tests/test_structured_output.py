@@ -263,7 +263,8 @@ def test_masked_distribution_is_the_renormalized_softmax(llm):
     logits = prefill_logits(llm, ids)[-1].double()
     # single-character letter tokens: no option is a prefix of another, each is one token
     letters = [t for t in range(len(tok)) if len(s := tok.decode([t])) == 1 and s.isalpha() and s.isascii()]
-    options = sorted(letters, key=lambda t: -logits[t].item())[:5]
+    ranked = sorted(letters, key=lambda t: -logits[t].item())
+    options = [ranked[round(i * (len(ranked) - 1) / 4)] for i in range(5)]  # logits spread: a sensitive test
     choice = [tok.decode([t]) for t in options]
     probs = torch.softmax(logits[options], 0).numpy()
     n = 3000
@@ -358,6 +359,31 @@ def test_sampler_applies_the_bitmask_to_its_rows_only():
                 assert toks[i] == plain.sampled_token_ids[i].item()
         # logprobs stay raw
         assert torch.allclose(out.logprobs, torch.log_softmax(logits, -1).gather(1, out.sampled_token_ids[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("V, W", [(100, 4), (49152 + 7, 49152 // 32), (33, 1)])
+def test_bitmask_kernel_equals_the_torch_reference(V, W):
+    """cpu_ops.apply_token_bitmask_ (the sampler's path on CPU) against unpack + masked_fill,
+    on a row subset, with V not a multiple of 32 and masks narrower than V."""
+    from kvserve.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels are not built on this machine")
+    gen = torch.Generator().manual_seed(V)
+    x = torch.randn(7, V, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, W), dtype=torch.int32, generator=gen)
+    bitmask[0] = 0
+    bitmask[1] = -1
+    rows = torch.tensor([0, 2, 3, 6])
+    want = x.clone()
+    want[rows] = want[rows].masked_fill_(~unpack_bitmask(bitmask, V), float("-inf"))
+    got = x.clone()
+    cpu_ops.apply_token_bitmask_(got, bitmask, rows)
+    assert torch.equal(got, want)
+    assert torch.isneginf(got[0]).all() and torch.equal(got[2, : 32 * W], x[2, : 32 * W])
+    got = x[:4].clone()
+    cpu_ops.apply_token_bitmask_(got, bitmask)
+    assert torch.equal(got, x[:4].clone().masked_fill_(~unpack_bitmask(bitmask, V), float("-inf")))
 
 
 def test_grammar_wins_over_allowed_token_ids_and_bans():

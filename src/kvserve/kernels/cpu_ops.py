@@ -193,6 +193,27 @@ TGT void kv_log_sum_exp(const float* x, int64_t ldx, const float* mx, float* out
     for (int64_t m = 0; m < M; m++) out[m] = lse_row(x + m * ldx, V, mx[m], 0);
 }
 
+/* ---- Token bitmask (structured output), in place ------------------------------------------
+ * Mask row m (int32, W words) applies to row rows[m] of x (float32, stride ldx; row m when rows
+ * is NULL): column v keeps its value where bit v % 32 of word v / 32 is set and becomes -inf
+ * otherwise (columns at or past 32 * W included). Branch-free: 16 columns per masked blend. */
+TGT void kv_apply_token_bitmask(float* x, int64_t ldx, const int32_t* mask, int64_t W, const int64_t* rows,
+                                int64_t M, int64_t V, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float* row = x + (rows ? rows[m] : m) * ldx;
+        const uint32_t* bits = (const uint32_t*)(mask + m * W);
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        for (int64_t v = 0; v < V; v += 16) {
+            const __mmask16 t = tail_mask(V - v);
+            const int64_t w = v >> 5;
+            const __mmask16 keep = w < W ? (__mmask16)(bits[w] >> (v & 31)) : (__mmask16)0;
+            const __m512 a = _mm512_maskz_loadu_ps(t, row + v);
+            _mm512_mask_storeu_ps(row + v, t, _mm512_mask_mov_ps(ninf, keep, a));
+        }
+    }
+}
+
 /* ---- Greedy choice over logit rows --------------------------------------------------------
  * Per row m of x (float32 or bf16, stride ldx): token[m] = the first index of the row maximum,
  * row_max[m] = that maximum and log_z[m] = lse_row (so the token's logprob is -log_z[m]);
@@ -1265,6 +1286,7 @@ class _Lib:
             "kv_silu_and_mul": [vp, i64, vp, i64, i64, i64, ci, ci],
             "kv_log_sum_exp": [vp, i64, vp, vp, i64, i64, ci],
             "kv_greedy": [vp, i64, ci, vp, vp, vp, i64, i64, ci],
+            "kv_apply_token_bitmask": [vp, i64, vp, i64, vp, i64, i64, ci],
             "kv_rope": [vp, i64, i64, i64, i64, vp, vp, vp, ci, ci],
             "kv_gemma_rms_norm": [vp, i64, vp, vp, i64, vp, vp, i64, i64, i64, cf, ci, ci],
             "kv_gemma_qk_norm_rope": [vp, i64, i64, i64, i64, i64, vp, vp, cf, vp, vp, vp, ci, ci],
@@ -1426,6 +1448,35 @@ def log_sum_exp(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     out = torch.empty((M, 1), dtype=torch.float32)
     _lib().log_sum_exp(x.data_ptr(), x.stride(0), mx.data_ptr(), out.data_ptr(), M, V, _threads(M * V))
     return out
+
+
+def apply_token_bitmask_(x: torch.Tensor, bitmask: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
+    """Set to -inf, in place, the entries of ``x`` that a token bitmask does not allow
+    (structured output): mask row ``m`` applies to row ``rows[m]`` of x (row ``m`` when
+    ``rows`` is None); column ``v`` is kept when bit ``v % 32`` of word ``v // 32`` is set
+    (columns at or past ``32·W`` are cleared).
+
+    Args:
+        x: ``[B, V]`` float32, unit last stride.
+        bitmask: ``[M, W]`` int32 contiguous.
+        rows: ``[M]`` int64 contiguous, distinct, each in ``[0, B)`` (not checked), or None (M = B).
+
+    Raises:
+        ValueError: wrong dtypes or shapes.
+    """
+    _rows(x, "x")
+    if x.dtype != torch.float32 or bitmask.dtype != torch.int32 or bitmask.dim() != 2 \
+            or not bitmask.is_contiguous():
+        raise ValueError(f"apply_token_bitmask_ needs float32 x and a contiguous 2-D int32 bitmask, got "
+                         f"{x.dtype} and {bitmask.dtype} {tuple(bitmask.shape)}")
+    M, W = bitmask.shape
+    if rows is None and M != x.shape[0] or rows is not None and (rows.dtype != torch.int64 or rows.numel() != M
+                                                                 or not rows.is_contiguous()):
+        raise ValueError(f"apply_token_bitmask_: {M} mask rows need {M} int64 row indices (or x with {M} rows)")
+    if M and x.shape[1]:
+        _lib().apply_token_bitmask(x.data_ptr(), x.stride(0), bitmask.data_ptr(), W,
+                                   None if rows is None else rows.data_ptr(), M, x.shape[1],
+                                   _threads(M * x.shape[1]))
 
 
 def greedy(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
