@@ -362,10 +362,11 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 @pytest.mark.parametrize("cls", ["ChatCompletionRequest", "CompletionRequest"])
 @pytest.mark.parametrize("field, value, feature", [
-    ("tools", [TOOL], "tool calling"),
-    ("tool_choice", "auto", "tool calling"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool calling"),
-    ("functions", [TOOL["function"]], "tool calling"),
+    ("tools", [TOOL], "tool calling on /v1/completions"),
+    ("tool_choice", "auto", "tool calling on /v1/completions"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool calling on /v1/completions"),
+    ("functions", [TOOL["function"]], "deprecated functions"),
+    ("function_call", "auto", "deprecated functions"),
     ("guided_json", {"type": "object"}, "use 'structured_outputs'"),
     ("guided_regex", "[0-9]+", "use 'structured_outputs'"),
     ("guided_choice", ["yes", "no"], "use 'structured_outputs'"),
@@ -373,6 +374,9 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 ])
 def test_guided_fields_and_tools_are_rejected(cls, field, value, feature):
     from kvserve.server import protocol
+
+    if cls == "ChatCompletionRequest" and field in ("tools", "tool_choice"):
+        pytest.skip("chat takes tools (test_server_structured_output.py)")
 
     body = {**(USER if cls == "ChatCompletionRequest" else {"prompt": "hi"}), field: value}
     with pytest.raises(protocol.APIError) as ei:
@@ -398,12 +402,12 @@ def test_fields_that_ask_for_nothing_are_accepted(caplog):
     assert req.prompt == "hi"
 
 
-def test_openai_client_gets_400_for_tools(client):
+def test_openai_client_gets_400_for_automatic_tool_choice(client):
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model="tiny", messages=USER["messages"], tools=[TOOL], max_tokens=2)
     assert ei.value.status_code == 400
-    assert ei.value.body["param"] == "tools" and ei.value.body["code"] == "unsupported_parameter"
-    assert "tool calling" in ei.value.body["message"]
+    assert ei.value.body["param"] == "tool_choice" and ei.value.body["code"] == "unsupported_parameter"
+    assert "tool_choice 'auto' (the default when tools are given) is not supported" in ei.value.body["message"]
     ok = client.chat.completions.create(model="tiny", messages=USER["messages"], max_tokens=2,
                                         response_format={"type": "text"}, tool_choice="none")
     assert ok.choices[0].message.content is not None

@@ -152,3 +152,105 @@ def test_bad_structured_output_gets_400_naming_the_field(server, endpoint, extra
     assert words in err["message"], err["message"]
     ok = httpx.post(f"{server.base_url}/v1/{endpoint}", json=base, timeout=60)  # the server carries on
     assert ok.status_code == 200
+
+
+# ------------------------------------------------------------------ tool calls
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 10},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"], "additionalProperties": False}}}
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def _tool_calls(client, tool_choice, seeds=(None, 1, 2, 3), **kw):
+    """The replies that ended as tool calls (a random model may pad the JSON with whitespace up
+    to max_tokens; those end with "length" and their text)."""
+    calls = []
+    for seed in seeds:
+        sample = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=150,
+                                           tool_choice=tool_choice, **sample, **kw)
+        c = r.choices[0]
+        assert c.finish_reason in ("tool_calls", "length")
+        if c.finish_reason == "tool_calls":
+            assert c.message.content is None and c.message.tool_calls
+            calls.append(c.message.tool_calls)
+        else:
+            assert c.message.tool_calls is None and c.message.content
+    assert calls
+    return calls
+
+
+def test_named_tool_choice_returns_a_call_with_valid_arguments(client):
+    for calls in _tool_calls(client, {"type": "function", "function": {"name": "get_weather"}}):
+        assert len(calls) == 1 and calls[0].type == "function" and calls[0].function.name == "get_weather"
+        assert calls[0].id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(calls[0].function.arguments), PARAMS["get_weather"])
+
+
+def test_required_tool_choice_returns_calls_of_the_tools(client):
+    names = set()
+    for calls in _tool_calls(client, "required", seeds=(None, 1, 2, 3, 4, 5)):
+        assert len(calls) == 1  # parallel_tool_calls not set: one call
+        names.add(calls[0].function.name)
+        jsonschema.validate(json.loads(calls[0].function.arguments), PARAMS[calls[0].function.name])
+    assert names <= set(PARAMS)
+    for calls in _tool_calls(client, "required", seeds=(1, 2, 3), parallel_tool_calls=True):
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_tool_choice_none_ignores_the_tools_and_tool_turns_are_accepted(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason != "tool_calls" and r.choices[0].message.tool_calls is None
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+    r = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=60, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       extra_body={"ignore_eos": False})
+    assert r.choices[0].finish_reason in ("tool_calls", "length")
+
+
+def test_a_tool_reply_cut_by_a_stop_string_comes_back_as_text(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=60, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       stop=['"unit"', '"city"'])
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.message.tool_calls is None and c.message.content.startswith("{")
+
+
+TOOL_BAD = [
+    ({"tools": [WEATHER]}, "tool_choice", "tool_choice 'auto' (the default when tools are given) is not supported"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "is not supported"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "names the function 'nope', which is not in tools (get_weather)"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be 'none', 'required'"),
+    ({"tools": {"a": 1}, "tool_choice": "required"}, "tools", "tools must be a list"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools", "tools[0] must be"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"}, "tools",
+     "tools[0].function.name must be 1-64 characters"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "tools[1].function.name 'get_weather' is "
+                                                                         "given twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools", "tools: a function's parameters: invalid JSON schema"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined with response_format"),
+    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream",
+     "stream is not supported with tool calls"),
+]
+
+
+@pytest.mark.parametrize("extra, param, words", TOOL_BAD)
+def test_bad_tool_calls_get_400_naming_the_field(server, extra, param, words):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json={**CHAT, **extra}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err

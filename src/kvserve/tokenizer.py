@@ -111,6 +111,7 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
     add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Render chat messages with the tokenizer's chat template and encode them.
 
@@ -121,6 +122,7 @@ def apply_chat_template(
             other keys (``name``, ``tool_calls`` ...) are passed to the template.
         add_generation_prompt: end with the header of an assistant turn (e.g.
             ``<|im_start|>assistant\\n``), so the model answers.
+        tools: OpenAI-style tools, for templates that render them (others ignore them).
 
     Returns:
         Prompt token ids (the template writes BOS / special tokens itself; no others
@@ -138,7 +140,8 @@ def apply_chat_template(
             "has no chat template; send a plain prompt instead"
         )
     text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+        **({"tools": tools} if tools else {}),
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -11,8 +11,9 @@ aborted at once (its KV blocks are freed before the engine's next step).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for an
 invalid parameter (``param`` names it: an invalid JSON schema, regex or grammar names
-``response_format`` or ``structured_outputs``), a prompt beyond the context window or a request
-for tool calling (not supported yet, code ``unsupported_parameter``), 401
+``response_format``, ``structured_outputs`` or ``tools``), a prompt beyond the context window or
+a request for what is not supported (``tool_choice`` "auto", streamed tool calls, OpenAI's
+deprecated ``functions``; code ``unsupported_parameter``), 401
 for a missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 503
 when the waiting queue is full.
 """
@@ -50,6 +51,7 @@ from kvserve.server.protocol import (
     parse_request,
     structured_output_error,
     to_sampling_params,
+    tool_call_spec,
 )
 from kvserve.server.tokens import TokenTexts, safe_logprob
 from kvserve.tokenizer import apply_chat_template
@@ -271,6 +273,8 @@ class OpenAIServer:
         if params.structured_outputs is not None:
             rf = req.response_format
             field = "response_format" if isinstance(rf, dict) and rf.get("type") != "text" else "structured_outputs"
+            if isinstance(req, ChatCompletionRequest) and tool_call_spec(req) is not None:
+                field = "tools"
             try:
                 self.engine.structured_output.compile(params.structured_outputs)
             except ValueError as e:
@@ -574,13 +578,15 @@ class OpenAIServer:
         return self._stream(sub, req, base, "text_completion", created, opening, choice, "prompt")
 
     # --------------------------------------------------------------- chat
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, continue_final: bool) -> list[int]:
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, continue_final: bool,
+                     tools: Optional[list[dict]] = None) -> list[int]:
         try:
             if continue_final:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
-                                                          continue_final_message=True)
+                                                          continue_final_message=True, tools=tools)
                 return list(self.tokenizer.encode(text, add_special_tokens=False))
-            return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+            return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                       tools=tools)
         except APIError:
             raise
         except Exception as e:  # template errors (jinja raise_exception, unknown roles...) are the client's
@@ -599,9 +605,14 @@ class OpenAIServer:
         renames = {"logprobs": "top_logprobs" if req.top_logprobs is not None else "logprobs"}
         if req.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
+        tool = tool_call_spec(req)  # (400 for bad tools / tool_choice)
+        if tool is not None and req.stream:
+            raise APIError(400, "stream is not supported with tool calls (tool_choice 'required' or a named "
+                                "function) yet", param="stream", code="unsupported_parameter")
         params = await self._in_tokenizer_thread(self._sampling_params, req, max_tokens, k, renames)
         add_gen = req.add_generation_prompt and not req.continue_final_message
-        ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message)
+        ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message,
+                                              tool.tools if tool is not None else None)
         ids, _ = self._truncate(ids, None, params)
         self._check_length(ids, "messages")
         base = f"chatcmpl-{uuid.uuid4().hex}"
@@ -620,8 +631,17 @@ class OpenAIServer:
             logprobs = None
             if req.logprobs:
                 logprobs = {"content": self.texts.chat_logprobs(o.logprobs or [], k or 0)}
-            choices.append({"index": o.index, "message": {"role": "assistant", "content": echo + o.text},
-                            "logprobs": logprobs, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+            message = {"role": "assistant", "content": echo + o.text}
+            finish = o.finish_reason
+            if tool is not None and finish == "stop" and o.stop_reason is None:  # the grammar completed the call
+                try:
+                    calls = tool.tool_calls(o.text, lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+                except (ValueError, KeyError, TypeError):  # (cannot happen under the grammar: kept as text)
+                    calls = None
+                if calls:
+                    message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            choices.append({"index": o.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                            "stop_reason": o.stop_reason})
         body = {"id": base, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": self._usage(sub, finals)}
         if req.prompt_logprobs is not None:

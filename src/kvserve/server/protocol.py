@@ -4,10 +4,12 @@ Field names follow OpenAI where OpenAI has one and vLLM for the rest. Types are 
 (``"temperature": "hot"`` or ``"n": 1.5`` are rejected, never coerced); value ranges are
 checked by :class:`SamplingParams`, whose ``ValueError`` names the field. Unknown fields
 are accepted and ignored with a warning in the log, as vLLM does, except the ones that ask
-for what kvserve does not implement (tool calling: ``tools``, ``tool_choice``...; vLLM's old
-``guided_*`` fields): ignoring those would return text the client cannot parse, so they get a
-400. Structured output comes from OpenAI's ``response_format`` (``json_object``,
-``json_schema``) or vLLM's ``structured_outputs`` (:func:`structured_outputs_params`).
+for what kvserve does not implement (OpenAI's deprecated ``functions``/``function_call``,
+vLLM's old ``guided_*`` fields): ignoring those would return text the client cannot parse, so
+they get a 400. Structured output comes from OpenAI's ``response_format`` (``json_object``,
+``json_schema``) or vLLM's ``structured_outputs`` (:func:`structured_outputs_params`); tool
+calls with ``tool_choice`` ``"required"`` or a named function are generated under the tools'
+parameter schemas (:func:`tool_call_spec`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
@@ -115,6 +118,9 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[Any] = Field(...)
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[StrictBool] = None
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[StrictInt] = None
@@ -164,17 +170,19 @@ def parse_request(cls: type[BaseModel], body: bytes) -> BaseModel:
 
 
 _GUIDED = "vLLM's removed guided_* fields (use 'structured_outputs', e.g. {\"regex\": ...}, or 'response_format')"
-_TOOL_CALLING = "tool calling (tools, functions)"
+_TOOL_CALLING = "OpenAI's deprecated functions / function_call (use 'tools' and 'tool_choice')"
 
 
 def _unsupported_feature(name: str, value: Any) -> Optional[str]:
     """The feature that request field ``name`` = ``value`` asks for, or None if it asks for none."""
     if value is None:
         return None
-    if name in ("tools", "functions"):
+    if name == "functions":
         return _TOOL_CALLING if value != [] else None
-    if name in ("tool_choice", "function_call"):
+    if name == "function_call":
         return _TOOL_CALLING if value != "none" else None
+    if name in ("tools", "tool_choice"):  # (completions: chat has them as fields)
+        return "tool calling on /v1/completions (use /v1/chat/completions)" if value not in ([], "none") else None
     return _GUIDED  # guided_*: any value asks for a constraint
 
 
@@ -184,11 +192,11 @@ UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "gui
 
 
 def reject_unsupported_features(req: BaseModel) -> None:
-    """400 for a request asking for tool calling (not supported yet) or using vLLM's old
-    ``guided_*`` fields.
+    """400 for a request asking for OpenAI's deprecated function calling, tool calling on
+    /v1/completions, or using vLLM's old ``guided_*`` fields.
 
-    ``tools``/``functions`` null or empty and ``tool_choice``/``function_call`` null or
-    ``"none"`` ask for nothing and pass.
+    ``functions`` null or empty and ``function_call`` null or ``"none"`` ask for nothing and
+    pass.
 
     Raises:
         APIError: 400 with ``param`` naming the first such field and code ``unsupported_parameter``.
@@ -203,6 +211,101 @@ def reject_unsupported_features(req: BaseModel) -> None:
 
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+@dataclass
+class ToolCallSpec:
+    """How a chat request's reply must be a tool call (``tool_choice`` ``"required"`` or named).
+
+    Attributes:
+        tools: the request's tools (``[{"type": "function", "function": {...}}]``), checked.
+        name: the named function, or None for ``"required"``.
+        schema: the JSON schema the reply follows (compact: no whitespace between JSON tokens):
+            the function's parameters (named), or an array of 1 (or, with
+            ``parallel_tool_calls``, more) ``{"name", "parameters"}`` objects (``"required"``,
+            vLLM's shape).
+    """
+
+    tools: list[dict]
+    name: Optional[str]
+    schema: dict
+
+    def tool_calls(self, text: str, ids: "Callable[[], str]") -> list[dict]:
+        """OpenAI ``tool_calls`` from a finished reply that followed :attr:`schema`.
+
+        Raises:
+            ValueError: ``text`` is not JSON (a reply cut by max_tokens).
+        """
+        if self.name is not None:
+            json.loads(text)
+            calls = [(self.name, text)]
+        else:
+            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+        return [{"id": ids(), "type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+
+
+def tool_call_spec(req: "ChatCompletionRequest") -> Optional[ToolCallSpec]:
+    """The chat request's tool-call constraint, or None (no tools, or ``tool_choice`` ``"none"``).
+
+    ``tool_choice``: ``"required"`` (one or more calls of any of the tools, at most one unless
+    ``parallel_tool_calls`` is true) or ``{"type": "function", "function": {"name": ...}}``
+    (that function's arguments); ``"none"`` ignores the tools. ``"auto"`` (OpenAI's default
+    when tools are given) is not supported: it needs a parser of each model's own tool-call
+    format.
+
+    Raises:
+        APIError: 400 naming ``tools`` or ``tool_choice`` for a malformed value, ``"auto"``, an
+            unknown function name, or a tool choice without tools.
+    """
+    tools, choice = req.tools, req.tool_choice
+    if choice == "none" or (choice is None and not tools):
+        return None
+    if not tools:
+        raise APIError(400, "tool_choice needs tools: give the functions in 'tools'", param="tool_choice",
+                       code="invalid_value")
+    if not isinstance(tools, list):
+        raise APIError(400, "tools must be a list of {'type': 'function', 'function': {...}}", param="tools",
+                       code="invalid_value")
+    names: list[str] = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                f"'parameters': {{...}}}}}}", param="tools", code="invalid_value")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise APIError(400, f"tools[{i}].function.name must be 1-64 characters of a-z, A-Z, 0-9, _, . or -, "
+                                f"got {name!r}", param="tools", code="invalid_value")
+        if name in names:
+            raise APIError(400, f"tools[{i}].function.name {name!r} is given twice", param="tools",
+                           code="invalid_value")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object", param="tools",
+                           code="invalid_value")
+        names.append(name)
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
+              for t in tools}
+    if choice is None or choice == "auto":
+        raise APIError(400, "tool_choice 'auto' (the default when tools are given) is not supported: kvserve does "
+                            "not parse free-form tool calls; set tool_choice to 'required' or "
+                            "{'type': 'function', 'function': {'name': ...}}", param="tool_choice",
+                       code="unsupported_parameter")
+    if choice == "required":
+        item = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                           "required": ["name", "parameters"], "additionalProperties": False}
+                          for n, p in params.items()]}
+        schema = {"type": "array", "items": item, "minItems": 1}
+        if not req.parallel_tool_calls:
+            schema["maxItems"] = 1
+        return ToolCallSpec(tools, None, schema)
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(fn, dict):
+        raise APIError(400, f"tool_choice must be 'none', 'required' or {{'type': 'function', 'function': "
+                            f"{{'name': ...}}}}, got {choice!r}", param="tool_choice", code="invalid_value")
+    if fn.get("name") not in params:
+        raise APIError(400, f"tool_choice names the function {fn.get('name')!r}, which is not in tools "
+                            f"({', '.join(names)})", param="tool_choice", code="invalid_value")
+    return ToolCallSpec(tools, fn["name"], params[fn["name"]])
 
 
 def structured_outputs_params(req: "_SamplingFields") -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
@@ -223,6 +326,16 @@ def structured_outputs_params(req: "_SamplingFields") -> tuple[Optional[Structur
             value of the wrong shape, an unknown type, or both fields set.
     """
     rf, so = req.response_format, req.structured_outputs
+    tool = tool_call_spec(req) if isinstance(req, ChatCompletionRequest) else None
+    if tool is not None:
+        if so is not None or (isinstance(rf, dict) and rf.get("type") != "text"):
+            raise APIError(400, "a tool call (tool_choice) cannot be combined with response_format or "
+                                "structured_outputs", param="tool_choice", code="invalid_value")
+        try:
+            # compact JSON: arguments are for programs, and a small model stuck in whitespace never ends
+            return StructuredOutputsParams(json=tool.schema, disable_any_whitespace=True), "tools"
+        except ValueError as e:
+            raise structured_output_error(e, "tools") from None
     if rf is not None:
         if not isinstance(rf, dict) or rf.get("type") not in _RESPONSE_FORMATS:
             got = rf.get("type") if isinstance(rf, dict) else rf
@@ -267,6 +380,8 @@ def structured_output_error(e: ValueError, field: str) -> APIError:
     """A structured-output ``ValueError`` (its message names ``structured_outputs.<kind>``) → 400
     naming the request field that set the constraint."""
     msg = str(e)
+    if field == "tools":
+        msg = msg.replace("structured_outputs.json", "tools: a function's parameters")
     if field == "response_format":
         msg = msg.replace("structured_outputs.json_object", "response_format") \
                  .replace("structured_outputs.json", "response_format.json_schema.schema")
@@ -404,6 +519,8 @@ def chat_messages(messages: list[Any], continue_final_message: bool = False) -> 
         if role not in ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}", param="messages")
         content = m.get("content")
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            content = ""  # an assistant turn that only called tools
         if content is None:
             raise APIError(400, f"messages[{i}] has no content", param="messages")
         if isinstance(content, list):
