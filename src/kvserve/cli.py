@@ -27,6 +27,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--quantization", default="none", choices=["none", "int8"],
                    help="weight-only quantization of the linear layers (default: none)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as JSON (vLLM\'s form), e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details (KV capacity, ...)")
 
 
@@ -40,6 +43,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         enable_prefix_caching=not a.no_prefix_caching,
         device=a.device,
         quantization=None if a.quantization == "none" else a.quantization,
+        speculative_config=a.speculative_config,
     )
 
 
@@ -79,7 +83,7 @@ def _params(a: argparse.Namespace):
 #: (context_len: `kvserve plan`'s).
 _ENGINE_OPTIONS = {f: "--" + f.replace("_", "-") for f in (
     "max_model_len", "kv_cache_memory", "device", "block_size", "max_num_batched_tokens", "max_num_seqs",
-    "context_len")}
+    "context_len", "speculative_config")}
 
 
 def _option_error(e: ValueError) -> str:
@@ -91,7 +95,7 @@ def _option_error(e: ValueError) -> str:
     msg = str(e)
     if isinstance(e, (ModelLoadError, UnsupportedModelError)):
         return f"--model: {msg}"
-    field = next((f for f in _ENGINE_OPTIONS if msg.startswith(f + " ") or msg.startswith(f + "=")), None)
+    field = next((f for f in _ENGINE_OPTIONS if any(msg.startswith(f + c) for c in " =.:")), None)
     return _ENGINE_OPTIONS[field] + msg[len(field):] if field else msg
 
 

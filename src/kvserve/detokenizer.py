@@ -44,7 +44,8 @@ class DetokenizerUpdate:
             ``new_token_ids`` to keep, up to and including the token whose text
             completes the stop string (1 for a usual single-token update; 0 if the
             match lies in text of earlier tokens that was held back as an incomplete
-            UTF-8 character). The caller drops the tokens after them.
+            UTF-8 character; for several tokens, up to the one whose one-token update
+            matched). The caller drops the tokens after them.
     """
 
     text_delta: str
@@ -202,10 +203,20 @@ class IncrementalDetokenizer:
             The delta for the stream and, if a stop string matched, which one (the
             sequence must then finish; the caller keeps only
             ``num_new_tokens_kept`` of ``new_token_ids``).
+
+        Several tokens are taken as that many one-token updates (``num_output_tokens``
+        counting each, ``finished`` applying to the last), stopping at the first stop-string
+        match: the text, the holding back of incomplete UTF-8 characters and the stop
+        matches are then those of the same tokens given one at a time (decoding them in one
+        window would hold back all their text when the last ends inside a character, and
+        a stop string in it would be found a step late). ``num_new_tokens_kept`` is then
+        the number of tokens up to and including the one whose update matched.
         """
         if self._finished:
             return DetokenizerUpdate("")
         new_token_ids = list(new_token_ids)
+        if len(new_token_ids) > 1:
+            return self._update_each(new_token_ids, num_output_tokens, finished)
         window = self._decoder.window()
         delta = self._decoder.add(new_token_ids, flush=finished)
         # buf = the end of the text: up to _recent_len old characters, then the new ones.
@@ -222,6 +233,18 @@ class IncrementalDetokenizer:
             self._finished = True
             return DetokenizerUpdate(self._emit(len(self._pending)))
         return DetokenizerUpdate(self._emit(len(self._pending) - self._held_back_chars(buf)))
+
+    def _update_each(self, new_token_ids: list[int], num_output_tokens: int, finished: bool) -> DetokenizerUpdate:
+        """Several tokens as one-token updates (see :meth:`update`)."""
+        first = num_output_tokens - len(new_token_ids)
+        deltas = []
+        last = len(new_token_ids) - 1
+        for j, tok in enumerate(new_token_ids):
+            upd = self.update([tok], first + j + 1, finished=finished and j == last)
+            deltas.append(upd.text_delta)
+            if upd.stop_str is not None:
+                return DetokenizerUpdate("".join(deltas), stop_str=upd.stop_str, num_new_tokens_kept=j + 1)
+        return DetokenizerUpdate("".join(deltas))
 
     # --------------------------------------------------------------- helpers
     def _emit(self, n: int) -> str:

@@ -21,7 +21,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.kv_cache import KVCacheManager, allocate_kv_cache, plan_kv_cache
 from kvserve.layers.linear import QUANTIZATIONS
 from kvserve.loader import load_model_config, load_weights, resolve_model_path
-from kvserve.model_runner import ModelRunner, ModelRunnerOutput
+from kvserve.model_runner import ModelRunner, ModelRunnerOutput, SpecResult
 from kvserve.models import model_class
 from kvserve.request import (
     CompletionOutput,
@@ -46,6 +46,7 @@ from kvserve.sampler import sample_seed
 from kvserve.sampling_params import SamplingParams, require_utf8
 from kvserve.scheduler import Scheduler, SchedulerOutput
 from kvserve.structured_output import StructuredOutputManager
+from kvserve.spec_decode import NgramProposer, SpeculativeConfig
 from kvserve.tokenizer import bad_words_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,9 @@ class EngineArgs:
         enable_prefix_caching: reuse cached prompt KV.
         quantization: None, or "int8" for weight-only int8 linears.
         seed: seed for the random seeds of unseeded requests.
+        speculative_config: None, or speculative decoding as a dict (or its JSON text):
+            ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 1}`` (see :class:`kvserve.spec_decode.SpeculativeConfig`).
     """
 
     model: Optional[str] = None
@@ -121,6 +125,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     quantization: Optional[str] = None
     seed: Optional[int] = None
+    speculative_config: Optional[Union[dict, str, SpeculativeConfig]] = None
 
     def check(self, option_names: bool = False) -> None:
         """The range checks that need no model; :class:`LLMEngine` runs them before it loads one.
@@ -165,6 +170,7 @@ class EngineArgs:
             raise ValueError(f"{name('max_waiting')} must be ≥ 0 (0: unbounded), got {self.max_waiting}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)
 
 
 class RequestGroup:
@@ -254,6 +260,16 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (excludes cache hits)
         self.num_generated_tokens = 0
+        self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
+        self.proposer: Optional[NgramProposer] = None
+        sc = self.speculative_config
+        if sc is not None and sc.method == "ngram":
+            self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
+        elif sc is not None:
+            raise ValueError("speculative_config.method 'draft_model' is not implemented yet; use 'ngram'")
+        self.spec_num_drafts = 0  # verifications with at least one draft
+        self.spec_num_draft_tokens = 0  # drafts verified
+        self.spec_num_accepted_tokens = 0  # drafts accepted
         self.load_time_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------- requests
@@ -503,6 +519,8 @@ class LLMEngine:
             if self._group_id(req) in failed:
                 continue  # its K/V may be half written: never cache it
             req.num_computed_tokens += n
+            if req.spec_token_ids:
+                continue  # a verification: its drafts' K/V is cached once they are accepted
             with self._isolated(req, failed):
                 self.kv.cache_computed(req)  # before _fork_pending: forks share the cached prompt
         self._fork_pending(sched, failed)
@@ -513,6 +531,15 @@ class LLMEngine:
                 req.prompt_logprobs.append(None)
             req.prompt_logprobs.extend(lps)
         changed: dict[str, RequestGroup] = {}
+        for req, n in sched.scheduled:
+            if not req.spec_token_ids:
+                continue
+            group = self._seq_to_group.get(req.request_id)
+            if group is None or group.request_id in failed:
+                continue
+            with self._isolated(req, failed):
+                self._apply_verification(req, result.spec[req.request_id], time.perf_counter())
+                changed[group.request_id] = group
         if result.sampler_output is not None:
             so = result.sampler_output
             toks = so.sampled_token_ids.tolist()
@@ -552,7 +579,48 @@ class LLMEngine:
                 if group.finished:
                     self._retire(group)
         outputs.extend(self._fail_group(group, e) for group, e in failed.values())
+        if self.proposer is not None:
+            self._propose(sched, result, failed)
         return outputs
+
+    # ------------------------------------------------------- speculative decoding
+    def _apply_verification(self, req: Request, res: SpecResult, now: float) -> None:
+        """Append a verification's tokens (accepted drafts, then the correction or bonus
+        token) and roll back the K/V of the rejected drafts: ``num_computed_tokens`` counts
+        the last token and the accepted drafts only, so the rejected drafts' slots are
+        rewritten later and never reach the prefix cache."""
+        req.num_computed_tokens -= res.num_drafts - res.num_accepted
+        req.clear_spec()
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += res.num_drafts
+        self.spec_num_accepted_tokens += res.num_accepted
+        self._append_tokens(req, res.token_ids, res.logprobs, now)
+        if not req.is_finished:
+            self.kv.cache_computed(req)
+
+    def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                 failed: dict[str, tuple[RequestGroup, Exception]]) -> None:
+        """Draft tokens for the requests of this step that decode next (see
+        ``speculative_config``). Beam search and structured output decode without drafts. At most
+        ``min(max_tokens - output, max_model_len - num_tokens) - 1`` drafts are proposed, so
+        that drafts plus the bonus token never pass either limit."""
+        sampled = {r.request_id for r in result.sample_requests} | set(result.spec)
+        reqs, rooms = [], []
+        for req, _ in sched.scheduled:
+            # (only after a sampled token: a prompt chunk that stops one token short of its end
+            # has no output yet, and the forks of an n > 1 group must see its prompt first)
+            if (req.request_id not in sampled or req.status is not RequestStatus.RUNNING
+                    or req.sampling_params.use_beam_search or req.grammar is not None
+                    or req.num_tokens - req.num_computed_tokens != 1
+                    or self._group_id(req) in failed):
+                continue
+            room = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+            if room > 0:
+                reqs.append(req)
+                rooms.append(room)
+        for req, room in zip(reqs, rooms):
+            with self._isolated(req, failed):
+                req.spec_token_ids = self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64), room)
 
     def _group_id(self, req: Request) -> Optional[str]:
         group = self._seq_to_group.get(req.request_id)
@@ -623,41 +691,74 @@ class LLMEngine:
                              num_cached_tokens=lead.num_cached_tokens, error=msg)
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprob, now: float) -> None:
-        req.output_token_ids.append(tok)
-        req.cumulative_logprob += lp.logprob
-        if req.sampling_params.logprobs is not None:
-            req.output_logprobs.append(lp)
-        self.num_generated_tokens += 1
+        self._append_tokens(req, [tok], [lp], now)
+
+    def _append_tokens(self, req: Request, toks: list[int], lps: list[TokenLogprob], now: float) -> None:
+        """Append generated tokens (one, or a verified run of several), stopping exactly
+        where appending them one at a time would: at the first EOS / stop token (once
+        ``min_tokens`` is reached), at ``max_tokens`` / ``max_model_len``, or at the token
+        whose text completes a stop string (the detokenizer's ``num_new_tokens_kept``); the
+        tokens after it are dropped."""
+        p = req.sampling_params
+        n0, len0 = len(req.output_token_ids), req.num_tokens
+        status, reason, end = None, None, len(toks)
+        grammar_end = False
+        for i, tok in enumerate(toks):
+            n_out = n0 + i + 1
+            if req.grammar is not None:  # structured output: the grammar follows every sampled token
+                # (such requests get no drafts: one token per step, never dropped after this)
+                req.grammar.accept_token(tok)
+            if n_out >= p.min_tokens:
+                if tok in req.eos_token_ids and not p.ignore_eos:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif p.stop_token_ids and tok in p.stop_token_ids:
+                    status, reason = RequestStatus.FINISHED_STOPPED, tok
+            if status is None and req.grammar is not None and req.grammar.is_terminated():
+                # the token completed the output (nothing but EOS could follow): it ends it, as a stop
+                status, grammar_end = RequestStatus.FINISHED_STOPPED, True
+            if status is None and (n_out >= p.max_tokens or len0 + i + 1 >= self.max_model_len):
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                end = i + 1
+                break
+        toks = toks[:end]
+        # As in vLLM, an EOS or stop token that ends the sequence adds no text unless
+        # include_stop_str_in_output (its id stays in token_ids); a token that completes a
+        # grammar is text, unless it is EOS (under ignore_eos)
+        hide = (status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output
+                and (not grammar_end or toks[-1] in req.eos_token_ids))
+        detok = req.detokenizer
+        if hide:  # the tokens before it, then a flush (which may still complete a stop string)
+            upd = detok.update(toks[:-1], n0 + len(toks) - 1) if len(toks) > 1 else None
+            delta, kept = (upd.text_delta, max(upd.num_new_tokens_kept or 0, 1)) if upd else ("", 0)
+            if upd is None or upd.stop_str is None:
+                upd = detok.update([], n0 + len(toks), finished=True)
+                delta, kept = delta + upd.text_delta, len(toks)
+        else:
+            upd = detok.update(toks, n0 + len(toks), finished=status is not None)
+            delta, kept = upd.text_delta, max(upd.num_new_tokens_kept or 0, 1)
+        if upd.stop_str is not None:
+            if kept < len(toks):  # the stop string ends before the run does: drop the rest
+                toks, status, reason = toks[:kept], RequestStatus.FINISHED_STOPPED, upd.stop_str
+            elif status in (None, RequestStatus.FINISHED_LENGTH):
+                # a stop string completed by the last allowed token still ends it as "stop" (vLLM)
+                status, reason = RequestStatus.FINISHED_STOPPED, upd.stop_str
+        req.output_token_ids.extend(toks)
+        if reason is not None:
+            req.stop_reason = reason
+        for lp in lps[: len(toks)]:
+            req.cumulative_logprob += lp.logprob
+        if p.logprobs is not None:
+            req.output_logprobs.extend(lps[: len(toks)])
+        self.num_generated_tokens += len(toks)
         m = req.metrics
         m.num_generated_tokens = len(req.output_token_ids)
         if m.first_token_time is None:
             m.first_token_time = now
-        p = req.sampling_params
-        n_out = len(req.output_token_ids)
-        status = None
-        grammar_done = False
-        if req.grammar is not None:  # structured output: the grammar follows every sampled token
-            req.grammar.accept_token(tok)
-            grammar_done = req.grammar.is_terminated()  # complete: nothing but EOS could follow
-        if n_out >= p.min_tokens:
-            if tok in req.eos_token_ids and not p.ignore_eos:
-                status = RequestStatus.FINISHED_STOPPED
-            elif p.stop_token_ids and tok in p.stop_token_ids:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-        # As in vLLM, an EOS or stop token that ends the sequence adds no text unless
-        # include_stop_str_in_output (its id stays in token_ids).
-        hide = status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output
-        if status is None and grammar_done:  # the token completed the output: it ends it, as a stop
-            status = RequestStatus.FINISHED_STOPPED
-            hide = tok in req.eos_token_ids and not p.include_stop_str_in_output  # (EOS under ignore_eos)
-        if status is None and (n_out >= p.max_tokens or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        upd = req.detokenizer.update([] if hide else [tok], n_out, finished=status is not None)
         req.output_text = req.detokenizer.output_text
-        if upd.stop_str is not None and status in (None, RequestStatus.FINISHED_LENGTH):
-            # a stop string completed by the last allowed token still ends it as "stop" (vLLM)
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, upd.stop_str
-        req.last_delta = upd.text_delta
+        req.last_delta = delta
+        # (a verification counts its accepted drafts computed: never more than the tokens kept)
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
         if status is not None:
             m.finished_time = now
             self.scheduler.finish_request(req, status)
@@ -795,6 +896,20 @@ class LLMEngine:
         )
 
     # --------------------------------------------------------------- metrics
+    def spec_stats(self) -> dict:
+        """Speculative-decoding counters (vLLM's names): verifications with drafts
+        (``num_drafts``), drafts verified and accepted, the acceptance rate (accepted /
+        proposed drafts) and the mean acceptance length (tokens emitted per verification:
+        1 + accepted / verifications). All 0 without speculation."""
+        d, t, a = self.spec_num_drafts, self.spec_num_draft_tokens, self.spec_num_accepted_tokens
+        return {
+            "spec_decode_num_drafts": d,
+            "spec_decode_num_draft_tokens": t,
+            "spec_decode_num_accepted_tokens": a,
+            "spec_decode_acceptance_rate": a / t if t else 0.0,
+            "spec_decode_mean_acceptance_length": 1.0 + a / d if d else 0.0,
+        }
+
     def stats(self) -> dict:
         """Engine counters: running/waiting requests, KV usage, preemptions, tokens."""
         return {
@@ -807,6 +922,7 @@ class LLMEngine:
             "num_chunked_prefills": self.scheduler.num_chunked_prefills,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "generated_tokens": self.num_generated_tokens,
+            **self.spec_stats(),
             **self.kv.stats(),  # prefix-cache queries/hits/hit rates/evictions, blocks free/cached/in use
         }
 

@@ -6,6 +6,12 @@ tokens — decode rows (one new token) first, then prefill chunks. Per token we 
 length, or, for backends that gather (``uses_context_slots``), the slots of its whole context. Logits are computed only for the last token of
 requests whose every known token is now computed (they sample), plus prompt positions of
 requests that asked for prompt logprobs.
+
+Speculative decoding: a request scheduled for its last token plus its draft tokens
+(``spec_token_ids``) is a verification. It runs as one decode row per token (row i at
+position ``num_computed_tokens + i``, attending to ``num_computed_tokens + i + 1`` tokens:
+all rows write their K/V before any attends, so this is the causal chunk), needs logits at
+every row, and is verified by :func:`kvserve.spec_decode.rejection_sample`.
 """
 
 from __future__ import annotations
@@ -20,10 +26,15 @@ from kvserve.request import Request, TokenLogprob
 from kvserve.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenHistory, compute_logprobs
 from kvserve.scheduler import SchedulerOutput
 from kvserve.structured_output import grammar_bitmask
+from kvserve.spec_decode.rejection_sampler import DraftBatch, rejection_sample
 
 
 def token_slice(req: Request, start: int, end: int) -> list[int]:
-    """Token ids ``[start, end)`` of prompt + output without building the full list."""
+    """Token ids ``[start, end)`` of prompt + output + draft tokens without building the
+    full list."""
+    if end > req.num_tokens:  # a speculative verification: the drafts follow the output
+        n = req.num_tokens
+        return (token_slice(req, start, n) if start < n else []) + req.spec_token_ids[max(start - n, 0) : end - n]
     p = req.prompt_token_ids
     n = len(p)
     if end <= n:
@@ -45,6 +56,25 @@ class BatchInputs:
     sample_rows: list[int]
     prompt_logprob_spans: list[tuple[Request, int, int, int]] = field(default_factory=list)
     # (request, first logits row, number of rows, first prompt position whose next token is scored)
+    spec_requests: list[Request] = field(default_factory=list)  # verifications, in row order
+    spec_rows: list[int] = field(default_factory=list)  # their logits rows (1 + drafts each)
+
+
+@dataclass
+class SpecResult:
+    """A speculative verification's outcome for one request.
+
+    Attributes:
+        token_ids: the accepted drafts then the correction/bonus token (1..k + 1 tokens).
+        logprobs: one :class:`TokenLogprob` per token (raw distribution at its position).
+        num_drafts: drafts verified (k).
+        num_accepted: drafts accepted (``len(token_ids) - 1``).
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    num_drafts: int
+    num_accepted: int
 
 
 @dataclass
@@ -61,6 +91,7 @@ class ModelRunnerOutput:
     sampler_output: Optional[SamplerOutput]
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     beam_topk: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    spec: dict[str, SpecResult] = field(default_factory=dict)  # request id → its verification
 
     @staticmethod
     def merge(parts: list["ModelRunnerOutput"]) -> "ModelRunnerOutput":
@@ -72,6 +103,7 @@ class ModelRunnerOutput:
         for p in parts:
             out.prompt_logprobs.update(p.prompt_logprobs)
             out.beam_topk.update(p.beam_topk)
+            out.spec.update(p.spec)
         return out
 
 
@@ -102,7 +134,12 @@ class ModelRunner:
     def prepare_inputs(self, sched: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
         decodes = [(r, n) for r, n in sched.scheduled if n == 1]
-        prefills = [(r, n) for r, n in sched.scheduled if n > 1]
+        # a verification (last token + drafts) runs as n decode rows of one sequence: row i at
+        # position nc + i with context nc + i + 1 (every row's K/V is written before any row
+        # attends), so it batches with the decodes and takes the one-call C decode step
+        verify = [(r, n) for r, n in sched.scheduled
+                  if n > 1 and r.spec_token_ids and r.num_computed_tokens + n == r.num_tokens_with_spec]
+        prefills = [(r, n) for r, n in sched.scheduled if n > 1 and not (verify and any(r is v for v, _ in verify))]
         ids: list[int] = []
         pos_parts: list[torch.Tensor] = []
         slot_parts: list[torch.Tensor] = []
@@ -110,6 +147,8 @@ class ModelRunner:
         sample_reqs: list[Request] = []
         sample_rows: list[int] = []
         pl_spans: list[tuple[Request, int, int, int]] = []
+        spec_reqs: list[Request] = []
+        spec_rows: list[int] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
 
         def maybe_sample(req: Request, last_index: int, n: int) -> None:
@@ -118,12 +157,13 @@ class ModelRunner:
                 logits_idx.append(last_index)
                 sample_reqs.append(req)
 
-        if decodes:
-            D = len(decodes)
-            tables = [self.block_tables[r.request_id] for r, _ in decodes]
+        rows = [(r, 0) for r, _ in decodes] + [(r, i) for r, n in verify for i in range(n)]
+        if rows:
+            D = len(rows)
+            tables = [self.block_tables[r.request_id] for r, _ in rows]
             max_blocks = max(len(t) for t in tables)
             bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-            nc = torch.tensor([r.num_computed_tokens for r, _ in decodes], dtype=torch.long)
+            nc = torch.tensor([r.num_computed_tokens + i for r, i in rows], dtype=torch.long)
             ctx_len = nc + 1
             max_ctx = int(ctx_len.max())
             meta.num_decode_tokens = D
@@ -147,6 +187,14 @@ class ModelRunner:
                     pl_spans.append((r, len(logits_idx), 1, nc1))
                     logits_idx.append(i)
                 maybe_sample(r, i, 1)
+            row = len(decodes)
+            for r, n in verify:
+                nc1 = r.num_computed_tokens
+                ids.extend(token_slice(r, nc1, nc1 + n))
+                spec_reqs.append(r)
+                spec_rows.extend(range(len(logits_idx), len(logits_idx) + n))
+                logits_idx.extend(range(row, row + n))
+                row += n
 
         start = len(ids)
         for r, n in prefills:
@@ -188,6 +236,8 @@ class ModelRunner:
             sample_requests=sample_reqs,
             sample_rows=sample_rows,
             prompt_logprob_spans=pl_spans,
+            spec_requests=spec_reqs,
+            spec_rows=spec_rows,
         )
 
     # --------------------------------------------------------------- execute
@@ -201,7 +251,11 @@ class ModelRunner:
         sample_logits = logits
         if batch.prompt_logprob_spans:
             out.prompt_logprobs = self._prompt_logprobs(logits, batch)
+        if batch.prompt_logprob_spans or batch.spec_requests:
             sample_logits = logits[torch.tensor(batch.sample_rows, dtype=torch.long, device=logits.device)]
+        if batch.spec_requests:
+            spec_logits = logits[torch.tensor(batch.spec_rows, dtype=torch.long, device=logits.device)]
+            out.spec = self._verify(spec_logits, batch.spec_requests)
         if batch.sample_requests:
             rows = [
                 SamplingRow(
@@ -223,6 +277,48 @@ class ModelRunner:
             if beam_rows:
                 out.beam_topk = self._beam_topk(sample_logits, batch.sample_requests, beam_rows)
         return out
+
+    def _verify(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, SpecResult]:
+        """Rejection-sample the drafts of ``reqs`` (logits [sum(k + 1), V], each request's rows
+        in order of position) → request id → :class:`SpecResult`."""
+        rows = []
+        for r in reqs:
+            p = r.sampling_params
+            penalized = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            hist = TokenHistory.attach(r).sync(r.prompt_token_ids, r.output_token_ids) if penalized else None
+            for i in range(len(r.spec_token_ids) + 1):
+                # row i sees the output followed by the first i drafts (penalties, bad words,
+                # min_tokens and the seed's step all count them)
+                out_i = r.output_token_ids if i == 0 else r.output_token_ids + r.spec_token_ids[:i]
+                rows.append(SamplingRow(params=p, prompt_token_ids=r.prompt_token_ids, output_token_ids=out_i,
+                                        seed=r.seed, eos_token_id=list(r.eos_token_ids),
+                                        history=None if hist is None else (hist if i == 0 else hist.extended(out_i))))
+        meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
+        drafts = DraftBatch(
+            num_drafts=[len(r.spec_token_ids) for r in reqs],
+            draft_token_ids=[list(r.spec_token_ids) for r in reqs],
+            draft_probs=[r.spec_draft_probs for r in reqs],
+            seeds=[r.seed for r in reqs],
+            num_output_tokens=[len(r.output_token_ids) for r in reqs],
+        )
+        so = rejection_sample(logits, meta, drafts)
+        lps, ranks = so.logprobs.tolist(), so.ranks.tolist()
+        top_ids = so.top_token_ids.tolist() if so.top_token_ids is not None else None
+        top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
+        res = {}
+        for j, r in enumerate(reqs):
+            k = r.sampling_params.logprobs
+            o = so.row_offsets[j]
+            toks = so.token_ids[j]
+            res[r.request_id] = SpecResult(
+                token_ids=toks,
+                logprobs=[TokenLogprob(t, lps[o + i], ranks[o + i],
+                                       list(zip(top_ids[o + i][:k], top_lps[o + i][:k])) if (k and top_ids) else [])
+                          for i, t in enumerate(toks)],
+                num_drafts=len(r.spec_token_ids),
+                num_accepted=so.num_accepted[j],
+            )
+        return res
 
     @staticmethod
     def _beam_topk(logits, reqs, rows) -> dict[str, tuple[list[int], list[float]]]:

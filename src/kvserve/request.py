@@ -124,6 +124,11 @@ class Request:
     last_delta: str = ""  # text of the latest token, until an output reports it
     token_history: Any = field(default=None, repr=False, compare=False)  # sampler.TokenHistory, for penalties
     grammar: Any = field(default=None, repr=False, compare=False)  # structured_output.StructuredOutputGrammar
+    # speculative decoding: draft tokens proposed after the last output token (not output yet;
+    # the scheduler computes them with it and the rejection sampler verifies them), and the
+    # draft model's distributions q for them ([len(spec_token_ids), V]; None for n-gram drafts)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = field(default=None, repr=False, compare=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -133,6 +138,16 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Prompt plus generated plus draft tokens: what the scheduler may compute."""
+        return self.num_tokens + len(self.spec_token_ids)
+
+    def clear_spec(self) -> None:
+        """Drop the drafts (after verification, or when the request is preempted)."""
+        self.spec_token_ids = []
+        self.spec_draft_probs = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -150,6 +150,7 @@ __all__ = [
     "Sampler",
     "compute_logprobs",
     "process_logits",
+    "sampling_probs",
     "sample_seed",
     "row_uniform",
     "unpack_bitmask",
@@ -296,6 +297,22 @@ class TokenHistory:
                 self._out_counts[j] = 0.0
                 self._n_outu += 1
             self._out_counts[j] += 1.0
+
+    def extended(self, output: list[int]) -> "TokenHistory":
+        """A copy synced with ``output``, a longer output that starts with the one this
+        history is synced with (speculative decoding: the output followed by drafts);
+        this history is unchanged. Costs a copy of its sets and arrays (C speed) plus the
+        new tokens, instead of a rebuild from scratch."""
+        h = TokenHistory.__new__(TokenHistory)
+        for name in self.__slots__:
+            setattr(h, name, getattr(self, name))
+        h._seen, h._out_slot = set(self._seen), dict(self._out_slot)
+        h._all, h._out_ids, h._out_counts = self._all.copy(), self._out_ids.copy(), self._out_counts.copy()
+        if len(output) > h._n_out:
+            h._add(_as_list(output[h._n_out :]))
+            h._last = int(output[-1])
+        h._output, h._n_out = output, len(output)
+        return h
 
     def seen_ids(self) -> np.ndarray:
         """Distinct tokens of prompt + output (a view; read only, in no particular order)."""
@@ -1032,7 +1049,35 @@ def _draw_candidates(
 
 
 def _draw_full(x: torch.Tensor, bm: torch.Tensor, meta: SamplingMetadata, sub: list[int]) -> torch.Tensor:
-    """Steps 5-9 over the whole vocabulary for sampled rows ``sub`` → tokens [len(sub)].
+    """Steps 5-9 over the whole vocabulary for sampled rows ``sub`` → tokens [len(sub)]
+    (:func:`_probs_full`, then the inverse-CDF draw)."""
+    probs, j = _probs_full(x, bm, meta, sub)
+    return _inverse_cdf(probs, meta.uniforms if j is None else meta.uniforms[j])
+
+
+def sampling_probs(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution each sampled row draws from: steps 5-8 (temperature, min-p, top-k,
+    top-p) on processed logits (:func:`process_logits`).
+
+    Args:
+        x: [B, V] float32 processed logits of the whole batch.
+        meta: built for these B rows; its sampled rows (``meta.sample_idx``) are used.
+
+    Returns:
+        [S, V] float32 unnormalized probabilities (each row's maximum is 1, the tokens
+        the truncations removed are 0), rows in the order of the sampled sub-batch. The
+        speculative rejection sampler needs them whole; the sampler itself only draws.
+    """
+    S = len(meta.row_top_k)
+    if S == 0:
+        return x.new_empty(0, x.shape[1])
+    return _probs_full(x, _block_max(x, _ARGMAX_BLOCK), meta, list(range(S)))[0]
+
+
+def _probs_full(x: torch.Tensor, bm: torch.Tensor, meta: SamplingMetadata, sub: list[int]
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Steps 5-8 over the whole vocabulary for sampled rows ``sub`` → (unnormalized probs
+    [len(sub), V], index of ``sub`` in the sampled sub-batch or None when it is all of it).
 
     The rows are copied with their maximum subtracted, so the top token is exactly 0;
     after temperature they are exponentiated in place into unnormalized probabilities
@@ -1066,7 +1111,7 @@ def _draw_full(x: torch.Tensor, bm: torch.Tensor, meta: SamplingMetadata, sub: l
     if nucleus:
         p = torch.tensor([top_p[i] for i in nucleus], dtype=torch.float64, device=x.device).unsqueeze(1)
         probs = _on_rows(probs, _index_or_none(nucleus, R, x.device), lambda rows: _top_p(rows, p))
-    return _inverse_cdf(probs, meta.uniforms if j is None else meta.uniforms[j])
+    return probs, j
 
 
 def _index_or_none(idx: list[int], n: int, device) -> Optional[torch.Tensor]:

@@ -34,6 +34,11 @@ into preemption thrash). With nothing running the watermark does not apply, so a
 as large as the whole pool can still run.
 
 A prompt longer than the budget is simply chunked over several steps.
+
+Speculative decoding: a decoding request may carry draft tokens (``spec_token_ids``); it
+is then owed its last token plus the drafts, verified in one multi-token chunk. Drafts
+are trimmed to the budget left and to the slots its block table and the empty blocks
+hold: they never evict cached blocks or preempt another request.
 """
 
 from __future__ import annotations
@@ -143,6 +148,7 @@ class Scheduler:
                 break
         self.kv.free(victim)  # computed full blocks are cached first: resumption may hit them
         victim.num_computed_tokens = 0
+        victim.clear_spec()  # (drafts are proposed again once it decodes)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
@@ -173,7 +179,10 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            owed = req.num_tokens - req.num_computed_tokens
+            num_new = min(owed, budget)
+            if req.spec_token_ids:
+                num_new += self._schedule_drafts(req, budget - 1 if owed == 1 else 0)
             while not self.kv.allocate_slots(req, num_new):  # (evicts cached blocks first)
                 if self._release_waiting_blocks():
                     continue
@@ -224,6 +233,22 @@ class Scheduler:
                 del req.prompt_logprobs[req.num_computed_tokens + 1 :]
             self._plan(req, num_new, out)
             budget -= num_new
+
+    def _schedule_drafts(self, req: Request, room: int) -> int:
+        """Keep as many of a decoding request's draft tokens as fit in ``room`` budget tokens
+        and in its block table plus the empty blocks (drafts never evict cached blocks nor
+        preempt anything), allocate their slots, and drop the rest; returns the number kept."""
+        bs = self.kv.block_size
+        table = self.kv.block_tables.get(req.request_id, [])
+        slots = (len(table) + self.kv.num_empty_blocks) * bs - (req.num_computed_tokens + 1)
+        d = max(0, min(len(req.spec_token_ids), room, slots))
+        if d and not self.kv.allocate_slots(req, 1 + d):  # (cannot fail: only empty blocks are taken)
+            d = 0
+        if d < len(req.spec_token_ids):
+            req.spec_token_ids = req.spec_token_ids[:d]
+            if req.spec_draft_probs is not None:
+                req.spec_draft_probs = req.spec_draft_probs[:d] if d else None
+        return d
 
     def _plan(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
         if num_new < req.num_tokens - req.num_computed_tokens:
