@@ -547,6 +547,93 @@ def test_randomized_workloads_with_speculation(folder):
     check()
 
 
+# ------------------------------------------------------------------ draft model
+@pytest.fixture(scope="module")
+def drafts(tiny_model_dir, tmp_path_factory):
+    """Draft models for the tiny llama target: its own weights with noise (agrees often, not
+    always), a tiny qwen3 (same vocabulary, another model), and one with another vocabulary."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_model_dir("llama")[0]
+    root = tmp_path_factory.mktemp("drafts")
+    noisy = root / "noisy"
+    shutil.copytree(target, noisy)
+    w = load_file(str(noisy / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    save_file({k: (v + 0.04 * torch.randn(v.shape, generator=g) if v.dim() >= 2 else v).contiguous()
+               for k, v in w.items()}, str(noisy / "model.safetensors"), metadata={"format": "pt"})
+    other_vocab = root / "vocab"
+    shutil.copytree(target, other_vocab)
+    cfg = json.loads((other_vocab / "config.json").read_text())
+    cfg["vocab_size"] = 400
+    (other_vocab / "config.json").write_text(json.dumps(cfg))
+    short = root / "short"
+    shutil.copytree(target, short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (short / "config.json").write_text(json.dumps(cfg))
+    return dict(noisy=str(noisy), qwen3=str(tiny_model_dir("qwen3")[0]), vocab=str(other_vocab),
+                short=str(short), same=str(target))
+
+
+def _draft(path, k=3):
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+def test_draft_model_config_errors(folder, drafts, tmp_path):
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft model path .* does not exist"):
+        EngineArgs(speculative_config=_draft(str(tmp_path / "missing"))).check()
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft model's vocabulary has 400 tokens, "
+                                         r"the target's 384"):
+        _engine(folder, spec=_draft(drafts["vocab"]))
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft model's context \(64 tokens\) is "
+                                         r"shorter than max_model_len \(128\)"):
+        _engine(folder, spec=_draft(drafts["short"]))
+
+
+@pytest.mark.parametrize("draft, k", [("noisy", 3), ("qwen3", 2), ("same", 4)])
+def test_draft_model_greedy_is_token_identical(folder, drafts, draft, k):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts = PROMPTS + [p + [3, 4] for p in PROMPTS]
+    base = _run(_engine(folder, spec=None), prompts, params)
+    eng = _engine(folder, spec=_draft(drafts[draft], k), num_blocks=60)  # tight: preempts
+    outs = _run(eng, prompts, params)
+    for b, o in zip(base, outs):
+        assert _summary(o) == _summary(b)
+    s = eng.stats()
+    assert s["spec_decode_num_draft_tokens"] > 0
+    if draft == "same":  # the target as its own draft: every draft accepted
+        assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"]
+    if draft == "noisy":
+        assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+    prop = eng.proposer
+    assert not prop._shadows and prop.kv.num_free_blocks == prop.kv.num_blocks  # draft KV freed at the end
+
+
+def test_draft_model_sampling_matches_the_exact_distribution(folder, drafts, tiny_model_dir):
+    """As the n-gram test (1200 samples, temperature 0.8), with the noisy draft model: drafts
+    drawn from its q, accepted with min(1, p/q), residual max(p - q, 0) on rejection."""
+    n, temperature, top_k = 1200, 0.8, 0
+    model = tiny_model_dir("llama")[1]
+    base = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True,
+                          allowed_token_ids=[A, B, C, D])
+    probs = _exact_distribution(model, base, 3)
+    eng = _engine(folder, num_blocks=4096, max_num_seqs=512, max_num_batched_tokens=8192,
+                  spec=_draft(drafts["noisy"], 2))
+    outs = _run(eng, [PROMPT] * 16, [SamplingParams(**{**_fields(base), "seed": s, "n": n // 16}) for s in range(16)],
+                check=False)
+    counts: dict = {}
+    for o in (c for out in outs for c in out.outputs):
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    s = eng.stats()
+    assert s["spec_decode_num_draft_tokens"] >= n  # (k = 2, max_tokens = 3: one draft after the first token)
+    assert 0.1 < s["spec_decode_acceptance_rate"] < 0.95
+    assert _chi_square(counts, probs, n) > 1e-3
+
+
 # ---------------------------------------------------------------------- SmolLM2
 @pytest.mark.slow
 def test_smollm2_fp32_greedy_with_ngram_speculation(llm_fp32, reference):

@@ -47,6 +47,7 @@ from kvserve.sampling_params import SamplingParams, require_utf8
 from kvserve.scheduler import Scheduler, SchedulerOutput
 from kvserve.structured_output import StructuredOutputManager
 from kvserve.spec_decode import NgramProposer, SpeculativeConfig
+from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.tokenizer import bad_words_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ class EngineArgs:
         seed: seed for the random seeds of unseeded requests.
         speculative_config: None, or speculative decoding as a dict (or its JSON text):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-            "prompt_lookup_min": 1}`` (see :class:`kvserve.spec_decode.SpeculativeConfig`).
+            "prompt_lookup_min": 1}`` or ``{"method": "draft_model", "model": PATH,
+            "num_speculative_tokens": k}`` (see :class:`kvserve.spec_decode.SpeculativeConfig`).
     """
 
     model: Optional[str] = None
@@ -261,12 +263,13 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (excludes cache hits)
         self.num_generated_tokens = 0
         self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
-        self.proposer: Optional[NgramProposer] = None
+        self.proposer: Optional[NgramProposer | DraftModelProposer] = None
         sc = self.speculative_config
         if sc is not None and sc.method == "ngram":
             self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
         elif sc is not None:
-            raise ValueError("speculative_config.method 'draft_model' is not implemented yet; use 'ngram'")
+            self.proposer = DraftModelProposer(sc.model, sc.num_speculative_tokens, cfg, self.tokenizer, self.dtype,
+                                               self.device, self.kv_spec.num_blocks, args.block_size, max_len)
         self.spec_num_drafts = 0  # verifications with at least one draft
         self.spec_num_draft_tokens = 0  # drafts verified
         self.spec_num_accepted_tokens = 0  # drafts accepted
@@ -618,9 +621,25 @@ class LLMEngine:
             if room > 0:
                 reqs.append(req)
                 rooms.append(room)
-        for req, room in zip(reqs, rooms):
-            with self._isolated(req, failed):
-                req.spec_token_ids = self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64), room)
+        if isinstance(self.proposer, NgramProposer):
+            for req, room in zip(reqs, rooms):
+                with self._isolated(req, failed):
+                    req.spec_token_ids = self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64), room)
+            return
+        # the draft KV of requests that do not run (finished, aborted, preempted) is freed: the
+        # draft pool, sized like the target's, then never holds more than the running requests
+        self.proposer.retain({r.request_id for r in self.scheduler.running})
+        if not reqs:
+            return
+        try:
+            drafts = self.proposer.propose(reqs, rooms)
+        except Exception:  # noqa: BLE001 - drafts are an optimization: decode without them
+            logger.exception("the draft model failed; these requests decode without drafts this step")
+            for req in reqs:
+                self.proposer.free(req.request_id)
+            return
+        for req, (ids, q) in zip(reqs, drafts):
+            req.spec_token_ids, req.spec_draft_probs = ids, q
 
     def _group_id(self, req: Request) -> Optional[str]:
         group = self._seq_to_group.get(req.request_id)

@@ -12,6 +12,7 @@ import json
 import numbers
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 METHODS = ("ngram", "draft_model")
@@ -87,4 +88,6 @@ class SpeculativeConfig:
         if not isinstance(model, (str, os.PathLike)) or not str(model):
             raise ValueError(f"speculative_config.model must be the draft model's path (GGUF file or "
                              f"Hugging Face folder) for method 'draft_model', got {model!r}")
+        if not Path(model).expanduser().exists():
+            raise ValueError(f"speculative_config.model: the draft model path {str(model)!r} does not exist")
         return cls(method, k, model=str(model))
