@@ -634,6 +634,27 @@ def test_draft_model_sampling_matches_the_exact_distribution(folder, drafts, tin
     assert _chi_square(counts, probs, n) > 1e-3
 
 
+# ----------------------------------------------------------------------- server
+def test_server_serves_speculative_greedy_and_exports_the_counters(folder):
+    """Over HTTP with n-gram speculation: the greedy completion equals offline plain decoding,
+    and /metrics has kvserve:spec_decode_num_draft_tokens / ..._num_accepted_tokens."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server_helpers import ServerThread
+
+    offline = _run(_engine(folder, spec=None), [PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0,
+                                                                          ignore_eos=True))[0]
+    with ServerThread(_engine(folder), names=["tiny"]) as server:
+        r = httpx.post(server.base_url + "/v1/completions", json={
+            "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == offline.text
+        text = httpx.get(server.base_url + "/metrics").text
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert values["kvserve:spec_decode_num_draft_tokens_total"] > values["kvserve:spec_decode_num_accepted_tokens_total"] > 0
+    assert values["kvserve:spec_decode_num_drafts_total"] > 0
+
+
 # ---------------------------------------------------------------------- SmolLM2
 @pytest.mark.slow
 def test_smollm2_fp32_greedy_with_ngram_speculation(llm_fp32, reference):

@@ -14,6 +14,9 @@ Gauges: num_requests_running, num_requests_waiting, kv_cache_usage_perc (0..1),
     prefix_cache_hit_rate (cached / queried prompt tokens, 0..1).
 Counters: prompt_tokens_total, generation_tokens_total, num_preemptions_total,
     prefix_cache_queries_total / prefix_cache_hits_total (tokens),
+    spec_decode_num_drafts_total (verification steps with drafts),
+    spec_decode_num_draft_tokens_total / spec_decode_num_accepted_tokens_total (proposed and
+    accepted draft tokens: their ratio is the acceptance rate),
     request_success_total{finished_reason} (one per returned sequence: stop, length, abort, error).
 """
 
@@ -68,6 +71,9 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verification steps (requests with drafts).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self._success = Counter("kvserve:request_success", "Finished sequences by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model = model_name

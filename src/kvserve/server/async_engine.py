@@ -76,6 +76,7 @@ class AsyncEngine:
         self._stopped = False
         self.fatal_error: Optional[BaseException] = None
         self._last_preemptions = 0
+        self._last_spec: dict[str, int] = {}  # spec-decode counters already added to the metrics
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._last_q = 0
@@ -380,6 +381,13 @@ class AsyncEngine:
         if pre > self._last_preemptions:
             m.preemptions.inc(pre - self._last_preemptions)
         self._last_preemptions = pre
+        for key, counter in (("spec_decode_num_drafts", m.spec_drafts),
+                             ("spec_decode_num_draft_tokens", m.spec_draft_tokens),
+                             ("spec_decode_num_accepted_tokens", m.spec_accepted_tokens)):
+            v = s.get(key, 0)
+            if v > self._last_spec.get(key, 0):
+                counter.inc(v - self._last_spec.get(key, 0))
+            self._last_spec[key] = v
         # Prefix-cache counters: the KV manager's own when it reports them, else the cached
         # prompt tokens of the requests' outputs.
         q = s.get("prefix_cache_queries", self._prefix_queries)
