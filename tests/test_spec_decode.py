@@ -343,6 +343,28 @@ def test_beam_search_decodes_without_drafts(folder):
     assert eng.stats()["spec_decode_num_drafts"] == 0
 
 
+def test_structured_output_decodes_without_drafts(folder):
+    """A grammar-constrained request gets no drafts (its token mask is one step's), keeps to its
+    grammar and gives the tokens of plain decoding; its batch-mates still speculate."""
+    import re
+
+    from kvserve import StructuredOutputsParams
+
+    regex = "(ab|cd){2,5}x"
+    constrained = SamplingParams(max_tokens=20, temperature=0, structured_outputs=StructuredOutputsParams(regex=regex))
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts, params = PROMPTS[:3], [constrained, free, free]
+    base = _run(_engine(folder, spec=None), prompts, params)
+    eng = _engine(folder)
+    outs = _run(eng, prompts, params)
+    assert [_summary(o) for o in outs] == [_summary(b) for b in base]
+    assert re.fullmatch(regex, outs[0].outputs[0].text) and outs[0].finish_reason == "stop"
+    assert eng.stats()["spec_decode_num_drafts"] > 0  # (the free requests speculated)
+    alone = _engine(folder)
+    _run(alone, prompts[:1], constrained)
+    assert alone.stats()["spec_decode_num_drafts"] == 0
+
+
 def test_seeded_sampling_does_not_depend_on_batch_mates(folder):
     eng = _engine(folder)
     sp = SamplingParams(max_tokens=30, temperature=0.7, seed=5, allowed_token_ids=[5, 6, 7, 8, 9])
