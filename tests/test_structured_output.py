@@ -386,6 +386,27 @@ def test_bitmask_kernel_equals_the_torch_reference(V, W):
     assert torch.equal(got, x[:4].clone().masked_fill_(~unpack_bitmask(bitmask, V), float("-inf")))
 
 
+def test_sampler_without_the_cpu_kernels_masks_the_same(monkeypatch):
+    """The PyTorch path (no C kernels, or CUDA) gives what the kernel path gives."""
+    from kvserve.kernels import cpu_ops
+
+    torch.manual_seed(1)
+    B, V = 6, 200
+    logits = torch.randn(B, V) * 3
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 7), dtype=torch.int32)
+    rows = [SamplingRow(SamplingParams(temperature=t, seed=i, logprobs=2), [1], [], seed=i, eos_token_id=2)
+            for i, t in enumerate([0, 1.0, 0.7, 0, 1.0, 1.0])]
+    meta = SamplingMetadata.build(rows, V, torch.device("cpu"), [0, 2, 4], bitmask)
+    fast = Sampler()(logits.clone(), meta)
+    monkeypatch.setattr(cpu_ops, "supports", lambda t: False)
+    slow = Sampler()(logits.clone(), meta)
+    assert torch.equal(fast.sampled_token_ids, slow.sampled_token_ids)
+    assert torch.allclose(fast.logprobs, slow.logprobs)  # (the log partition has its own kernel too)
+    allowed = unpack_bitmask(bitmask, V)
+    for j, i in enumerate([0, 2, 4]):
+        assert allowed[j, slow.sampled_token_ids[i]]
+
+
 def test_grammar_wins_over_allowed_token_ids_and_bans():
     V = 64
     logits = torch.zeros(1, V)
