@@ -687,7 +687,7 @@ def test_smollm2_fp32_greedy_with_ngram_speculation(llm_fp32, reference):
 
     from kvserve.tokenizer import apply_chat_template
 
-    spec = LLM(dtype="float32", max_model_len=1024,
+    spec = LLM(dtype="float32", max_model_len=1024, kv_cache_memory=0.25,  # (5.8k tokens: the memory is shared)
                speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
     cases = reference["cases"]
     outs = spec.generate([c["prompt_ids"] for c in cases], [_params(c) for c in cases])
