@@ -544,3 +544,119 @@ def test_greedy_gives_up_on_non_finite_maxima_and_rejects_bad_input():
         K.greedy(torch.zeros(2, 3, dtype=torch.float16))
     with pytest.raises(ValueError, match="unit stride"):
         K.greedy(torch.randn(4, 6).t())
+
+
+# ---- 8-bit KV pools (kv_cache_dtype int8 / fp8: kvserve.kv_quant) ------------------------------
+
+KV8 = [torch.int8, torch.float8_e4m3fn]
+
+
+def _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used):
+    """K and V pools quantized from random values whose magnitude varies per row; rows not in
+    ``used`` get a NaN scale, so a kernel that lets them reach the output fails."""
+    from kvserve import kv_quant
+
+    pools = []
+    for _ in range(2):
+        x = torch.randn(nb * bs, KVH, hd, generator=g) * torch.rand(nb * bs, KVH, 1, generator=g) * 4
+        rows = kv_quant.quantize(x, kv_dtype).view(torch.uint8)
+        rows[~used, :, hd:] = torch.tensor([float("nan")]).view(torch.uint8)
+        pools.append(rows.view(kv_dtype).view(nb, bs, KVH, hd + 4))
+    return pools
+
+
+@pytest.mark.parametrize("kv_dtype", KV8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_quantizes_bit_for_bit_as_kv_quant(dtype, kv_dtype):
+    from kvserve import kv_quant
+
+    nb, bs, KVH, hd, T = 6, 4, 2, 48, 7
+    qkv = (torch.randn(T, 3 * KVH * hd) * 3).to(dtype)
+    qkv[0, KVH * hd : 2 * KVH * hd] = 0  # an all-zero row: scale 1, zero codes
+    # e4m3 edge cases: subnormal codes, ties, the largest value (the row's max maps to 448)
+    qkv[1, KVH * hd : KVH * hd + 6] = torch.tensor([2.0**-12, 3 * 2.0**-14, 1e-4, -7e-3, 2.5e-3, 1.0]).to(dtype)
+    k = qkv[:, KVH * hd : 2 * KVH * hd].view(T, KVH, hd)
+    v = qkv[:, 2 * KVH * hd :].view(T, KVH, hd)
+    kc = torch.zeros(nb, bs, KVH, hd + 4, dtype=kv_dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([3, 17, -1, 0, 23, 5, 9])
+    K.reshape_and_cache(k, v, kc, vc, slots)
+    keep = slots >= 0
+    for cache, x in ((kc, k), (vc, v)):
+        expect = torch.zeros(nb * bs, KVH, hd + 4, dtype=torch.uint8)
+        expect[slots[keep]] = kv_quant.quantize(x[keep], kv_dtype).view(torch.uint8)
+        assert torch.equal(cache.view(torch.uint8).view(-1, KVH, hd + 4), expect)
+
+
+@pytest.mark.parametrize("kv_dtype", KV8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 80, 16), (16, 1, 32, 32)])
+def test_paged_attention_decode_on_8bit_pools_matches_sdpa_on_dequantized(dtype, kv_dtype, H, KVH, hd, bs, amx):
+    """The C kernel (AMX and AVX-512 paths) on int8/fp8 pools equals SDPA over the same pools
+    dequantized by kv_quant (codes · scale rounded to the model dtype)."""
+    from kvserve import kv_quant
+
+    g = torch.Generator().manual_seed(H * hd + 1)
+    nb = 1024 // bs
+    ctx = [1, 15, 16, 17, 31, 100, 333]
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for n in ctx:
+        tables.append(perm[i : i + math.ceil(n / bs)])
+        i += len(tables[-1])
+    used = torch.zeros(nb * bs, dtype=torch.bool)
+    for t, n in zip(tables, ctx):
+        used[torch.tensor([t[j // bs] * bs + j % bs for j in range(n)])] = True
+    kc, vc = _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    qkv = torch.randn(len(ctx), (H + 2 * KVH) * hd, generator=g).to(dtype)
+    q = qkv[:, : H * hd].view(len(ctx), H, hd)
+    scale = hd**-0.5
+    out = K.paged_attention_decode(q, kc, vc, bt, torch.tensor(ctx), scale)
+    assert not out.isnan().any()
+    for d, n in enumerate(ctx):
+        slots = torch.tensor([tables[d][j // bs] * bs + j % bs for j in range(n)])
+        k = kv_quant.gather(kc, slots, dtype).transpose(0, 1).float()
+        v = kv_quant.gather(vc, slots, dtype).transpose(0, 1).float()
+        e = F.scaled_dot_product_attention(q[d].float().unsqueeze(1), k, v, scale=scale, enable_gqa=True).squeeze(1)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[d].float(), e, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not K.amx_prefill_supported(torch.bfloat16, 9, 3, 64, 16), reason="needs AMX-BF16")
+@pytest.mark.parametrize("kv_dtype", KV8)
+@pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (16, 8, 128, 32)])
+def test_paged_attention_prefill_on_8bit_pools_matches_sdpa_on_dequantized(H, KVH, hd, bs, kv_dtype):
+    from kvserve import kv_quant
+
+    g = torch.Generator().manual_seed(H + hd + 1)
+    nb = 2048 // bs
+    chunks = [(7, 0), (20, 5), (33, 0), (1, 17), (64, 60), (130, 0)]  # (tokens, num_past)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for n, past in chunks:
+        tables.append(perm[i : i + math.ceil((n + past) / bs)])
+        i += len(tables[-1])
+    used = torch.zeros(nb * bs, dtype=torch.bool)
+    for t, (n, past) in zip(tables, chunks):
+        used[torch.tensor([t[j // bs] * bs + j % bs for j in range(n + past)])] = True
+    kc, vc = _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    T = sum(n for n, _ in chunks)
+    qkv = torch.randn(T, (H + 2 * KVH) * hd, generator=g).bfloat16()
+    q = qkv[:, : H * hd].view(T, H, hd)
+    starts = [sum(n for n, _ in chunks[:p]) for p in range(len(chunks))]
+    info = torch.tensor([[s, n, past] for s, (n, past) in zip(starts, chunks)])
+    out = torch.full((T, H, hd), float("nan"), dtype=torch.bfloat16)
+    K.paged_attention_prefill(q, kc, vc, bt, info, hd**-0.5, out)
+    for p, (s, (n, past)) in enumerate(zip(starts, chunks)):
+        L = n + past
+        slots = torch.tensor([tables[p][j // bs] * bs + j % bs for j in range(L)])
+        k = kv_quant.gather(kc, slots, torch.bfloat16).transpose(0, 1).float()
+        v = kv_quant.gather(vc, slots, torch.bfloat16).transpose(0, 1).float()
+        mask = torch.arange(L).unsqueeze(0) <= (past + torch.arange(n)).unsqueeze(1)
+        e = F.scaled_dot_product_attention(q[s : s + n].float().transpose(0, 1), k, v, attn_mask=mask,
+                                           scale=hd**-0.5, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[s : s + n].float(), e, rtol=1e-2, atol=1e-2)

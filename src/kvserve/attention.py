@@ -11,6 +11,10 @@ first and are attended together, padded to the longest context with a mask; each
 chunk (several new tokens of one request) is attended on its own, causally, over its
 already-computed context plus the chunk.
 
+8-bit KV caches (``kv_cache_dtype``, :mod:`kvserve.kv_quant`): K/V are quantized as they are
+written and every read dequantizes them (codes · scale, rounded to the model dtype); prefill
+chunks then attend to their own K/V as read back from the cache, like later chunks would.
+
 GQA: K/V keep ``num_kv_heads`` heads; SDPA's ``enable_gqa`` maps each group of query heads
 to its KV head, so repeated KV is never materialised.
 
@@ -30,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvserve import kv_quant
 from kvserve.kernels import cpu_ops
 
 
@@ -119,7 +124,10 @@ class AttentionBackend:
 
         Args:
             q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (model dtype).
-            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model
+                dtype, or 8-bit pools (``torch.int8``/``torch.float8_e4m3fn``, ``head_dim + 4``
+                last: :mod:`kvserve.kv_quant`), which the backend quantizes into and reads
+                dequantized (both backends do).
             meta: the step's :class:`AttentionMetadata`.
             scale: softmax scale (usually ``head_dim ** -0.5``).
             window: sliding window in tokens (the query at position p sees keys in
@@ -149,58 +157,56 @@ class TorchSDPABackend(AttentionBackend):
         return self._forward(q, k, v, k_cache, v_cache, meta, scale, window)
 
     def _forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decode_tokens:
-            self.decode(q, k_flat, v_flat, k_cache.shape[1], meta, scale, out, window)
-        self.prefill(q, k, v, k_flat, v_flat, meta, scale, out, window)
+            self.decode(q, k_cache, v_cache, meta, scale, out, window)
+        self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
         return out
 
     @staticmethod
-    def decode(q, k_flat, v_flat, block_size: int, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+    def decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
                window: Optional[int] = None) -> None:
         """SDPA of the decode rows over their gathered context, written into ``out[:num_decode_tokens]``.
 
         Reads ``decode_context_slots``/``decode_mask``, or builds them from the block tables
-        (:func:`decode_context`) when the model runner built only those.
+        (:func:`decode_context`) when the model runner built only those. 8-bit pools are
+        dequantized to ``q.dtype`` as they are gathered.
         """
         nd = meta.num_decode_tokens
-        num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
-        slots, mask = decode_context(meta, block_size)
+        slots, mask = decode_context(meta, k_cache.shape[1])
         if window is not None:
             mask = decode_window_mask(meta, mask, window)
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; index_select is much cheaper than
         # advanced indexing for these small gathers.
-        D, L = slots.shape
-        flat = slots.view(-1)
-        kc = k_flat.index_select(0, flat).view(D, L, num_kv_heads, head_dim).transpose(1, 2)
-        vc = v_flat.index_select(0, flat).view(D, L, num_kv_heads, head_dim).transpose(1, 2)
+        kc = kv_quant.gather(k_cache, slots, q.dtype).transpose(1, 2)
+        vc = kv_quant.gather(v_cache, slots, q.dtype).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [D, H, 1, hd]
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
         out[:nd] = o.squeeze(2)
 
     @staticmethod
-    def prefill(q, k, v, k_flat, v_flat, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+    def prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
                 window: Optional[int] = None) -> None:
         """Causal SDPA for each prefill chunk of ``meta``, written into ``out`` (K/V already cached).
 
-        ``k_flat``/``v_flat`` are the caches viewed as ``[num_slots, num_kv_heads, head_dim]``.
-        With ``window``, a chunk whose context spans more than the window gets a banded mask
+        A chunk without cached context attends to its own ``k``/``v`` as computed; with an
+        8-bit pool it reads them back from the cache instead (dequantized), so that a prompt
+        sees the same K/V whether it is prefilled in one chunk or several. With ``window``, a
+        chunk whose context spans more than the window gets a banded mask
         (:func:`prefill_window_mask`).
         """
+        quantized = kv_quant.is_quantized(k_cache)
         for i, seg in enumerate(meta.prefills):
             qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             windowed = window is not None and seg.num_past + (seg.end - seg.start) > window
-            if seg.num_past == 0:
+            if seg.num_past == 0 and not quantized:
                 ks = k[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
                 vs = v[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
             else:
-                ks = k_flat.index_select(0, seg.context_slots).transpose(0, 1).unsqueeze(0)
-                vs = v_flat.index_select(0, seg.context_slots).transpose(0, 1).unsqueeze(0)
+                slots = seg.context_slots if seg.num_past else meta.slot_mapping[seg.start : seg.end]
+                ks = kv_quant.gather(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+                vs = kv_quant.gather(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
             if windowed:
                 mask = prefill_window_mask(meta, i, window, q.device)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -211,6 +217,20 @@ class TorchSDPABackend(AttentionBackend):
                     qs, ks, vs, attn_mask=seg.causal_mask, scale=scale, enable_gqa=True
                 )
             out[seg.start : seg.end] = o.squeeze(0).transpose(0, 1)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]`` (non-negative
+    flat slots) in PyTorch ops: copied as they are, or quantized into an 8-bit pool
+    (:func:`kvserve.kv_quant.write`)."""
+    if kv_quant.is_quantized(k_cache):
+        kv_quant.write(k_cache, k, slot_mapping)
+        kv_quant.write(v_cache, v, slot_mapping)
+        return
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 def decode_context(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,11 +292,10 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
         cpu_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)
         nd = meta.num_decode_tokens
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+        num_kv_heads, head_dim = k_cache.shape[2], kv_quant.head_dim_of(k_cache)
         if nd and window is not None and meta.decode_max_context_len > window:
             # the C kernel has no window: SDPA over the gathered context with a banded mask
-            self.decode(q, k_flat, v_flat, k_cache.shape[1], meta, scale, out, window)
+            self.decode(q, k_cache, v_cache, meta, scale, out, window)
         elif nd:
             cpu_ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                            meta.decode_context_lens, scale, out=out[:nd],
@@ -287,7 +306,7 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
                 cpu_ops.paged_attention_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_chunks,
                                                 scale, out)
             else:
-                self.prefill(q, k, v, k_flat, v_flat, meta, scale, out, window)
+                self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
         return out
 
 

@@ -16,6 +16,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="weights/activations/KV dtype")
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB (default 2)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
+                   help="KV cache storage: auto (the model dtype) or 8-bit with a scale per token and KV head "
+                        "(int8, fp8 = fp8_e4m3): ~1.9x the tokens per GiB (default: auto)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence (prompt + generated) in tokens, 2 to the model's context length "
                         "(default: the model's context length, at most 4096); capped at the attention window "
@@ -36,6 +39,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(
         kv_cache_memory=a.kv_cache_memory,
+        kv_cache_dtype=a.kv_cache_dtype,
         max_model_len=a.max_model_len,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
@@ -82,8 +86,8 @@ def _params(a: argparse.Namespace):
 #: Engine fields whose errors (raised once the model is known) name the option instead
 #: (context_len: `kvserve plan`'s).
 _ENGINE_OPTIONS = {f: "--" + f.replace("_", "-") for f in (
-    "max_model_len", "kv_cache_memory", "device", "block_size", "max_num_batched_tokens", "max_num_seqs",
-    "context_len", "speculative_config")}
+    "max_model_len", "kv_cache_memory", "kv_cache_dtype", "device", "block_size", "max_num_batched_tokens",
+    "max_num_seqs", "context_len", "speculative_config")}
 
 
 def _option_error(e: ValueError) -> str:

@@ -26,6 +26,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from kvserve import kv_quant
 from kvserve.attention import default_backend
 from kvserve.beam_search import BeamSearchState
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -97,7 +98,10 @@ class EngineArgs:
 
     Attributes:
         model: GGUF file or Hugging Face folder; None for the default SmolLM2.
-        dtype: weights, activations and KV cache dtype.
+        dtype: weights, activations and (with ``kv_cache_dtype="auto"``) KV cache dtype.
+        kv_cache_dtype: ``"auto"`` (the model dtype), ``"int8"``, or ``"fp8"``/``"fp8_e4m3"``: 8-bit
+            K/V with a float32 scale per token and KV head (:mod:`kvserve.kv_quant`), ~1.9x the
+            tokens in the same ``kv_cache_memory``.
         device: "cpu", "cuda" or None (CUDA when available).
         kv_cache_memory: KV pool budget in GiB.
         num_gpu_blocks / num_blocks: explicit pool size (overrides the budget).
@@ -116,6 +120,7 @@ class EngineArgs:
 
     model: Optional[str] = None
     dtype: str | torch.dtype = "bfloat16"
+    kv_cache_dtype: str = "auto"
     device: Optional[str] = None
     kv_cache_memory: float = 2.0
     num_blocks: Optional[int] = None
@@ -170,6 +175,7 @@ class EngineArgs:
             raise ValueError(f"{name('kv_cache_memory')} must be > 0 GiB (and finite), got {self.kv_cache_memory}")
         if self.max_waiting < 0:
             raise ValueError(f"{name('max_waiting')} must be ≥ 0 (0: unbounded), got {self.max_waiting}")
+        kv_quant.check_kv_cache_dtype(self.kv_cache_dtype, name("kv_cache_dtype"))
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)
@@ -210,6 +216,8 @@ class LLMEngine:
         path = resolve_model_path(args.model)
         t0 = time.perf_counter()
         cfg = load_model_config(path)  # checks that need only the config come before the weights
+        kv_quant.check_head_dim(cfg.head_dim, args.kv_cache_dtype)
+        self.kv_cache_dtype = kv_quant.storage_dtype(args.kv_cache_dtype, self.dtype)
         if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the model's context length), "
@@ -232,13 +240,13 @@ class LLMEngine:
         del state
         self.model.eval()
         self.cache_config = CacheConfig(args.block_size, args.kv_cache_memory, args.num_blocks, args.enable_prefix_caching)
-        self.kv_spec = plan_kv_cache(cfg, self.dtype, args.kv_cache_memory, args.block_size, max_len, args.num_blocks)
+        self.kv_spec = plan_kv_cache(cfg, self.kv_cache_dtype, args.kv_cache_memory, args.block_size, max_len, args.num_blocks)
         logger.info(self.kv_spec.describe())
         if self.kv_spec.capacity_tokens < max_len:
             logger.warning("the KV cache holds %d tokens, less than one sequence of max_model_len=%d: a request's "
                            "prompt + max_tokens must fit in %d tokens (raise kv_cache_memory to lift this)",
                            self.kv_spec.capacity_tokens, max_len, self.kv_spec.capacity_tokens)
-        self.kv_caches = allocate_kv_cache(cfg, self.kv_spec, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(cfg, self.kv_spec, self.kv_cache_dtype, self.device)
         self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, args.enable_prefix_caching,
                                  self.kv_caches, namespace_model=str(path))
         self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting)

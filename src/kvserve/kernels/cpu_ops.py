@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from kvserve import kv_quant
 from kvserve.kernels import AMX_C_SOURCE, cpu_flags, load_library
 
 _C_SOURCE = r"""
@@ -409,6 +410,121 @@ TGT void kv_gelu_tanh_and_mul(const void* x, int64_t ldx, void* out, int64_t ldo
     }
 }
 
+/* ---- 8-bit KV cache (kv_quant.py) ----------------------------------------------------------
+ * A pool row of one token and KV head is hd codes, then the head's float32 scale s; the value
+ * is code * s in float32, rounded to the model dtype by whoever reads it. fmt 1: int8 codes,
+ * s = max|x| / 127, code = round_half_even(x / s); fmt 2: FP8 E4M3 (OCP e4m3fn, max 448), s =
+ * max|x| / 448, code = e4m3(x / s) rounded to nearest even. Both bit for bit as kv_quant.py's
+ * PyTorch ops (IEEE division, round to nearest even; a zero row gets s = 1). */
+#define KV_QROW(hd) ((hd) + 4) /* bytes of a pool row */
+
+/* 16 e4m3 codes -> float32 (exact; normals by moving the bits, subnormals m * 2^-9). */
+INLINE TGT __m512 fp8_to_ps(__m128i b) {
+    const __m512i v = _mm512_cvtepu8_epi32(b);
+    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+    const __m512 nrm = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(7))),
+                                     _mm512_set1_ps(1.0f / 512.0f));
+    const __m512 r = _mm512_mask_mov_ps(sub, _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x78)), nrm);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r),
+                                               _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24)));
+}
+
+/* float32 -> e4m3 codes (|y| <= 448 expected; larger magnitudes saturate to 448), round to
+ * nearest even as c10's conversion: below 2^-6 by adding 2^14 (whose float32 ulp is the e4m3
+ * subnormal step 2^-9), above by rounding the mantissa to 3 bits. */
+INLINE TGT __m128i ps_to_fp8(__m512 y) {
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i sign = _mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u)), 24);
+    const __m512 a = _mm512_abs_ps(y);
+    const __m512i ua = _mm512_castps_si512(a);
+    __m512i n = _mm512_add_epi32(ua, _mm512_and_si512(_mm512_srli_epi32(ua, 20), _mm512_set1_epi32(1)));
+    n = _mm512_srli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(0x7ffff - (120 << 23))), 20);
+    n = _mm512_min_epi32(n, _mm512_set1_epi32(0x7e));
+    const __m512i d = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(a, _mm512_set1_ps(16384.0f))),
+                                       _mm512_set1_epi32(0x46800000));
+    const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f / 64.0f), _CMP_LT_OQ);
+    return _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_mask_mov_epi32(n, small, d), sign));
+}
+
+/* Dequantized values i .. i + 15 (mask m) of a pool row with scale vs, in float32. */
+INLINE TGT __m512 ldq8(const uint8_t* row, int64_t i, __mmask16 m, __m512 vs, int fmt) {
+    const __m128i b = _mm_maskz_loadu_epi8(m, row + i);
+    const __m512 f = fmt == 1 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)) : fp8_to_ps(b);
+    return _mm512_mul_ps(f, vs);
+}
+
+/* Quantize one row x (hd values, model dtype) into dst (hd codes + the scale). */
+INLINE TGT void quant_row(const void* x, uint8_t* dst, int64_t hd, int bf, int fmt) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hd; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(ld(x, i, tail_mask(hd - i), bf)));
+    const float a = _mm512_reduce_max_ps(amax);
+    const float s = a > 0.0f ? a / (fmt == 1 ? 127.0f : 448.0f) : 1.0f;
+    const __m512 vs = _mm512_set1_ps(s);
+    for (int64_t i = 0; i < hd; i += 16) {
+        const __mmask16 m = tail_mask(hd - i);
+        const __m512 y = _mm512_div_ps(ld(x, i, m, bf), vs);
+        __m128i c;
+        if (fmt == 1) {
+            __m512i r = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm512_max_epi32(_mm512_min_epi32(r, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+            c = _mm512_cvtepi32_epi8(r);
+        } else {
+            c = ps_to_fp8(y);
+        }
+        _mm_mask_storeu_epi8(dst + i, m, c);
+    }
+    memcpy(dst + hd, &s, 4);
+}
+
+/* KV-cache write into 8-bit pools [.., KVH, hd + 4]: cache[slot[t]] = quantized k[t], v[t]
+ * (KVH heads of hd model-dtype values per token, token strides ldk/ldv; slot < 0 skipped). */
+TGT void kv_reshape_and_cache_q(const void* k, int64_t ldk, const void* v, int64_t ldv, void* k_cache, void* v_cache,
+                                const int64_t* slots, int64_t T, int64_t KVH, int64_t hd, int bf, int fmt) {
+    const int64_t rb = KV_QROW(hd);
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        uint8_t* kr = (uint8_t*)k_cache + slots[t] * KVH * rb;
+        uint8_t* vr = (uint8_t*)v_cache + slots[t] * KVH * rb;
+        for (int64_t h = 0; h < KVH; h++) {
+            if (bf) {
+                quant_row(at(k, t * ldk + h * hd, 1), kr + h * rb, hd, 1, fmt);
+                quant_row(at(v, t * ldv + h * hd, 1), vr + h * rb, hd, 1, fmt);
+            } else {
+                quant_row(at(k, t * ldk + h * hd, 0), kr + h * rb, hd, 0, fmt);
+                quant_row(at(v, t * ldv + h * hd, 0), vr + h * rb, hd, 0, fmt);
+            }
+        }
+    }
+}
+
+/* Keys [0, L) of KV heads [g0, g0 + ns) of one sequence (block table bt, block size bs) of an
+ * 8-bit pool, dequantized into dst [Lpad][ns][hd] in the model dtype (rows L .. Lpad - 1
+ * zero). The attention kernels then read dst as a one-block cache of ns KV heads. */
+INLINE TGT void dequant_ctx(const uint8_t* cache, const int64_t* bt, int64_t L, int64_t Lpad, int64_t bs, int64_t KVH,
+                            int64_t hd, int64_t g0, int64_t ns, void* dst, int bf, int fmt) {
+    const int64_t rb = KV_QROW(hd);
+    for (int64_t j = 0; j < L; j++) {
+        const uint8_t* src = cache + ((bt[j / bs] * bs + j % bs) * KVH + g0) * rb;
+        if (j + 8 < L) { /* the row 8 keys ahead */
+            const char* nx = (const char*)(cache + ((bt[(j + 8) / bs] * bs + (j + 8) % bs) * KVH + g0) * rb);
+            for (int64_t b = 0; b < ns * rb; b += 64) _mm_prefetch(nx + b, _MM_HINT_T0);
+        }
+        for (int64_t h = 0; h < ns; h++) {
+            const uint8_t* r = src + h * rb;
+            float s;
+            memcpy(&s, r + hd, 4);
+            const __m512 vs = _mm512_set1_ps(s);
+            for (int64_t i = 0; i < hd; i += 16) {
+                const __mmask16 m = tail_mask(hd - i);
+                if (bf) st(dst, (j * ns + h) * hd + i, ldq8(r, i, m, vs, fmt), m, 1);
+                else st(dst, (j * ns + h) * hd + i, ldq8(r, i, m, vs, fmt), m, 0);
+            }
+        }
+    }
+    if (Lpad > L) memset(atw(dst, L * ns * hd, bf), 0, (size_t)((Lpad - L) * ns * hd * (bf ? 2 : 4)));
+}
+
 /* ---- KV-cache write: cache[slot[t]] = k[t], v[t] (rows of `row` elements; slot < 0 skipped) */
 void kv_reshape_and_cache(const void* k, int64_t ldk, const void* v, int64_t ldv, void* k_cache, void* v_cache,
                           const int64_t* slots, int64_t T, int64_t row, int64_t esize) {
@@ -706,24 +822,24 @@ INLINE TGT void transpose16(__m512* r) {
  * that the L2 streamer runs several sequential streams at once. Reading 6 KiB blocks one after
  * another reaches ~18-20 GB/s on the development machine, this ~28-34 GB/s; decode attention
  * over DRAM-resident caches got ~15% faster (64 sequences x 500 tokens, 30 layers). */
-INLINE TGT void prefetch_kv_l2(const uint16_t* kc, const uint16_t* vc, const int64_t* bt, int64_t L, int64_t bs,
-                               int64_t rs, int64_t off, int64_t bytes) {
+INLINE TGT void prefetch_kv_l2(const void* kc, const void* vc, const int64_t* bt, int64_t L, int64_t bs,
+                               int64_t rsb, int64_t off, int64_t bytes) { /* rsb, off: bytes */
     const int64_t nb = (L + bs - 1) / bs;
     for (int64_t g = 0; g < nb; g += 4) {
         const int64_t nt = nb - g < 4 ? nb - g : 4;
         const char *k[4], *v[4];
         int64_t rows[4];
         for (int64_t t = 0; t < nt; t++) {
-            k[t] = (const char*)(kc + bt[g + t] * bs * rs + off);
-            v[t] = (const char*)(vc + bt[g + t] * bs * rs + off);
+            k[t] = (const char*)kc + bt[g + t] * bs * rsb + off;
+            v[t] = (const char*)vc + bt[g + t] * bs * rsb + off;
             rows[t] = L - (g + t) * bs < bs ? L - (g + t) * bs : bs;
         }
         for (int64_t r = 0; r < bs; r++)
             for (int64_t c = 0; c < bytes; c += 64)
                 for (int64_t t = 0; t < nt; t++)
                     if (r < rows[t]) {
-                        _mm_prefetch(k[t] + r * rs * 2 + c, _MM_HINT_T1);
-                        _mm_prefetch(v[t] + r * rs * 2 + c, _MM_HINT_T1);
+                        _mm_prefetch(k[t] + r * rsb + c, _MM_HINT_T1);
+                        _mm_prefetch(v[t] + r * rsb + c, _MM_HINT_T1);
                     }
     }
 }
@@ -751,6 +867,51 @@ INLINE TGT_AMX void scores_t_amx(const uint16_t* kc, const int64_t* bt, int64_t 
     }
 }
 
+/* 32 values [i, i + 32) of a cache row as bf16: loaded as stored (fmt 0, bf16 row), or
+ * dequantized from an 8-bit pool row (codes * scale rounded to bf16; row = the row's start). */
+INLINE TGT_AMX __m512i ld_bf16x32(const char* row, int64_t i, int64_t hd, int fmt) {
+    if (!fmt) return _mm512_loadu_si512(row + i * 2);
+    float s;
+    memcpy(&s, row + hd, 4);
+    const __m512 vs = _mm512_set1_ps(s);
+    return (__m512i)_mm512_cvtne2ps_pbh(ldq8((const uint8_t*)row, i + 16, 0xffff, vs, fmt),
+                                        ldq8((const uint8_t*)row, i, 0xffff, vs, fmt));
+}
+
+/* scores_t_amx over an 8-bit pool (fmt 1/2): per 16 keys, the K rows of KV heads [g0, g0 + ns)
+ * are dequantized into kq [16][ns * hd] bf16 (in L1; keys >= L zero), which the tiles read. */
+INLINE TGT_AMX void scores_t_amx_q(const uint8_t* kc, const int64_t* bt, int64_t L, int64_t bs, int64_t KVH,
+                                   int64_t hd, int64_t g0, int64_t ns, int64_t NC, const uint16_t* qt, float* sc,
+                                   uint16_t* kq, int fmt) {
+    const int64_t rb = KV_QROW(hd), w = ns * hd;
+    for (int64_t j0 = 0; j0 < L; j0 += 16) {
+        const char* kb = (const char*)kc + ((bt[j0 / bs] * bs + j0 % bs) * KVH + g0) * rb;
+        const int64_t n = L - j0 < 16 ? L - j0 : 16;
+        if (j0 + 32 < L) { /* the K rows two tiles ahead into L1 */
+            const char* nx = (const char*)kc + ((bt[(j0 + 32) / bs] * bs + (j0 + 32) % bs) * KVH + g0) * rb;
+            for (int64_t r = 0; r < 16; r++)
+                for (int64_t b = 0; b < ns * rb; b += 64) _mm_prefetch(nx + r * KVH * rb + b, _MM_HINT_T0);
+        }
+        for (int64_t r = 0; r < 16; r++) {
+            uint16_t* dst = kq + r * w;
+            if (r >= n) {
+                memset(dst, 0, (size_t)w * 2);
+                continue;
+            }
+            for (int64_t h = 0; h < ns; h++)
+                for (int64_t i = 0; i < hd; i += 32)
+                    _mm512_storeu_si512(dst + h * hd + i, ld_bf16x32(kb + (r * KVH + h) * rb, i, hd, fmt));
+        }
+        _tile_zero(0);
+        for (int64_t c = 0; c < NC; c++) {
+            _tile_loadd(1, kq + c * 32, w * 2);
+            _tile_loadd(2, qt + c * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sc + j0 * 16, 64);
+    }
+}
+
 /* Up to 16 query columns over the KV heads [g0, g0 + ns) of one sequence (block table bt).
  * Column n: query qn[n] and output on[n] (hd values each), local KV head gl[n] in [0, ns),
  * attending to the first Ln[n] tokens (Ln[n] = 0 for unused columns n >= nq); decode uses
@@ -758,15 +919,19 @@ INLINE TGT_AMX void scores_t_amx(const uint16_t* kc, const int64_t* bt, int64_t 
  * p [16][Lp] u16, vb [4][16][32] u16, ct [4][16][16] f32, NC = ns * hd / 32, Lp = max(Ln)
  * rounded up to 32. The columns' K and V are first pulled into L2 (prefetch_kv_l2: in decode
  * they come from DRAM). */
-static TGT_AMX void attn_amx_cols(const uint16_t* kc, const uint16_t* vc, const int64_t* bt, int64_t nq,
+static TGT_AMX void attn_amx_cols(const void* kc_, const void* vc_, const int64_t* bt, int64_t nq,
                                   const uint16_t* const* qn, uint16_t* const* on, const int64_t* gl_n,
                                   const int32_t* Ln, int64_t KVH, int64_t hd, int64_t bs, float scale, int64_t g0,
-                                  int64_t ns, uint16_t* qb, float* sc, uint16_t* p, uint16_t* vb, float* ct) {
+                                  int64_t ns, uint16_t* qb, float* sc, uint16_t* p, uint16_t* vb, float* ct, int fmt,
+                                  uint16_t* kq) {
+    const uint16_t *kc = (const uint16_t*)kc_, *vc = (const uint16_t*)vc_;
     const int64_t rs = KVH * hd, NC = ns * hd / 32;
+    /* bytes of a token's row (all KV heads) and of one KV head's row in the cache */
+    const int64_t rsb = fmt ? KVH * KV_QROW(hd) : rs * 2, hb = fmt ? KV_QROW(hd) : hd * 2;
     int64_t L = 0;
     for (int64_t n = 0; n < nq; n++) L = Ln[n] > L ? Ln[n] : L;
     const int64_t Lp = (L + 31) & ~(int64_t)31;
-    prefetch_kv_l2(kc, vc, bt, L, bs, rs, g0 * hd, ns * hd * 2);
+    prefetch_kv_l2(kc, vc, bt, L, bs, rsb, g0 * hb, ns * hb);
     /* Qbd: chunk c covers dims [32c, 32c + 32) of the set's row slice, i.e. local KV head
      * c * 32 / hd; row k of its tile holds dims (2k, 2k + 1) of every column of that head. */
     memset(qb, 0, (size_t)NC * 1024);
@@ -779,7 +944,8 @@ static TGT_AMX void attn_amx_cols(const uint16_t* kc, const uint16_t* vc, const 
             for (int64_t k = 0; k < 16; k++) col[k * 16] = qh[k];
         }
     }
-    scores_t_amx(kc, bt, L, bs, rs, g0 * hd, NC, qb, sc, ns * hd * 2);
+    if (fmt) scores_t_amx_q((const uint8_t*)kc, bt, L, bs, KVH, hd, g0, ns, NC, qb, sc, kq, fmt);
+    else scores_t_amx(kc, bt, L, bs, rs, g0 * hd, NC, qb, sc, ns * hd * 2);
     /* softmax over keys, one lane per column; key j counts for column n iff j < Ln[n] */
     const __m512i lens = _mm512_loadu_si512(Ln);
     const __m512 vs = _mm512_set1_ps(scale);
@@ -815,26 +981,27 @@ static TGT_AMX void attn_amx_cols(const uint16_t* kc, const uint16_t* vc, const 
     for (int64_t gl = 0; gl < ns; gl++)
         for (int64_t dc = 0; dc < hd; dc += 64) {
             const int64_t nw = hd - dc >= 64 ? 2 : 1; /* 32-dim words */
-            const int64_t off = (g0 + gl) * hd + dc;
+            const int64_t off = (g0 + gl) * hb; /* bytes: the KV head's row start in a token's row */
+            const char* vcb = (const char*)vc;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t k0 = 0; k0 < Lp; k0 += 32) {
                 /* rows of keys k0 .. k0 + 15 and k0 + 16 .. k0 + 31 (each half within one block) */
-                const uint16_t* half[2] = {vc + (bt[k0 / bs] * bs + k0 % bs) * rs + off,
-                                           k0 + 16 < L ? vc + (bt[(k0 + 16) / bs] * bs + (k0 + 16) % bs) * rs + off
-                                                       : NULL};
+                const char* half[2] = {vcb + (bt[k0 / bs] * bs + k0 % bs) * rsb + off,
+                                       k0 + 16 < L ? vcb + (bt[(k0 + 16) / bs] * bs + (k0 + 16) % bs) * rsb + off
+                                                   : NULL};
                 if (k0 + 32 + 16 < L) { /* prefetch V rows two tiles ahead */
                     const int64_t kn = k0 + 32 + 16;
-                    const char* nx = (const char*)(vc + (bt[kn / bs] * bs + kn % bs) * rs + off);
+                    const char* nx = vcb + (bt[kn / bs] * bs + kn % bs) * rsb + off + (fmt ? dc : dc * 2);
                     for (int64_t r = 0; r < 16; r++)
-                        for (int64_t b = 0; b < nw * 64; b += 64) _mm_prefetch(nx + r * rs * 2 + b, _MM_HINT_T0);
+                        for (int64_t b = 0; b < nw * (fmt ? 32 : 64); b += 64) _mm_prefetch(nx + r * rsb + b, _MM_HINT_T0);
                 }
                 for (int64_t pp = 0; pp < 16; pp++) {
                     const int64_t ka = k0 + 2 * pp, kb = ka + 1;
-                    const uint16_t* ra = ka < L ? half[pp >> 3] + (2 * pp & 15) * rs : NULL;
-                    const uint16_t* rb = kb < L ? half[pp >> 3] + ((2 * pp + 1) & 15) * rs : NULL;
+                    const char* ra = ka < L ? half[pp >> 3] + (2 * pp & 15) * rsb : NULL;
+                    const char* rb = kb < L ? half[pp >> 3] + ((2 * pp + 1) & 15) * rsb : NULL;
                     for (int64_t w = 0; w < nw; w++) {
-                        const __m512i a = ra ? _mm512_loadu_si512(ra + w * 32) : _mm512_setzero_si512();
-                        const __m512i b = rb ? _mm512_loadu_si512(rb + w * 32) : _mm512_setzero_si512();
+                        const __m512i a = ra ? ld_bf16x32(ra, dc + w * 32, hd, fmt) : _mm512_setzero_si512();
+                        const __m512i b = rb ? ld_bf16x32(rb, dc + w * 32, hd, fmt) : _mm512_setzero_si512();
                         _mm512_storeu_si512(vb + (2 * w) * 512 + pp * 32, _mm512_unpacklo_epi16(a, b));
                         _mm512_storeu_si512(vb + (2 * w + 1) * 512 + pp * 32, _mm512_unpackhi_epi16(a, b));
                     }
@@ -887,11 +1054,13 @@ static TGT_AMX char* amx_attn_begin(int64_t NC, int64_t maxL, uint16_t** qb, flo
 }
 
 /* AMX decode attention over D sequences; same contract as kv_paged_attention_decode (bf16).
- * ns: KV heads per work item (divides KVH, ns * G <= 16). */
-static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const uint16_t* kc, const uint16_t* vc,
+ * ns: KV heads per work item (divides KVH, ns * G <= 16). fmt != 0 (8-bit pools): the K rows
+ * of each 16-key tile are dequantized into a per-thread bf16 buffer in L1 before the tiles read
+ * them (scores_t_amx_q), the V rows as they are repacked into key pairs (ld_bf16x32). */
+static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const void* kc, const void* vc,
                                  const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, uint16_t* out,
                                  int64_t ldo, int64_t D, int64_t KVH, int64_t G, int64_t hd, int64_t bs,
-                                 float scale, int64_t ns, int nthreads) {
+                                 float scale, int64_t ns, int fmt, int nthreads) {
     int64_t maxL = 0;
     for (int64_t d = 0; d < D; d++) maxL = ctx[d] > maxL ? ctx[d] : maxL;
     const int64_t nsets = KVH / ns;
@@ -901,6 +1070,15 @@ static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const uint16_t*
         uint16_t *qb, *p, *vb;
         float *sc, *ct;
         char* buf = amx_attn_begin(ns * hd / 32, maxL, &qb, &sc, &p, &vb, &ct);
+        uint16_t* kd = NULL; /* 8-bit pools: 16 K rows of the set, [16][ns][hd] bf16 */
+        if (buf && fmt) {
+            kd = (uint16_t*)aligned_alloc(64, ((size_t)16 * ns * hd * 2 + 63) & ~(size_t)63);
+            if (!kd) {
+                _tile_release();
+                free(buf);
+                buf = NULL;
+            }
+        }
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -919,11 +1097,16 @@ static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const uint16_t*
                 gl[n] = n / G;
                 Ln[n] = (int32_t)ctx[d];
             }
-            attn_amx_cols(kc, vc, block_tables + d * bt_stride, nq, qn, on, gl, Ln, KVH, hd, bs, scale, g0, ns, qb,
-                          sc, p, vb, ct);
+            if (fmt) /* (two calls: the compiler specialises the bf16 one for fmt = 0) */
+                attn_amx_cols(kc, vc, block_tables + d * bt_stride, nq, qn, on, gl, Ln, KVH, hd, bs, scale, g0, ns,
+                              qb, sc, p, vb, ct, fmt, kd);
+            else
+                attn_amx_cols(kc, vc, block_tables + d * bt_stride, nq, qn, on, gl, Ln, KVH, hd, bs, scale, g0, ns,
+                              qb, sc, p, vb, ct, 0, NULL);
         }
         if (buf) _tile_release();
         free(buf);
+        free(kd);
     }
     return failed ? -1 : 0;
 }
@@ -1058,12 +1241,11 @@ static TGT_AMX void prefill_cols(const uint16_t* q, int64_t ldq, uint16_t* out, 
  * first).
  * Returns 0, -1 when a work buffer could not be allocated, -2 when the AMX path is not
  * available for the shape. */
-TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
-                                       const int64_t* block_tables, int64_t bt_stride, const int64_t* seg, int64_t P,
-                                       void* out, int64_t ldo, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
-                                       float scale, int nthreads) {
+static TGT_AMX int prefill_amx(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                               const int64_t* block_tables, int64_t bt_stride, const int64_t* seg, int64_t P,
+                               void* out, int64_t ldo, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
+                               float scale, int nthreads) {
     const int64_t G = H / KVH;
-    if (!kv_amx || hd % 32 || bs % 16 || G > 16) return -2;
     int64_t maxLp = 32, packed = 0, pack_items = 0, items = 0;
     int64_t* base = (int64_t*)malloc(sizeof(int64_t) * (size_t)(P > 0 ? P : 1));
     if (!base) return -1;
@@ -1135,45 +1317,126 @@ TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k
     return failed ? -1 : 0;
 }
 
-/* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete). */
+/* fmt != 0 (8-bit pools [.., KVH, hd + 4]): the chunks' contexts are first dequantized to bf16,
+ * each into its own run of 32-key blocks of a work buffer ([keys][KVH][hd], block table row c
+ * numbering chunk c's blocks), and the bf16 kernel runs on that copy. */
+TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                                       const int64_t* block_tables, int64_t bt_stride, const int64_t* seg, int64_t P,
+                                       void* out, int64_t ldo, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
+                                       float scale, int fmt, int nthreads) {
+    const int64_t G = H / KVH;
+    if (!kv_amx || hd % 32 || bs % 16 || G > 16) return -2;
+    if (!fmt)
+        return prefill_amx(q, ldq, k_cache, v_cache, block_tables, bt_stride, seg, P, out, ldo, H, KVH, hd, bs, scale,
+                           nthreads);
+    int64_t maxnb = 1, total = 0, items = 0;
+    for (int64_t c = 0; c < P; c++) {
+        const int64_t nb = (seg[3 * c + 2] + seg[3 * c + 1] + 31) / 32;
+        maxnb = nb > maxnb ? nb : maxnb;
+        total += nb;
+        items += KVH * ((nb + 3) / 4);
+    }
+    int64_t* bt2 = (int64_t*)calloc((size_t)(P > 0 ? P : 1) * maxnb, sizeof(int64_t));
+    uint16_t* kd = (uint16_t*)aligned_alloc(64, ((size_t)(total > 0 ? total : 1) * 32 * KVH * hd * 4 + 63) & ~(size_t)63);
+    if (!bt2 || !kd) {
+        free(bt2);
+        free(kd);
+        return -1;
+    }
+    uint16_t* vd = kd + total * 32 * KVH * hd;
+    for (int64_t c = 0, b = 0; c < P; c++) {
+        const int64_t nb = (seg[3 * c + 2] + seg[3 * c + 1] + 31) / 32;
+        for (int64_t i = 0; i < nb; i++) bt2[c * maxnb + i] = b + i;
+        b += nb;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; it++) { /* a KV head of 128 keys (4 blocks of 32) of a chunk */
+        int64_t rest = it, c = 0, nb;
+        for (;;) {
+            nb = (seg[3 * c + 2] + seg[3 * c + 1] + 31) / 32;
+            if (rest < KVH * ((nb + 3) / 4)) break;
+            rest -= KVH * ((nb + 3) / 4);
+            c++;
+        }
+        const int64_t ng = (nb + 3) / 4, g = rest / ng, b0 = (rest % ng) * 4, L = seg[3 * c + 2] + seg[3 * c + 1];
+        const int64_t j0 = b0 * 32, j1 = (b0 + 4) * 32 < L ? (b0 + 4) * 32 : L;
+        const int64_t* bt = block_tables + c * bt_stride;
+        for (int64_t j = j0; j < j1; j++) { /* key j -> row bt2[c][j / 32] * 32 + j % 32 */
+            const int64_t src = ((bt[j / bs] * bs + j % bs) * KVH + g) * KV_QROW(hd);
+            const int64_t dst = ((bt2[c * maxnb + j / 32] * 32 + j % 32) * KVH + g) * hd;
+            float sk, sv;
+            memcpy(&sk, (const uint8_t*)k_cache + src + hd, 4);
+            memcpy(&sv, (const uint8_t*)v_cache + src + hd, 4);
+            const __m512 vk = _mm512_set1_ps(sk), vv = _mm512_set1_ps(sv);
+            for (int64_t i = 0; i < hd; i += 16) {
+                st(kd, dst + i, ldq8((const uint8_t*)k_cache + src, i, 0xffff, vk, fmt), 0xffff, 1);
+                st(vd, dst + i, ldq8((const uint8_t*)v_cache + src, i, 0xffff, vv, fmt), 0xffff, 1);
+            }
+        }
+    }
+    const int rc = prefill_amx(q, ldq, kd, vd, bt2, maxnb, seg, P, out, ldo, H, KVH, hd, 32, scale, nthreads);
+    free(bt2);
+    free(kd);
+    return rc;
+}
+
+/* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete).
+ * fmt: 0 for caches in the model dtype, 1 / 2 for 8-bit pools [.., KVH, hd + 4] (int8 / fp8
+ * e4m3 codes and a scale per row): each work item then dequantizes its context to the model
+ * dtype (dequant_ctx) and runs the same kernel on that copy. */
 TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
                                   int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs, float scale,
-                                  int bf, int nthreads) {
+                                  int bf, int fmt, int nthreads) {
     const int64_t G = H / KVH, nv = (hd + 15) / 16;
     if (bf && kv_amx && hd % 32 == 0 && bs % 16 == 0 && G <= 16) {
         /* the most KV heads per work item, fewer when that would leave threads idle */
         int64_t ns = 1;
         for (int64_t c = KVH; c > 1; c--)
             if (KVH % c == 0 && c * G <= 16 && D * (KVH / c) >= 2 * nthreads) { ns = c; break; }
-        return attention_amx((const uint16_t*)q, ldq, (const uint16_t*)k_cache, (const uint16_t*)v_cache,
-                             block_tables, bt_stride, ctx, (uint16_t*)out, ldo, D, KVH, G, hd, bs, scale, ns,
-                             nthreads);
+        return attention_amx((const uint16_t*)q, ldq, k_cache, v_cache, block_tables, bt_stride, ctx, (uint16_t*)out,
+                             ldo, D, KVH, G, hd, bs, scale, ns, fmt, nthreads);
     }
     int64_t maxL = 0;
     for (int64_t d = 0; d < D; d++) maxL = ctx[d] > maxL ? ctx[d] : maxL;
+    const int64_t maxLp = (maxL + 15) & ~(int64_t)15, es = bf ? 2 : 4;
+    const int64_t zero_bt = 0;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + G * nv * 16 + 16 * nv * 16 + 16));
-        if (!sc) {
+        char* kd = fmt ? (char*)malloc((size_t)(2 * maxLp * hd * es + 64)) : NULL; /* K, then V, one KV head */
+        if (!sc || (fmt && !kd)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < D * KVH; i++) {
-            if (!sc) continue;
+            if (!sc || (fmt && !kd)) continue;
             const int64_t d = i / KVH, g = i % KVH;
             float* qf = sc + G * maxL;
             float* kt = qf + G * nv * 16;
-            if (bf)
-                attn_one(at(q, d * ldq, 1), k_cache, v_cache, block_tables + d * bt_stride, ctx[d],
+            const int64_t* bt = block_tables + d * bt_stride;
+            if (fmt) {
+                const int64_t L = ctx[d], Lp = (L + 15) & ~(int64_t)15;
+                char* vd = kd + maxLp * hd * es;
+                dequant_ctx((const uint8_t*)k_cache, bt, L, Lp, bs, KVH, hd, g, 1, kd, bf, fmt);
+                dequant_ctx((const uint8_t*)v_cache, bt, L, Lp, bs, KVH, hd, g, 1, vd, bf, fmt);
+                if (bf)
+                    attn_one(at(q, d * ldq + g * G * hd, 1), kd, vd, &zero_bt, L, atw(out, d * ldo + g * G * hd, 1), G,
+                             1, 0, hd, Lp, scale, sc, qf, kt, 1);
+                else
+                    attn_one(at(q, d * ldq + g * G * hd, 0), kd, vd, &zero_bt, L, atw(out, d * ldo + g * G * hd, 0), G,
+                             1, 0, hd, Lp, scale, sc, qf, kt, 0);
+            } else if (bf)
+                attn_one(at(q, d * ldq, 1), k_cache, v_cache, bt, ctx[d],
                          atw(out, d * ldo, 1), G, KVH, g, hd, bs, scale, sc, qf, kt, 1);
             else
-                attn_one(at(q, d * ldq, 0), k_cache, v_cache, block_tables + d * bt_stride, ctx[d],
+                attn_one(at(q, d * ldq, 0), k_cache, v_cache, bt, ctx[d],
                          atw(out, d * ldo, 0), G, KVH, g, hd, bs, scale, sc, qf, kt, 0);
         }
         free(sc);
+        free(kd);
     }
     return failed ? -1 : 0;
 }
@@ -1214,8 +1477,8 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
                        int64_t E, int64_t H, int64_t KVH, int64_t hd, int64_t I, float eps, const int64_t* pos,
                        const void* cos, const void* sin, const int64_t* slots, const int64_t* bt, int64_t bt_stride,
                        const int64_t* ctx, int64_t max_ctx, int64_t bs, float scale, const void* final_norm,
-                       const void* lm_head, const void* lm_head_p, int64_t V, void* logits, int bf, int nthreads,
-                       int attn_threads) {
+                       const void* lm_head, const void* lm_head_p, int64_t V, void* logits, int bf, int kv_fmt,
+                       int nthreads, int attn_threads) {
     const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4;
     memcpy(residual, hidden, (size_t)(M * E * es));
     for (int64_t l = 0; l < n_layers; l++) {
@@ -1241,10 +1504,14 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
             if (bf) rope_row(row, H + KVH, hd, at(cos, pos[m] * hd, 1), at(sin, pos[m] * hd, 1), 1);
             else rope_row(row, H + KVH, hd, at(cos, pos[m] * hd, 0), at(sin, pos[m] * hd, 0), 0);
         }
-        kv_reshape_and_cache(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache, L->v_cache,
-                             slots, M, KVH * hd, es);
+        if (kv_fmt)
+            kv_reshape_and_cache_q(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache,
+                                   L->v_cache, slots, M, KVH, hd, bf, kv_fmt);
+        else
+            kv_reshape_and_cache(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache, L->v_cache,
+                                 slots, M, KVH * hd, es);
         if (kv_paged_attention_decode(qkv, NQKV, L->k_cache, L->v_cache, bt, bt_stride, ctx, attn, H * hd, M, H, KVH,
-                                      hd, bs, scale, bf, attn_threads))
+                                      hd, bs, scale, bf, kv_fmt, attn_threads))
             return -1;
         KV_LINEAR(attn, H * hd, L->o_w, L->o_p, NULL, delta, E, E, H * hd);
 #pragma omp parallel for num_threads(rows_nt(M * E, nthreads)) schedule(static)
@@ -1292,8 +1559,10 @@ class _Lib:
             "kv_gemma_qk_norm_rope": [vp, i64, i64, i64, i64, i64, vp, vp, cf, vp, vp, vp, ci, ci],
             "kv_gelu_tanh_and_mul": [vp, i64, vp, i64, i64, i64, ci, ci],
             "kv_reshape_and_cache": [vp, i64, vp, i64, vp, vp, vp, i64, i64, i64],
-            "kv_paged_attention_decode": [vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, i64, cf, ci, ci],
-            "kv_paged_attention_prefill": [vp, i64, vp, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, cf, ci],
+            "kv_reshape_and_cache_q": [vp, i64, vp, i64, vp, vp, vp, i64, i64, i64, ci, ci],
+            "kv_paged_attention_decode": [vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, i64, cf, ci, ci,
+                                          ci],
+            "kv_paged_attention_prefill": [vp, i64, vp, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, cf, ci, ci],
         }
         for name, args in spec.items():
             fn = getattr(lib, name)
@@ -1664,17 +1933,32 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _gated(x, _lib().gelu_tanh_and_mul)
 
 
+def _kv_format(cache: torch.Tensor) -> int:
+    """The C kernels' ``fmt`` of a pool: 0 (model dtype), 1 (int8), 2 (fp8 e4m3)."""
+    return kv_quant.C_FORMAT.get(cache.dtype, 0)
+
+
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-    """Write each token's K and V into its cache slot (vLLM's ``reshape_and_cache``).
+    """Write each token's K and V into its cache slot (vLLM's ``reshape_and_cache``); into 8-bit
+    pools quantized, each token and KV head with its own scale (:mod:`kvserve.kv_quant`; bit for
+    bit as :func:`kvserve.kv_quant.quantize`).
 
     Args:
         k, v: ``[T, num_kv_heads, head_dim]``, heads and values contiguous within a token (token
             stride free, so views into a fused QKV output work).
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, same dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, same
+            dtype as ``k``; or 8-bit pools ``[num_blocks, block_size, num_kv_heads, head_dim + 4]``
+            (``torch.int8``/``torch.float8_e4m3fn``).
         slot_mapping: ``[T]`` int64 contiguous flat slots (``block · block_size + offset``);
             negative slots are skipped.
     """
+    fmt = _kv_format(k_cache)
+    if fmt:
+        _lib().reshape_and_cache_q(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                   v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k_cache.shape[2],
+                                   k.shape[2], int(k.dtype == torch.bfloat16), fmt)
+        return
     row = k_cache.shape[2] * k_cache.shape[3]
     _lib().reshape_and_cache(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
                              v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row, k.element_size())
@@ -1688,7 +1972,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Args:
         q: ``[D, num_heads, head_dim]``; heads and values contiguous within a row (row stride free).
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, in
+            ``q.dtype``, or 8-bit pools (``head_dim + 4`` last, :mod:`kvserve.kv_quant`): each
+            sequence's context is then dequantized to ``q.dtype`` into a per-thread buffer (codes
+            times scale, rounded as :func:`kvserve.kv_quant.dequantize` does) that the same
+            kernels read.
         block_tables: ``[D, max_blocks]`` int64, unit last stride; row d lists sequence d's blocks.
         context_lens: ``[D]`` int64 contiguous, tokens to attend to (≥ 1, including the new one,
             whose K/V must already be in the cache).
@@ -1719,7 +2007,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rc = _lib().paged_attention_decode(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), out.stride(0), D, H, KVH, hd, bs,
-        float(scale), int(q.dtype == torch.bfloat16), _threads(D * H * max_context_len * hd // 64))
+        float(scale), int(q.dtype == torch.bfloat16), _kv_format(k_cache), _threads(D * H * max_context_len * hd // 64))
     if rc:
         raise MemoryError("paged_attention_decode: could not allocate work buffers")
     return out
@@ -1750,7 +2038,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Args:
         q: ``[T, num_heads, head_dim]`` bf16, heads contiguous within a row (row stride free).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` bf16 contiguous,
-            already holding the chunks' own K/V.
+            already holding the chunks' own K/V; or 8-bit pools (:mod:`kvserve.kv_quant`), whose
+            chunks' contexts are first dequantized to bf16 into a work buffer.
         block_tables: ``[P, max_blocks]`` int64, unit last stride: row p for chunk p.
         chunks: ``[P, 3]`` int64 contiguous: (first row of the chunk in ``q``, its tokens,
             tokens of its sequence cached before it).
@@ -1769,7 +2058,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     rc = _lib().paged_attention_prefill(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), chunks.data_ptr(), chunks.shape[0], out.data_ptr(), out.stride(0), H, KVH, hd, bs,
-        float(scale), torch.get_num_threads())
+        float(scale), _kv_format(k_cache), torch.get_num_threads())
     if rc == -1:
         raise MemoryError("paged_attention_prefill: could not allocate work buffers")
     if rc:
@@ -1835,8 +2124,9 @@ class DecodeStep:
                          e(self.H * self.hd), e(2 * self.I), e(self.I))
         fn = _lib().lib.kv_decode_step
         i64, vp, cf, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        self.kv_format = _kv_format(layers[0]["k_cache"])
         fn.argtypes = [vp, i64, vp, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, cf, vp,
-                       vp, vp, vp, vp, i64, vp, i64, i64, cf, vp, vp, vp, i64, vp, ci, ci, ci]
+                       vp, vp, vp, vp, i64, vp, i64, i64, cf, vp, vp, vp, i64, vp, ci, ci, ci, ci]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -1870,7 +2160,7 @@ class DecodeStep:
                       self.E, self.H, self.KVH, self.hd, self.I, self.eps, positions.data_ptr(), cos, sin,
                       slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                       context_lens.data_ptr(), max_context_len, self.block_size, self.hd**-0.5, fin, head, head_p,
-                      self.V, logits.data_ptr(), int(self.dtype == torch.bfloat16), nt,
+                      self.V, logits.data_ptr(), int(self.dtype == torch.bfloat16), self.kv_format, nt,
                       _threads(M * self.H * max_context_len * self.hd // 64))
         if rc:
             raise MemoryError("decode step: could not allocate attention or linear work buffers")

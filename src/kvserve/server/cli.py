@@ -97,6 +97,7 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes)
     print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}) "
           f"on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+    print(f"kvserve: {engine.kv_spec.describe()}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
                 timeout_graceful_shutdown=5)
     return 0
