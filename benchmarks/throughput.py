@@ -14,6 +14,7 @@ larger of the weight + KV-cache bytes at the measured bandwidth and the step's F
 
 Usage:
     python benchmarks/throughput.py [--dtype bfloat16 float32] [--sampling] [--json out.json]
+    python benchmarks/throughput.py --dtype bfloat16 --kv-cache-dtype int8   # kvserve's 8-bit KV cache
     python benchmarks/throughput.py --device cuda --model FOLDER   # e.g. benchmarks/random_model.py's
 
 Run it on an otherwise idle machine: torch is imported first here, so OpenMP keeps its default
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
                          "default 8)")
     ap.add_argument("--model", default=None,
                     help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct's GGUF)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
+                    help="kvserve's KV cache dtype (default auto: the model dtype); the rooflines count its bytes")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] for kvserve, transformers and the rooflines")
     a = ap.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
@@ -128,14 +131,14 @@ def main(argv=None) -> int:
     # a GPU needs bigger problems than the CPU to reach its ceilings (its L2 is ~50 MiB)
     bw = measure_memory_bandwidth(size_bytes=(4 << 30) if gpu else (512 << 20), device=dev)
     mm_n = 8192 if gpu else 2048
-    results = {"bandwidth_GBps": bw / 1e9, "runs": {}}
+    results = {"bandwidth_GBps": bw / 1e9, "kv_cache_dtype": a.kv_cache_dtype, "runs": {}}
     rows = []
     for dtype in a.dtype:
         tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
         peak = measure_matmul_flops(tdt, n=mm_n, device=dev)
         # Prefix caching off: the greedy and sampling runs reuse the same prompts.
         llm = LLM(model=str(path), dtype=dtype, max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False,
-                  device=a.device)
+                  device=a.device, kv_cache_dtype=a.kv_cache_dtype)
         cfg = llm.engine.model_config
         vocab = cfg.vocab_size
         prompts, outs = workload(a.num_requests, vocab)
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
         weight_bytes = params * torch.empty((), dtype=tdt).element_size()
         flops = 2 * params * (sum(map(len, prompts)) + sum(outs))
         floor = attainable_seconds([len(p) for p in prompts], outs, params, weight_bytes,
-                                   cfg.kv_bytes_per_token(tdt), peak, bw)
+                                   llm.engine.kv_spec.bytes_per_token, peak, bw)
         r = {"matmul_peak_GFLOPs": peak / 1e9, "weight_bytes": weight_bytes,
              "decode_roofline_tok_s": bw / weight_bytes, "compute_roofline_s": flops / peak,
              "attainable_floor_s": floor["total_s"], "attainable_floor": floor}
@@ -179,6 +182,7 @@ def main(argv=None) -> int:
         share = r["compute_roofline_s"] / k["seconds"]
         row = {
             "dtype": dtype,
+            "kv cache": a.kv_cache_dtype,
             "kvserve out tok/s": f"{k['output_tok_s']:.1f}",
             "transformers out tok/s": f"{r['transformers']['output_tok_s']:.1f}" if "transformers" in r else "-",
             "ratio": f"{k['output_tok_s'] / r['transformers']['output_tok_s']:.2f}x" if "transformers" in r else "-",
