@@ -49,6 +49,17 @@ def test_smollm2_numbers_from_metadata(smollm2_path):
     assert plan.dtype is torch.bfloat16
 
 
+def test_8bit_kv_cache_plan(tiny_model_dir, smollm2_path):
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype="float32", kv_cache_memory=0.01, kv_cache_dtype="int8", max_model_len=256)
+    plan = plan_capacity(folder, "float32", kv_cache_memory=0.01, max_model_len=256, kv_cache_dtype="int8")
+    assert plan.kv.num_blocks == llm.engine.kv_spec.num_blocks and plan.kv_cache_dtype is torch.int8
+    smol = plan_capacity(smollm2_path, "bfloat16", kv_cache_memory=2, kv_cache_dtype="fp8")
+    assert smol.kv.bytes_per_token == 2 * 30 * 3 * (64 + 4) == 12240
+    assert smol.kv_cache_dtype is torch.float8_e4m3fn
+    assert "(64 + 4 scale) · 1 byte, float8_e4m3fn" in smol.format()
+
+
 def test_plan_cli(tiny_model_dir, capsys):
     folder, _ = tiny_model_dir("llama")
     assert main(["plan", "--model", str(folder), "--kv-cache-memory", "0.05", "--max-model-len", "256",
@@ -69,6 +80,7 @@ def test_plan_cli(tiny_model_dir, capsys):
     (["--block-size", "0"], "--block-size must be an integer ≥ 1"),
     (["--max-model-len", "100000"], "--max-model-len must be in [2, 512]"),
     (["--bandwidth", "-1"], "--bandwidth must be > 0"),
+    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype must be one of"),
 ])
 def test_plan_bad_options(tiny_model_dir, capsys, argv, message):
     folder, _ = tiny_model_dir("llama")

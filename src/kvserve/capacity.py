@@ -5,8 +5,9 @@ a dtype, a KV-cache budget and a context length:
 
 - the weights' memory (parameters · dtype bytes) and the bytes a decode step reads for them
   (every matmul weight, the LM head included, but only a few rows of an untied embedding);
-- the KV cache's bytes per token, ``2 · layers · kv_heads · head_dim · dtype_bytes``, and the
-  pool the engine would allocate: blocks, tokens, sequences of ``max_model_len`` and of the
+- the KV cache's bytes per token, ``2 · layers · kv_heads · head_dim · dtype_bytes`` (an 8-bit
+  cache: ``head_dim + 4`` bytes per head, the float32 scale included; :mod:`kvserve.kv_quant`),
+  and the pool the engine would allocate: blocks, tokens, sequences of ``max_model_len`` and of the
   given context length (the same sizing as :func:`kvserve.kv_cache.plan_kv_cache`);
 - decode rooflines by batch size: a decode step of ``b`` sequences at context ``c`` reads the
   weights once and every sequence's K/V, so at memory bandwidth ``B`` it takes at least
@@ -24,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kvserve import kv_quant
 from kvserve.config import ModelConfig
 from kvserve.kv_cache import GiB, KVCacheSpec, plan_kv_cache
 
@@ -38,6 +40,7 @@ class CapacityPlan:
     Attributes:
         config: the model's config.
         dtype: weights/activations dtype.
+        kv_cache_dtype: the pools' dtype (``dtype``, or int8 / float8_e4m3fn for an 8-bit cache).
         kv: the KV pool the engine would allocate.
         context_len: the typical context (tokens) the per-batch figures assume.
         weight_bytes: weight memory at ``dtype`` (bytes).
@@ -47,6 +50,7 @@ class CapacityPlan:
 
     config: ModelConfig
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
     kv: KVCacheSpec
     context_len: int
     weight_bytes: int
@@ -80,14 +84,18 @@ class CapacityPlan:
         """A human-readable report; the roofline table needs ``bandwidth`` (bytes/s)."""
         c, kv = self.config, self.kv
         dname = str(self.dtype).removeprefix("torch.")
-        dbytes = torch.empty((), dtype=self.dtype).element_size()
+        if kv_quant.is_quantized(self.kv_cache_dtype):
+            kname = str(self.kv_cache_dtype).removeprefix("torch.")
+            per_head = f"({c.head_dim} + 4 scale) · 1 byte, {kname}"
+        else:
+            per_head = f"{c.head_dim} · {torch.empty((), dtype=self.kv_cache_dtype).element_size()} bytes"
         lines = [
             f"model {c.name} ({c.architecture}): {c.num_parameters() / 1e6:.1f}M parameters, {c.num_layers} layers, "
             f"{c.num_heads} query / {c.num_kv_heads} KV heads of {c.head_dim}",
             f"weights: {self.weight_bytes / 1e6:.0f} MB in {dname}; a decode step reads "
             f"{self.weight_bytes_per_step / 1e6:.0f} MB of them",
             f"KV cache: {kv.bytes_per_token} bytes/token (2 · {c.num_layers} layers · {c.num_kv_heads} KV heads · "
-            f"{c.head_dim} · {dbytes} bytes), {kv.bytes_per_token * kv.block_size / 1024:.0f} KiB per block of "
+            f"{per_head}), {kv.bytes_per_token * kv.block_size / 1024:.0f} KiB per block of "
             f"{kv.block_size} tokens",
             f"budget {kv.num_blocks * kv.block_size * kv.bytes_per_token / GiB:.2f} GiB: {kv.num_blocks} blocks = "
             f"{kv.capacity_tokens} tokens; {kv.max_concurrent_full_sequences:.1f} sequences of max_model_len="
@@ -112,7 +120,7 @@ class CapacityPlan:
 
 def plan_capacity(config: ModelConfig | str | Path, dtype: str | torch.dtype = "bfloat16",
                   kv_cache_memory: float = 2.0, max_model_len: Optional[int] = None, block_size: int = 16,
-                  context_len: Optional[int] = None) -> CapacityPlan:
+                  context_len: Optional[int] = None, kv_cache_dtype: str = "auto") -> CapacityPlan:
     """Size weights and KV pool for a model without loading its weights.
 
     Args:
@@ -123,6 +131,7 @@ def plan_capacity(config: ModelConfig | str | Path, dtype: str | torch.dtype = "
         block_size: tokens per KV block.
         context_len: typical context of a running sequence (tokens), in [1, max_model_len];
             default ``max_model_len // 2``.
+        kv_cache_dtype: "auto" (the model dtype), "int8", "fp8" / "fp8_e4m3" (the engine's).
 
     Raises:
         ValueError: a field out of range (named), or a budget that holds no block.
@@ -133,6 +142,9 @@ def plan_capacity(config: ModelConfig | str | Path, dtype: str | torch.dtype = "
 
     cfg = config if isinstance(config, ModelConfig) else load_model_config(resolve_model_path(config))
     tdt = parse_dtype(dtype)
+    kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+    kv_quant.check_head_dim(cfg.head_dim, kv_cache_dtype)
+    kdt = kv_quant.storage_dtype(kv_cache_dtype, tdt)
     for name, v, lo in (("block_size", block_size, 1), ("max_model_len", max_model_len, 2),
                         ("context_len", context_len, 1)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
@@ -147,9 +159,9 @@ def plan_capacity(config: ModelConfig | str | Path, dtype: str | torch.dtype = "
     if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)) or not (
             0 < kv_cache_memory < math.inf):
         raise ValueError(f"kv_cache_memory must be > 0 GiB (and finite), got {kv_cache_memory!r}")
-    spec = plan_kv_cache(cfg, tdt, kv_cache_memory, block_size, max_len)
+    spec = plan_kv_cache(cfg, kdt, kv_cache_memory, block_size, max_len)
     dbytes = torch.empty((), dtype=tdt).element_size()
     matmul_params = cfg.num_parameters(include_embeddings=False)
-    return CapacityPlan(config=cfg, dtype=tdt, kv=spec, context_len=ctx,
+    return CapacityPlan(config=cfg, dtype=tdt, kv_cache_dtype=kdt, kv=spec, context_len=ctx,
                         weight_bytes=cfg.num_parameters() * dbytes,
                         weight_bytes_per_step=matmul_params * dbytes, matmul_params=matmul_params)

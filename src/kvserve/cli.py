@@ -201,7 +201,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         if v is not None and not 0 < v < float("inf"):
             raise ValueError(f"{opt} must be > 0, got {v}")
     plan = plan_capacity(a.model if a.model is not None else default_model_path(), a.dtype, a.kv_cache_memory,
-                         a.max_model_len, a.block_size, a.context_len)
+                         a.max_model_len, a.block_size, a.context_len, a.kv_cache_dtype)
     bandwidth = a.bandwidth * 1e9 if a.bandwidth else None
     flops = a.flops * 1e9 if a.flops else None
     if not a.no_measure:
@@ -235,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     pl.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     pl.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB (default 2)")
+    pl.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), int8, fp8 / fp8_e4m3")
     pl.add_argument("--max-model-len", type=int, default=None, help="longest sequence in tokens")
     pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     pl.add_argument("--context-len", type=int, default=None,
