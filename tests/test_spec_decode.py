@@ -365,6 +365,18 @@ def test_structured_output_decodes_without_drafts(folder):
     assert alone.stats()["spec_decode_num_drafts"] == 0
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_greedy_identical_on_an_8bit_kv_cache(folder, kv_cache_dtype):
+    """Verification reads drafts' K/V back from an 8-bit pool as decoding does: token-identical."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = _run(_engine(folder, spec=None, kv_cache_dtype=kv_cache_dtype), PROMPTS, params)
+    eng = _engine(folder, kv_cache_dtype=kv_cache_dtype)
+    outs = _run(eng, PROMPTS, params)
+    assert [_summary(o) for o in outs] == [_summary(b) for b in base]
+    st = eng.stats()
+    assert st["spec_decode_num_accepted_tokens"] > 0
+
+
 def test_seeded_sampling_does_not_depend_on_batch_mates(folder):
     eng = _engine(folder)
     sp = SamplingParams(max_tokens=30, temperature=0.7, seed=5, allowed_token_ids=[5, 6, 7, 8, 9])
