@@ -360,8 +360,7 @@ USER = {"messages": [{"role": "user", "content": "x"}]}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
-@pytest.mark.parametrize("cls", ["ChatCompletionRequest", "CompletionRequest"])
-@pytest.mark.parametrize("field, value, feature", [
+_REJECTED = [
     ("tools", [TOOL], "tool calling on /v1/completions"),
     ("tool_choice", "auto", "tool calling on /v1/completions"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}, "tool calling on /v1/completions"),
@@ -371,12 +370,15 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("guided_regex", "[0-9]+", "use 'structured_outputs'"),
     ("guided_choice", ["yes", "no"], "use 'structured_outputs'"),
     ("guided_grammar", "root ::= \"a\"", "use 'structured_outputs'"),
-])
+]
+
+
+# (chat takes tools and tool_choice: test_server_structured_output.py)
+@pytest.mark.parametrize("cls, field, value, feature", [
+    (cls, *case) for cls in ("ChatCompletionRequest", "CompletionRequest") for case in _REJECTED
+    if not (cls == "ChatCompletionRequest" and case[0] in ("tools", "tool_choice"))])
 def test_guided_fields_and_tools_are_rejected(cls, field, value, feature):
     from kvserve.server import protocol
-
-    if cls == "ChatCompletionRequest" and field in ("tools", "tool_choice"):
-        pytest.skip("chat takes tools (test_server_structured_output.py)")
 
     body = {**(USER if cls == "ChatCompletionRequest" else {"prompt": "hi"}), field: value}
     with pytest.raises(protocol.APIError) as ei:
