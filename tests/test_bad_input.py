@@ -266,7 +266,7 @@ def test_bad_engine_args(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="dtype must be one of"):
         LLM(model=str(folder), dtype="int4")
-    with pytest.raises(ValueError, match="kv_cache_memory must be > 0"):
+    with pytest.raises(ValueError, match=r"kv_cache_memory must be in \(0, 1048576\] GiB"):
         LLM(model=str(folder), kv_cache_memory=0)
 
 
@@ -295,9 +295,10 @@ def test_bad_device_and_max_model_len(tiny_model_dir, monkeypatch):
     ({"block_size": 0}, "block_size must be ≥ 1, got 0"),
     ({"max_num_seqs": -1}, "max_num_seqs must be ≥ 1, got -1"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be ≥ 1, got 0"),
-    ({"kv_cache_memory": 0}, r"kv_cache_memory must be > 0 GiB \(and finite\), got 0"),
-    ({"kv_cache_memory": -1.5}, r"kv_cache_memory must be > 0 GiB \(and finite\), got -1.5"),
-    ({"kv_cache_memory": float("inf")}, r"kv_cache_memory must be > 0 GiB \(and finite\), got inf"),
+    ({"kv_cache_memory": 0}, r"kv_cache_memory must be in \(0, 1048576\] GiB, got 0"),
+    ({"kv_cache_memory": -1.5}, r"kv_cache_memory must be in \(0, 1048576\] GiB, got -1.5"),
+    ({"kv_cache_memory": float("inf")}, r"kv_cache_memory must be in \(0, 1048576\] GiB, got inf"),
+    ({"kv_cache_memory": 1e300}, r"kv_cache_memory must be in \(0, 1048576\] GiB, got 1e\+300"),
     ({"num_blocks": 0}, "num_blocks must be ≥ 1, got 0"),
     ({"max_waiting": -1}, "max_waiting must be ≥ 0"),
     ({"quantization": "int4"}, r"quantization must be one of \[None, 'int8'\], got 'int4'"),
@@ -358,8 +359,9 @@ def test_cli_rejects_empty_message_before_loading_the_model(argv, words, tmp_pat
     ("--max-model-len", "-3", "--max-model-len must be in [2, the model's context length], got -3"),
     ("--block-size", "0", "--block-size must be ≥ 1, got 0"),
     ("--block-size", "-16", "--block-size must be ≥ 1, got -16"),
-    ("--kv-cache-memory", "0", "--kv-cache-memory must be > 0 GiB (and finite), got 0.0"),
-    ("--kv-cache-memory", "-2", "--kv-cache-memory must be > 0 GiB (and finite), got -2.0"),
+    ("--kv-cache-memory", "0", "--kv-cache-memory must be in (0, 1048576] GiB, got 0.0"),
+    ("--kv-cache-memory", "-2", "--kv-cache-memory must be in (0, 1048576] GiB, got -2.0"),
+    ("--kv-cache-memory", "1e300", "--kv-cache-memory must be in (0, 1048576] GiB, got 1e+300"),
     ("--max-num-seqs", "0", "--max-num-seqs must be ≥ 1, got 0"),
 ])
 def test_cli_rejects_bad_engine_options_before_loading_the_model(command, option, value, words, tmp_path, capsys):

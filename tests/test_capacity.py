@@ -75,11 +75,14 @@ def test_plan_cli(tiny_model_dir, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--context-len", "0"], "--context-len must be an integer ≥ 1"),
     (["--context-len", "999"], "--context-len must be in [1, max_model_len=256]"),
-    (["--kv-cache-memory", "0"], "--kv-cache-memory must be > 0 GiB"),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory must be in (0, 1048576] GiB"),
+    (["--kv-cache-memory", "1e300"], "--kv-cache-memory must be in (0, 1048576] GiB"),
+    (["--bandwidth", "1e308"], "--bandwidth must be in (0, 1e+06]"),
+    (["--flops", "1e308"], "--flops must be in (0, 1e+09]"),
     (["--kv-cache-memory", "1e-9"], "--kv-cache-memory=1e-09 GiB holds no block"),
     (["--block-size", "0"], "--block-size must be an integer ≥ 1"),
     (["--max-model-len", "100000"], "--max-model-len must be in [2, 512]"),
-    (["--bandwidth", "-1"], "--bandwidth must be > 0"),
+    (["--bandwidth", "-1"], "--bandwidth must be in (0, 1e+06]"),
     (["--kv-cache-dtype", "int4"], "--kv-cache-dtype must be one of"),
 ])
 def test_plan_bad_options(tiny_model_dir, capsys, argv, message):

@@ -186,6 +186,11 @@ def test_thinking_budget_replaces_an_early_delimiter_with_wait(tiny):
 
 
 # ------------------------------------------------------------------------------ bad input
+class NanVerifier:
+    def score(self, prompts, completions):
+        return [math.nan] * len(completions)
+
+
 def test_bad_arguments_name_the_field(tiny):
     llm, _ = tiny
     sp = SamplingParams(max_tokens=2)
@@ -200,6 +205,10 @@ def test_bad_arguments_name_the_field(tiny):
         best_of_n(llm, "a", 2, 42, sp)
     with pytest.raises(TypeError, match="verifier: the function returned str"):
         best_of_n(llm, "a", 2, lambda p, c: "good", sp)
+    with pytest.raises(ValueError, match="verifier: the function returned NaN"):
+        best_of_n(llm, "a", 2, lambda p, c: float("nan"), sp)
+    with pytest.raises(ValueError, match="verifier: a score is NaN"):
+        best_of_n(llm, "a", 2, NanVerifier(), sp)
     with pytest.raises(TypeError, match="extract_answer returned int"):
         self_consistency(llm, "a", 2, lambda t: 3, sp)
     with pytest.raises(TypeError, match="extract_answer must be a function"):
@@ -211,6 +220,7 @@ def test_bad_arguments_name_the_field(tiny):
     with pytest.raises(ValueError, match="max_tokens"):  # the engine's own error, per prompt
         best_of_n(llm, "a", 2, lambda p, c: 0.0, SamplingParams(max_tokens=10_000))
     for kwargs, field in (({"max_thinking_tokens": 0}, "max_thinking_tokens"),
+                          ({"max_thinking_tokens": 10**9}, r"max_thinking_tokens must be an integer in \[1, 255\]"),
                           ({"min_thinking_tokens": 9}, "min_thinking_tokens"),
                           ({"max_waits": -1}, "max_waits"),
                           ({"think_end": ""}, "think_end"),

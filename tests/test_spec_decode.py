@@ -626,6 +626,12 @@ def test_draft_model_config_errors(folder, drafts, tmp_path):
     with pytest.raises(ValueError, match=r"speculative_config\.model: the draft model's context \(64 tokens\) is "
                                          r"shorter than max_model_len \(128\)"):
         _engine(folder, spec=_draft(drafts["short"]))
+    (tmp_path / "empty").mkdir()
+    not_a_model = tmp_path / "notes.txt"
+    not_a_model.write_text("hello")
+    for bad, why in ((tmp_path / "empty", "has no config.json"), (not_a_model, "is neither a .gguf file")):
+        with pytest.raises(ValueError, match=rf"speculative_config\.model: .*{why}"):
+            _engine(folder, spec=_draft(str(bad)))
 
 
 @pytest.mark.parametrize("draft, k", [("noisy", 3), ("qwen3", 2), ("same", 4)])

@@ -156,9 +156,11 @@ def plan_capacity(config: ModelConfig | str | Path, dtype: str | torch.dtype = "
     ctx = context_len if context_len is not None else max(1, max_len // 2)
     if ctx > max_len:
         raise ValueError(f"context_len must be in [1, max_model_len={max_len}], got {ctx}")
+    from kvserve.engine import MAX_KV_CACHE_GIB
+
     if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)) or not (
-            0 < kv_cache_memory < math.inf):
-        raise ValueError(f"kv_cache_memory must be > 0 GiB (and finite), got {kv_cache_memory!r}")
+            0 < kv_cache_memory <= MAX_KV_CACHE_GIB):
+        raise ValueError(f"kv_cache_memory must be in (0, {MAX_KV_CACHE_GIB}] GiB, got {kv_cache_memory!r}")
     spec = plan_kv_cache(cfg, kdt, kv_cache_memory, block_size, max_len)
     dbytes = torch.empty((), dtype=tdt).element_size()
     matmul_params = cfg.num_parameters(include_embeddings=False)

@@ -197,9 +197,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from kvserve.capacity import plan_capacity
     from kvserve.default_model import default_model_path
 
-    for opt, v in (("--bandwidth", a.bandwidth), ("--flops", a.flops)):
-        if v is not None and not 0 < v < float("inf"):
-            raise ValueError(f"{opt} must be > 0, got {v}")
+    for opt, v, hi in (("--bandwidth", a.bandwidth, 1e6), ("--flops", a.flops, 1e9)):
+        if v is not None and not 0 < v <= hi:
+            raise ValueError(f"{opt} must be in (0, {hi:g}], got {v}")
     plan = plan_capacity(a.model if a.model is not None else default_model_path(), a.dtype, a.kv_cache_memory,
                          a.max_model_len, a.block_size, a.context_len, a.kv_cache_dtype)
     bandwidth = a.bandwidth * 1e9 if a.bandwidth else None
@@ -240,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     pl.add_argument("--context-len", type=int, default=None,
                     help="typical context of a running sequence, tokens (default: max_model_len / 2)")
-    pl.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (default: measured)")
-    pl.add_argument("--flops", type=float, default=None, help="matmul rate in GFLOP/s (default: measured)")
+    pl.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s, at most 1e6 (default: measured)")
+    pl.add_argument("--flops", type=float, default=None, help="matmul rate in GFLOP/s, at most 1e9 (default: measured)")
     pl.add_argument("--no-measure", action="store_true", help="measure nothing (rooflines only from the given rates)")
     pl.add_argument("--device", default=None, help="where to measure: cpu or cuda (default: cuda when available)")
     pl.set_defaults(func=cmd_plan)

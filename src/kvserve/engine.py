@@ -171,14 +171,18 @@ class EngineArgs:
                 raise ValueError(f"{name(field)} must be ≥ 1, got {getattr(self, field)}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"{name('num_blocks')} must be ≥ 1, got {self.num_blocks}")
-        if self.num_blocks is None and not 0 < self.kv_cache_memory < math.inf:
-            raise ValueError(f"{name('kv_cache_memory')} must be > 0 GiB (and finite), got {self.kv_cache_memory}")
+        if self.num_blocks is None and not 0 < self.kv_cache_memory <= MAX_KV_CACHE_GIB:
+            raise ValueError(f"{name('kv_cache_memory')} must be in (0, {MAX_KV_CACHE_GIB}] GiB, got {self.kv_cache_memory}")
         if self.max_waiting < 0:
             raise ValueError(f"{name('max_waiting')} must be ≥ 0 (0: unbounded), got {self.max_waiting}")
         kv_quant.check_kv_cache_dtype(self.kv_cache_dtype, name("kv_cache_dtype"))
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)
+
+
+#: the largest KV budget accepted (GiB): beyond it the block count overflows, and no machine has it
+MAX_KV_CACHE_GIB = 1 << 20
 
 
 class RequestGroup:

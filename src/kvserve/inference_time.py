@@ -171,6 +171,8 @@ class FunctionVerifier:
             s = self.fn(p, c.text)
             if not isinstance(s, numbers.Real) or isinstance(s, bool):
                 raise TypeError(f"verifier: the function returned {type(s).__name__}, expected a real number")
+            if math.isnan(s):
+                raise ValueError("verifier: the function returned NaN, expected a real number")
             out.append(float(s))
         return out
 
@@ -325,6 +327,8 @@ def best_of_n(llm: LLM, prompts: PromptType | Sequence[PromptType], n: int,
         raise ValueError(f"verifier: returned {len(scores)} scores for {len(flat)} completions")
     for c, s in zip(flat, scores):
         c.score = float(s)
+        if math.isnan(c.score):
+            raise ValueError("verifier: a score is NaN; scores must be real numbers (higher is better)")
     results = [BestOfNResult(best=max(cs, key=lambda c: c.score), candidates=cs) for cs in cands]
     return results[0] if single else results
 
@@ -465,6 +469,10 @@ def generate_with_thinking_budget(
             raise ValueError(f"{name}: generate_with_thinking_budget generates one sequence per prompt "
                              f"(n=1, no best_of or beam search); got n={p.n}, best_of={p.best_of}, "
                              f"use_beam_search={p.use_beam_search}")
+    limit = llm.engine.max_model_len - 1
+    if max_thinking_tokens > limit:
+        raise ValueError(f"max_thinking_tokens must be an integer in [1, {limit}] (max_model_len - 1), got "
+                         f"{max_thinking_tokens}")
     base = thinking_params if thinking_params is not None else SamplingParams(
         temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed)
     plist, single = _as_list(prompts)

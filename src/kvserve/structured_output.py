@@ -61,8 +61,9 @@ class StructuredOutputGrammar:
                 the message is llguidance's.
         """
         if not self.matcher.consume_token(token_id):
+            # (llguidance appends its parser state to the message: the first line says it)
             raise RuntimeError(f"structured output: the grammar rejected token {token_id}: "
-                               f"{self.matcher.get_error() or 'not allowed here'}")
+                               f"{_first_lines(self.matcher.get_error() or 'not allowed here', 1)}")
 
     def is_terminated(self) -> bool:
         """True when the output is complete: the grammar allows nothing more (EOS at most)."""

@@ -67,8 +67,9 @@ class DraftModelProposer:
 
     Raises:
         ValueError: naming ``speculative_config.model``: the draft's vocabulary size or
-            tokens differ from the target's, or its context is shorter than ``max_model_len``.
-        ModelNotFoundError / ModelLoadError / UnsupportedModelError: as for the target.
+            tokens differ from the target's, its context is shorter than ``max_model_len``,
+            or its file cannot be loaded (corrupt, unsupported architecture).
+        ModelNotFoundError: the path does not exist.
     """
 
     def __init__(self, model: str, num_speculative_tokens: int, target_config: ModelConfig, target_tokenizer,
@@ -76,8 +77,14 @@ class DraftModelProposer:
                  max_model_len: int) -> None:
         from kvserve.tokenizer import load_tokenizer
 
-        path = resolve_model_path(model)
-        cfg, state = load_weights(path)
+        from kvserve.config import UnsupportedModelError
+        from kvserve.loader import ModelLoadError
+
+        try:
+            path = resolve_model_path(model)
+            cfg, state = load_weights(path)
+        except (ModelLoadError, UnsupportedModelError) as e:
+            raise ValueError(f"speculative_config.model: {e}") from e
         if cfg.vocab_size != target_config.vocab_size:
             raise ValueError(f"speculative_config.model: the draft model's vocabulary has {cfg.vocab_size} tokens, "
                              f"the target's {target_config.vocab_size}: they must share one vocabulary")
