@@ -397,21 +397,36 @@ def test_paged_attention_prefill_matches_causal_sdpa(H, KVH, hd, bs):
     """Chunks with and without cached context before them (chunked prefill, prefix hits), one
     token, lengths that are not multiples of a tile; NaN in every slot no context covers."""
     g = torch.Generator().manual_seed(H + hd)
+
+    def pools(nb, used):
+        kc = torch.randn(nb, bs, KVH, hd, generator=g).bfloat16()
+        vc = torch.randn(nb, bs, KVH, hd, generator=g).bfloat16()
+        kc.view(nb * bs, -1)[~used] = float("nan")
+        vc.view(nb * bs, -1)[~used] = float("nan")
+        return kc, vc
+
+    _check_prefill_matches_sdpa(H, KVH, hd, bs, g, pools, lambda c, slots: c.view(-1, KVH, hd)[slots])
+
+
+#: (tokens, num_past) of the chunks in one prefill batch
+PREFILL_CHUNKS = [(7, 0), (20, 5), (33, 0), (1, 17), (64, 60), (130, 0)]
+
+
+def _check_prefill_matches_sdpa(H, KVH, hd, bs, g, pools, gather):
+    """The C prefill kernel over PREFILL_CHUNKS in scattered blocks of the pools
+    ``pools(num_blocks, used_slots) -> (k_cache, v_cache)`` against causal SDPA per chunk over
+    ``gather(cache, slots) -> [L, KVH, hd]``."""
     nb = 2048 // bs
-    kc = torch.randn(nb, bs, KVH, hd, generator=g).bfloat16()
-    vc = torch.randn(nb, bs, KVH, hd, generator=g).bfloat16()
-    chunks = [(7, 0), (20, 5), (33, 0), (1, 17), (64, 60), (130, 0)]  # (tokens, num_past)
+    chunks = PREFILL_CHUNKS
     perm = torch.randperm(nb, generator=g).tolist()
     tables, i = [], 0
     for n, past in chunks:
-        k = math.ceil((n + past) / bs)
-        tables.append(perm[i : i + k])
-        i += k
+        tables.append(perm[i : i + math.ceil((n + past) / bs)])
+        i += len(tables[-1])
     used = torch.zeros(nb * bs, dtype=torch.bool)
     for t, (n, past) in zip(tables, chunks):
         used[torch.tensor([t[j // bs] * bs + j % bs for j in range(n + past)])] = True
-    kc.view(nb * bs, -1)[~used] = float("nan")
-    vc.view(nb * bs, -1)[~used] = float("nan")
+    kc, vc = pools(nb, used)
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     T = sum(n for n, _ in chunks)
@@ -424,8 +439,8 @@ def test_paged_attention_prefill_matches_causal_sdpa(H, KVH, hd, bs):
     for p, (s, (n, past)) in enumerate(zip(starts, chunks)):
         L = n + past
         slots = torch.tensor([tables[p][j // bs] * bs + j % bs for j in range(L)])
-        k = kc.view(-1, KVH, hd)[slots].transpose(0, 1).float()
-        v = vc.view(-1, KVH, hd)[slots].transpose(0, 1).float()
+        k = gather(kc, slots).transpose(0, 1).float()
+        v = gather(vc, slots).transpose(0, 1).float()
         mask = torch.arange(L).unsqueeze(0) <= (past + torch.arange(n)).unsqueeze(1)
         e = F.scaled_dot_product_attention(q[s : s + n].float().transpose(0, 1), k, v, attn_mask=mask,
                                            scale=hd**-0.5, enable_gqa=True).transpose(0, 1)
@@ -631,32 +646,6 @@ def test_paged_attention_prefill_on_8bit_pools_matches_sdpa_on_dequantized(H, KV
     from kvserve import kv_quant
 
     g = torch.Generator().manual_seed(H + hd + 1)
-    nb = 2048 // bs
-    chunks = [(7, 0), (20, 5), (33, 0), (1, 17), (64, 60), (130, 0)]  # (tokens, num_past)
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, i = [], 0
-    for n, past in chunks:
-        tables.append(perm[i : i + math.ceil((n + past) / bs)])
-        i += len(tables[-1])
-    used = torch.zeros(nb * bs, dtype=torch.bool)
-    for t, (n, past) in zip(tables, chunks):
-        used[torch.tensor([t[j // bs] * bs + j % bs for j in range(n + past)])] = True
-    kc, vc = _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used)
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    T = sum(n for n, _ in chunks)
-    qkv = torch.randn(T, (H + 2 * KVH) * hd, generator=g).bfloat16()
-    q = qkv[:, : H * hd].view(T, H, hd)
-    starts = [sum(n for n, _ in chunks[:p]) for p in range(len(chunks))]
-    info = torch.tensor([[s, n, past] for s, (n, past) in zip(starts, chunks)])
-    out = torch.full((T, H, hd), float("nan"), dtype=torch.bfloat16)
-    K.paged_attention_prefill(q, kc, vc, bt, info, hd**-0.5, out)
-    for p, (s, (n, past)) in enumerate(zip(starts, chunks)):
-        L = n + past
-        slots = torch.tensor([tables[p][j // bs] * bs + j % bs for j in range(L)])
-        k = kv_quant.gather(kc, slots, torch.bfloat16).transpose(0, 1).float()
-        v = kv_quant.gather(vc, slots, torch.bfloat16).transpose(0, 1).float()
-        mask = torch.arange(L).unsqueeze(0) <= (past + torch.arange(n)).unsqueeze(1)
-        e = F.scaled_dot_product_attention(q[s : s + n].float().transpose(0, 1), k, v, attn_mask=mask,
-                                           scale=hd**-0.5, enable_gqa=True).transpose(0, 1)
-        torch.testing.assert_close(out[s : s + n].float(), e, rtol=1e-2, atol=1e-2)
+    _check_prefill_matches_sdpa(H, KVH, hd, bs, g,
+                                lambda nb, used: _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used),
+                                lambda c, slots: kv_quant.gather(c, slots, torch.bfloat16))

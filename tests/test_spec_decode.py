@@ -438,6 +438,16 @@ def _chi_square(counts: dict, probs: dict, n: int) -> float:
     return stats.chisquare(obs, exp).pvalue
 
 
+def _sample_counts(eng, base, n):
+    """n samples of PROMPT (16 requests of n / 16 samples, one seed each) → token tuple → count."""
+    outs = _run(eng, [PROMPT] * 16, [SamplingParams(**{**_fields(base), "seed": s, "n": n // 16}) for s in range(16)],
+                check=False)
+    counts: dict = {}
+    for o in (c for out in outs for c in out.outputs):
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    return counts
+
+
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.6, 3)])
 def test_sampling_matches_the_exact_distribution(folder, tiny_model_dir, temperature, top_k):
     """The first 3 tokens of 2000 seeded samples with n-gram speculation (drafts proposed,
@@ -451,11 +461,7 @@ def test_sampling_matches_the_exact_distribution(folder, tiny_model_dir, tempera
     eng = _engine(folder, num_blocks=4096, max_num_seqs=512, max_num_batched_tokens=8192,
                   spec={**NGRAM, "num_speculative_tokens": 2})
     # 16 requests of n = 125 samples: each prompt is computed once, each sample has its own seed
-    outs = _run(eng, [PROMPT] * 16, [SamplingParams(**{**_fields(base), "seed": s, "n": n // 16}) for s in range(16)],
-                check=False)
-    counts: dict = {}
-    for o in (c for out in outs for c in out.outputs):
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    counts = _sample_counts(eng, base, n)
     s = eng.stats()
     assert s["spec_decode_num_draft_tokens"] > 0.5 * n  # most samples verified a draft
     assert 0.1 < s["spec_decode_acceptance_rate"] < 0.9  # both accepted and rejected often
@@ -663,11 +669,7 @@ def test_draft_model_sampling_matches_the_exact_distribution(folder, drafts, tin
     probs = _exact_distribution(model, base, 3)
     eng = _engine(folder, num_blocks=4096, max_num_seqs=512, max_num_batched_tokens=8192,
                   spec=_draft(drafts["noisy"], 2))
-    outs = _run(eng, [PROMPT] * 16, [SamplingParams(**{**_fields(base), "seed": s, "n": n // 16}) for s in range(16)],
-                check=False)
-    counts: dict = {}
-    for o in (c for out in outs for c in out.outputs):
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    counts = _sample_counts(eng, base, n)
     s = eng.stats()
     assert s["spec_decode_num_draft_tokens"] >= n  # (k = 2, max_tokens = 3: one draft after the first token)
     assert 0.1 < s["spec_decode_acceptance_rate"] < 0.95
