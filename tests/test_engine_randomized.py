@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvserve import SamplingParams
 from kvserve.engine import EngineArgs, LLMEngine
+from workload import run_workload
 
 MAX_MODEL_LEN = 64
 STEP_CAP = 2000
@@ -96,28 +97,7 @@ def test_every_request_finishes_once_with_its_solo_output(folders, alone, w):
                                   num_blocks=w["num_blocks"], block_size=w["block_size"], max_model_len=MAX_MODEL_LEN,
                                   max_num_batched_tokens=w["max_num_batched_tokens"], max_num_seqs=w["max_num_seqs"],
                                   enable_prefix_caching=w["enable_prefix_caching"]))
-    ids: dict[str, dict] = {}
-    final: dict[str, object] = {}
-    for step in range(STEP_CAP):
-        for i, r in enumerate(w["requests"]):
-            if r["arrive"] == step:
-                rid = engine.add_request(list(r["prompt"]), r["params"], request_id=f"r{i}",
-                                         priority=r["priority"], cache_salt=r["salt"])
-                ids[rid] = dict(r, added=step)
-        for rid, r in ids.items():
-            if r["abort"] is not None and step == r["added"] + r["abort"] and rid not in final:
-                engine.abort_request(rid)
-                final[rid] = "aborted"
-        for out in engine.step() if engine.has_unfinished_requests() else []:
-            assert out.request_id not in final, f"{out.request_id}: an output after it finished"
-            if out.finished:
-                final[out.request_id] = out
-        engine.kv.check_invariants()
-        if len(ids) == len(w["requests"]) and not engine.has_unfinished_requests():
-            break
-    else:
-        pytest.fail(f"requests still unfinished after {STEP_CAP} steps")
-    assert set(final) == set(ids)
+    ids, final = run_workload(engine, w["requests"], STEP_CAP)
     for rid, out in final.items():
         if out == "aborted":
             continue

@@ -13,6 +13,7 @@ from scipy import stats
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine import EngineArgs, LLMEngine
+from workload import run_workload
 from kvserve.spec_decode import NgramProposer, SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -553,25 +554,7 @@ def test_randomized_workloads_with_speculation(folder):
         eng = _engine(folder, spec={**NGRAM, "num_speculative_tokens": w["k"]}, num_blocks=w["num_blocks"],
                       block_size=w["block_size"], max_model_len=64, max_num_batched_tokens=w["budget"],
                       max_num_seqs=w["seqs"], enable_prefix_caching=w["prefix"])
-        ids, final = {}, {}
-        for step in range(2000):
-            for i, r in enumerate(w["reqs"]):
-                if r["arrive"] == step:
-                    ids[eng.add_request(list(r["prompt"]), r["params"], request_id=f"r{i}")] = dict(r, added=step)
-            for rid, r in ids.items():
-                if r["abort"] is not None and step == r["added"] + r["abort"] and rid not in final:
-                    eng.abort_request(rid)
-                    final[rid] = "aborted"
-            for out in eng.step() if eng.has_unfinished_requests() else []:
-                assert out.request_id not in final
-                if out.finished:
-                    final[out.request_id] = out
-            eng.kv.check_invariants()
-            if len(ids) == len(w["reqs"]) and not eng.has_unfinished_requests():
-                break
-        else:
-            pytest.fail("requests still unfinished")
-        assert set(final) == set(ids)
+        ids, final = run_workload(eng, w["reqs"], 2000)
         for rid, out in final.items():
             if out == "aborted":
                 continue

@@ -1,0 +1,43 @@
+"""Drive an engine through a randomized workload (tests/test_engine_randomized.py,
+tests/test_spec_decode.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def run_workload(engine, requests: list[dict], step_cap: int) -> tuple[dict[str, dict], dict[str, object]]:
+    """Add each request at its ``arrive`` step (``request_id`` ``r{i}``, with its ``priority`` and
+    ``salt`` where given), abort it ``abort`` steps later where that is not None, and step until
+    every request finished, checking the KV invariants after every step.
+
+    Returns:
+        (request id → the request's dict plus the step it was ``added``,
+         request id → its final :class:`RequestOutput`, or "aborted").
+
+    Fails the test if an output comes after its request finished or requests are left
+    unfinished after ``step_cap`` steps.
+    """
+    ids: dict[str, dict] = {}
+    final: dict[str, object] = {}
+    for step in range(step_cap):
+        for i, r in enumerate(requests):
+            if r["arrive"] == step:
+                rid = engine.add_request(list(r["prompt"]), r["params"], request_id=f"r{i}",
+                                         priority=r.get("priority", 0), cache_salt=r.get("salt"))
+                ids[rid] = dict(r, added=step)
+        for rid, r in ids.items():
+            if r["abort"] is not None and step == r["added"] + r["abort"] and rid not in final:
+                engine.abort_request(rid)
+                final[rid] = "aborted"
+        for out in engine.step() if engine.has_unfinished_requests() else []:
+            assert out.request_id not in final, f"{out.request_id}: an output after it finished"
+            if out.finished:
+                final[out.request_id] = out
+        engine.kv.check_invariants()
+        if len(ids) == len(requests) and not engine.has_unfinished_requests():
+            break
+    else:
+        pytest.fail(f"requests still unfinished after {step_cap} steps")
+    assert set(final) == set(ids)
+    return ids, final
