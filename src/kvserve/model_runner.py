@@ -139,7 +139,8 @@ class ModelRunner:
         # attends), so it batches with the decodes and takes the one-call C decode step
         verify = [(r, n) for r, n in sched.scheduled
                   if n > 1 and r.spec_token_ids and r.num_computed_tokens + n == r.num_tokens_with_spec]
-        prefills = [(r, n) for r, n in sched.scheduled if n > 1 and not (verify and any(r is v for v, _ in verify))]
+        verifying = {r.request_id for r, _ in verify}
+        prefills = [(r, n) for r, n in sched.scheduled if n > 1 and r.request_id not in verifying]
         ids: list[int] = []
         pos_parts: list[torch.Tensor] = []
         slot_parts: list[torch.Tensor] = []
