@@ -234,16 +234,29 @@ def test_forks_and_beams_are_batch_independent(alone):
 
 # -------------------------------------------------------------- SmolLM2 (real model)
 @pytest.mark.slow
-def test_smollm2_bf16_greedy_agrees_with_the_bf16_cache(smollm2_path, reference):
-    """bf16 greedy, 32 tokens of each of the 7 reference prompts: with the int8 cache, measured
-    (AMX CPU) identical prefixes of 32, 12, 27, 16, 32, 26, 23 tokens (75% of the tokens before
-    the first difference; fp8, not run here: 26, 4, 0, 16, 32, 19, 5, i.e. 46%). Asserted with
-    margin: every prompt's first 8 tokens and >= 60% of the tokens."""
-    prompts = [c["prompt_ids"] for c in reference["cases"]]
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    runs = {kv: [o.token_ids for o in LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=0.1,
-                                          kv_cache_dtype=kv).generate(prompts, params)]
-            for kv in ("auto", "int8")}
-    int8 = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-            for a, b in zip(runs["auto"], runs["int8"])]
-    assert min(int8) >= 8 and sum(int8) >= 0.6 * 32 * len(prompts), int8
+def test_smollm2_bf16_int8_cache_tracks_the_reference_like_the_bf16_cache(smollm2_path, reference):
+    """Teacher-forced on the 7 reference sequences (prompt + transformers' fp32 greedy output),
+    prefilled in chunks of 16 tokens so that every chunk reads its context back from the
+    (quantized) pool: at each output position, does the bf16 model's argmax equal the reference
+    token (rank 1), and how far is its log-probability of that token from the bf16 cache's?
+    Measured on an AMD Zen 4 CPU (AVX-512 kernels), 181 positions: top-1 agreement 99.4% with
+    the bf16 cache, 97.8% with int8 (fp8, not run here: 96.1%), mean |delta logprob| against
+    the bf16 cache 0.031 (fp8 0.043). Free-running greedy prefixes are not compared: one near-tie
+    sends them apart (a prompt diverged at its 5th token on Zen 4, at none before the 12th on
+    an AMX Xeon). Asserted: the bf16 cache >= 95%, int8 within 4 points of it, mean
+    |delta logprob| < 0.08."""
+    seqs = [c["prompt_ids"] + c["greedy_ids"] for c in reference["cases"]]
+    starts = [len(c["prompt_ids"]) for c in reference["cases"]]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    runs = {}
+    for kv in ("auto", "int8"):
+        llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=0.1, kv_cache_dtype=kv,
+                  max_num_batched_tokens=16, enable_prefix_caching=False)
+        outs = llm.generate(seqs, params)
+        assert llm.engine.scheduler.num_chunked_prefills > 0
+        runs[kv] = [o.prompt_logprobs[s:] for o, s in zip(outs, starts)]
+    top1 = {kv: sum(lp.rank == 1 for r in runs[kv] for lp in r) / sum(len(r) for r in runs[kv])
+            for kv in runs}
+    dlp = [abs(a.logprob - b.logprob) for ra, rb in zip(runs["auto"], runs["int8"]) for a, b in zip(ra, rb)]
+    assert top1["auto"] >= 0.95 and top1["int8"] >= top1["auto"] - 0.04, top1
+    assert sum(dlp) / len(dlp) < 0.08, sum(dlp) / len(dlp)
