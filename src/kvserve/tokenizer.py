@@ -146,6 +146,21 @@ def apply_chat_template(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def chat_template_renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template uses ``tools`` (a template that never mentions
+    them, like SmolLM2's, drops the tools it is given).
+
+    Returns:
+        False without a chat template; for a dict of named templates, whether any mentions ``tools``.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return any(isinstance(t, str) and "tools" in t for t in template.values())
+    if isinstance(template, list):  # (the serialized form: [{"name", "template"}])
+        return any(isinstance(t, dict) and "tools" in str(t.get("template", "")) for t in template)
+    return isinstance(template, str) and "tools" in template
+
+
 def _check_messages(messages: list[dict]) -> None:
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")

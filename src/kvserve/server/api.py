@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect
 from kvserve.engine import LLMEngine, QueueFullError
 from kvserve.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.request import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.async_engine import AsyncEngine, EngineStoppedError
 from kvserve.server.protocol import (
     APIError,
@@ -47,6 +47,7 @@ from kvserve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    ToolCallSpec,
     chat_messages,
     parse_request,
     structured_output_error,
@@ -54,7 +55,17 @@ from kvserve.server.protocol import (
     tool_call_spec,
 )
 from kvserve.server.tokens import TokenTexts, safe_logprob
-from kvserve.tokenizer import apply_chat_template
+from kvserve.server.tool_parsers import (
+    DEFAULT_TOOL_PARSER,
+    NamedToolCallStream,
+    RequiredToolCallStream,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    get_tool_parser,
+    new_tool_call_id,
+)
+from kvserve.tokenizer import apply_chat_template, chat_template_renders_tools
 
 logger = logging.getLogger("kvserve.server")
 
@@ -116,12 +127,18 @@ class OpenAIServer:
         served_model_names: names clients may use in ``model``; the first is reported.
         api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``.
         max_body_bytes: larger request bodies get 413 before they are read.
+        tool_call_parser: the :data:`~kvserve.server.tool_parsers.TOOL_PARSERS` name of the
+            parser that reads the model's tool calls under ``tool_choice: "auto"``.
+
+    Raises:
+        ValueError: no served model name, or an unknown ``tool_call_parser``.
     """
 
     def __init__(self, engine: LLMEngine, served_model_names: Sequence[str], api_key: Optional[str] = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
+        self.tool_parser_cls = get_tool_parser(tool_call_parser)
         self.engine = engine
         self.model_names = list(served_model_names)
         self.model_name = self.model_names[0]
@@ -270,10 +287,21 @@ class OpenAIServer:
                 set it, ``response_format`` or ``structured_outputs``, with llguidance's message).
         """
         params = to_sampling_params(req, max_tokens, logprobs, self.tokenizer, renames)
+        tool = tool_call_spec(req) if isinstance(req, ChatCompletionRequest) else None
+        if tool is not None and not tool.forced:  # auto: the parameters are not compiled to a grammar, but checked
+            for i, t in enumerate(tool.tools):
+                schema = t["function"].get("parameters") or {"type": "object", "properties": {}}
+                try:
+                    self.engine.structured_output.compile(StructuredOutputsParams(json=schema,
+                                                                                  disable_any_whitespace=True))
+                except ValueError as e:
+                    err = structured_output_error(e, "tools")
+                    err.message = f"tools[{i}] ({t['function']['name']}): {err.message}"
+                    raise err from None
         if params.structured_outputs is not None:
             rf = req.response_format
             field = "response_format" if isinstance(rf, dict) and rf.get("type") != "text" else "structured_outputs"
-            if isinstance(req, ChatCompletionRequest) and tool_call_spec(req) is not None:
+            if tool is not None and tool.forced:
                 field = "tools"
             try:
                 self.engine.structured_output.compile(params.structured_outputs)
@@ -413,11 +441,13 @@ class OpenAIServer:
                     counts[(tag, o.index)] = len(o.token_ids)
                     if (tag, o.index) in ended or (not o.delta_text and o.finish_reason is None):
                         continue
-                    c = choice(tag, o, out)
+                    cs = choice(tag, o, out)
+                    cs = cs if isinstance(cs, list) else [cs]
                     if o.finish_reason is not None:
-                        c["stop_reason"] = o.stop_reason
+                        cs[-1]["stop_reason"] = o.stop_reason
                         ended.add((tag, o.index))
-                    yield _sse({**head, "choices": [c], **self._running_usage(sub, counts, continuous)})
+                    for c in cs:
+                        yield _sse({**head, "choices": [c], **self._running_usage(sub, counts, continuous)})
             if include_usage and sub.done:
                 yield _sse({**head, "choices": [], "usage": self._usage(sub, finals)})
             yield "data: [DONE]\n\n"
@@ -606,9 +636,11 @@ class OpenAIServer:
         if req.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         tool = tool_call_spec(req)  # (400 for bad tools / tool_choice)
-        if tool is not None and req.stream:
-            raise APIError(400, "stream is not supported with tool calls (tool_choice 'required' or a named "
-                                "function) yet", param="stream", code="unsupported_parameter")
+        parser = None
+        if tool is not None and not tool.forced:
+            parser = self.tool_parser_cls(tool.tools, tool.max_calls)
+            if not chat_template_renders_tools(self.tokenizer):  # the model would never see the tools
+                msgs = _with_system_prompt(msgs, parser.system_prompt(tool.tools))
         params = await self._in_tokenizer_thread(self._sampling_params, req, max_tokens, k, renames)
         add_gen = req.add_generation_prompt and not req.continue_final_message
         ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message,
@@ -622,7 +654,7 @@ class OpenAIServer:
         if req.echo and msgs[-1]["role"] == ("assistant" if add_gen else msgs[-1]["role"]):
             echo = msgs[-1]["content"]
         if req.stream:
-            gen = self._stream_chat(sub, req, params, base, created, echo)
+            gen = self._stream_chat(sub, req, params, base, created, echo, tool, parser)
             return _AbortOnClose(gen, sub.abort_unfinished)
         finals = await self._collect(sub, request)
         out = finals[0]
@@ -633,9 +665,18 @@ class OpenAIServer:
                 logprobs = {"content": self.texts.chat_logprobs(o.logprobs or [], k or 0)}
             message = {"role": "assistant", "content": echo + o.text}
             finish = o.finish_reason
-            if tool is not None and finish == "stop" and o.stop_reason is None:  # the grammar completed the call
+            if parser is not None:  # auto: the model's own tool-call format
+                found = parser.extract(o.text)
+                if found.calls:
+                    content = None if found.content is None and not echo else echo + (found.content or "")
+                    message = {"role": "assistant", "content": content, "tool_calls": [
+                        {"id": new_tool_call_id(), "type": "function",
+                         "function": {"name": c.name, "arguments": c.arguments}} for c in found.calls]}
+                    if finish == "stop":
+                        finish = "tool_calls"
+            elif tool is not None and finish == "stop" and o.stop_reason is None:  # the grammar completed the call
                 try:
-                    calls = tool.tool_calls(o.text, lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+                    calls = tool.tool_calls(o.text, new_tool_call_id)
                 except (ValueError, KeyError, TypeError):  # (cannot happen under the grammar: kept as text)
                     calls = None
                 if calls:
@@ -649,9 +690,16 @@ class OpenAIServer:
         return JSONResponse(body)
 
     def _stream_chat(self, sub: _Submitted, req: ChatCompletionRequest, params: SamplingParams,
-                     base: str, created: int, echo: str) -> AsyncIterator[str]:
+                     base: str, created: int, echo: str, tool: Optional[ToolCallSpec] = None,
+                     parser: Optional[ToolParser] = None) -> AsyncIterator[str]:
+        """Chat chunks; with tools, each choice's text goes through a :class:`ToolCallStream`
+        (auto: ``parser``'s; required/named: the grammar-forced JSON's), whose events become
+        ``delta.content`` and ``delta.tool_calls`` chunks (OpenAI's shapes: a call's first
+        chunk has its ``id``, ``type``, ``function.name`` and ``arguments: ""``, the next
+        ones pieces of ``function.arguments``)."""
         k = req.top_logprobs or 0
         sent_lp: dict[int, int] = {}
+        streams: dict[int, ToolCallStream] = {}
         opening = []
         for i in range(params.n):
             opening.append({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -666,10 +714,49 @@ class OpenAIServer:
                 entries = (o.logprobs or [])[start:]
                 sent_lp[o.index] = start + len(entries)
                 logprobs = {"content": self.texts.chat_logprobs(entries, k)}
-            delta = {"content": o.delta_text} if o.delta_text else {}
-            return {"index": o.index, "delta": delta, "logprobs": logprobs, "finish_reason": o.finish_reason}
+            if tool is None:
+                delta = {"content": o.delta_text} if o.delta_text else {}
+                return {"index": o.index, "delta": delta, "logprobs": logprobs, "finish_reason": o.finish_reason}
+            stream = streams.get(o.index)
+            if stream is None:
+                stream = streams[o.index] = (parser.stream() if parser is not None else
+                                             NamedToolCallStream(tool.name) if tool.name is not None else
+                                             RequiredToolCallStream())
+            events = stream.feed(o.delta_text) if o.delta_text else []
+            finish = o.finish_reason
+            if finish is not None:
+                events += stream.finish()
+                if stream.calls and finish == "stop" and (parser is not None or o.stop_reason is None):
+                    finish = "tool_calls"
+            deltas = [_tool_delta(e) for e in events]
+            if not deltas and (finish is not None or (logprobs and logprobs["content"])):
+                deltas = [{}]
+            chunks = [{"index": o.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+            if chunks:
+                chunks[0]["logprobs"] = logprobs
+                chunks[-1]["finish_reason"] = finish
+            return chunks
 
         return self._stream(sub, req, base, "chat.completion.chunk", created, opening, choice, "messages")
+
+
+def _tool_delta(event) -> dict:
+    """A chat chunk's ``delta`` for one :class:`ToolCallStream` event."""
+    if isinstance(event, str):
+        return {"content": event}
+    assert isinstance(event, ToolCallDelta)
+    if event.name is not None:
+        return {"tool_calls": [{"index": event.index, "id": new_tool_call_id(), "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
+
+
+def _with_system_prompt(msgs: list[dict], text: str) -> list[dict]:
+    """``msgs`` with ``text`` opening the system message (one is added if there is none)."""
+    if msgs and msgs[0]["role"] == "system":
+        first = msgs[0]["content"]
+        return [{**msgs[0], "content": f"{text}\n\n{first}" if first else text}] + msgs[1:]
+    return [{"role": "system", "content": text}] + msgs
 
 
 def _in_batch(err: APIError, index: int) -> APIError:
@@ -713,15 +800,19 @@ def _version() -> str:
 
 
 def build_app(engine: LLMEngine, served_model_names: Sequence[str] | str | None = None,
-              api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:
     """The FastAPI app serving ``engine`` (the engine thread starts with the app's lifespan).
 
     The :class:`OpenAIServer` is at ``app.state.server``.
+
+    Raises:
+        ValueError: an unknown ``tool_call_parser``.
     """
     if served_model_names is None:
         served_model_names = [engine.model_config.name]
     elif isinstance(served_model_names, str):
         served_model_names = [served_model_names]
-    server = OpenAIServer(engine, served_model_names, api_key, max_body_bytes)
+    server = OpenAIServer(engine, served_model_names, api_key, max_body_bytes, tool_call_parser)
     server.app.state.server = server
     return server.app

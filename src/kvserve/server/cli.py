@@ -24,6 +24,11 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     p.add_argument("--max-waiting", type=int, default=0,
                    help="most requests waiting for a slot before new ones get 503 (default 0: unbounded)")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (default 32 MiB)")
+    from kvserve.server.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+
+    p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
+                   help="how to read the model's tool calls under tool_choice 'auto' (default hermes: "
+                        "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen2.5/Qwen3 and SmolLM3 write them)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (uvicorn and kvserve.server)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
@@ -94,7 +99,8 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     logging.getLogger("kvserve.server").setLevel(level)
     engine = LLMEngine(args)
     names = a.served_model_name or [default_served_name(a.model, engine)]
-    app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes)
+    app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+                    tool_call_parser=a.tool_call_parser)
     print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}) "
           f"on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
     print(f"kvserve: {engine.kv_spec.describe()}", file=sys.stderr, flush=True)

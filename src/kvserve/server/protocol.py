@@ -9,7 +9,8 @@ vLLM's old ``guided_*`` fields): ignoring those would return text the client can
 they get a 400. Structured output comes from OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) or vLLM's ``structured_outputs`` (:func:`structured_outputs_params`); tool
 calls with ``tool_choice`` ``"required"`` or a named function are generated under the tools'
-parameter schemas (:func:`tool_call_spec`).
+parameter schemas; with ``"auto"`` (the default when tools are given) the model writes freely
+and a tool-call parser reads the calls (:func:`tool_call_spec`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.server.tool_parsers import forced_tool_calls
 from kvserve.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger("kvserve.server")
@@ -215,49 +217,61 @@ _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 @dataclass
 class ToolCallSpec:
-    """How a chat request's reply must be a tool call (``tool_choice`` ``"required"`` or named).
+    """A chat request's tool calling: ``tool_choice`` ``"auto"`` (the model may call tools; a
+    tool-call parser reads its reply), ``"required"`` or a named function (the reply is
+    generated under a grammar).
 
     Attributes:
         tools: the request's tools (``[{"type": "function", "function": {...}}]``), checked.
-        name: the named function, or None for ``"required"``.
-        schema: the JSON schema the reply follows (compact: no whitespace between JSON tokens):
-            the function's parameters (named), or an array of 1 (or, with
+        mode: ``"auto"``, ``"required"`` or ``"named"``.
+        name: the named function, or None.
+        schema: the JSON schema a forced reply follows (compact: no whitespace between JSON
+            tokens): the function's parameters (named), or an array of 1 (or, with
             ``parallel_tool_calls``, more) ``{"name", "parameters"}`` objects (``"required"``,
-            vLLM's shape).
+            vLLM's shape); None for ``"auto"``.
+        max_calls: ``"auto"``: 1 when ``parallel_tool_calls`` is false, else None (no limit).
     """
 
     tools: list[dict]
-    name: Optional[str]
-    schema: dict
+    mode: str
+    name: Optional[str] = None
+    schema: Optional[dict] = None
+    max_calls: Optional[int] = None
+
+    @property
+    def forced(self) -> bool:
+        """Whether the reply is generated under :attr:`schema` (``"required"`` or named)."""
+        return self.schema is not None
 
     def tool_calls(self, text: str, ids: "Callable[[], str]") -> list[dict]:
-        """OpenAI ``tool_calls`` from a finished reply that followed :attr:`schema`.
+        """OpenAI ``tool_calls`` from a finished forced reply that followed :attr:`schema`
+        (``arguments``: the JSON as generated).
 
         Raises:
-            ValueError: ``text`` is not JSON (a reply cut by max_tokens).
+            ValueError: ``text`` is not JSON (a reply cut by max_tokens or a stop string).
         """
-        if self.name is not None:
-            json.loads(text)
-            calls = [(self.name, text)]
-        else:
-            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
-        return [{"id": ids(), "type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+        return [{"id": ids(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in forced_tool_calls(text, self.name)]
 
 
 def tool_call_spec(req: "ChatCompletionRequest") -> Optional[ToolCallSpec]:
-    """The chat request's tool-call constraint, or None (no tools, or ``tool_choice`` ``"none"``).
+    """The chat request's tool calling, or None (no tools, or ``tool_choice`` ``"none"``).
 
-    ``tool_choice``: ``"required"`` (one or more calls of any of the tools, at most one unless
+    ``tool_choice``: ``"auto"`` (the default when tools are given, as in OpenAI: the model
+    may answer or call tools, at most one call when ``parallel_tool_calls`` is false),
+    ``"required"`` (one or more calls of any of the tools, at most one unless
     ``parallel_tool_calls`` is true) or ``{"type": "function", "function": {"name": ...}}``
-    (that function's arguments); ``"none"`` ignores the tools. ``"auto"`` (OpenAI's default
-    when tools are given) is not supported: it needs a parser of each model's own tool-call
-    format.
+    (that function's arguments); ``"none"`` ignores the tools.
 
     Raises:
-        APIError: 400 naming ``tools`` or ``tool_choice`` for a malformed value, ``"auto"``, an
-            unknown function name, or a tool choice without tools.
+        APIError: 400 naming ``tools``, ``tool_choice`` or ``parallel_tool_calls`` for a
+            malformed value, an unknown function name, a tool choice without tools, or
+            ``parallel_tool_calls`` without tools.
     """
     tools, choice = req.tools, req.tool_choice
+    if req.parallel_tool_calls is not None and not tools:
+        raise APIError(400, "parallel_tool_calls is only allowed when 'tools' are given", param="parallel_tool_calls",
+                       code="invalid_value")
     if choice == "none" or (choice is None and not tools):
         return None
     if not tools:
@@ -286,10 +300,7 @@ def tool_call_spec(req: "ChatCompletionRequest") -> Optional[ToolCallSpec]:
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
               for t in tools}
     if choice is None or choice == "auto":
-        raise APIError(400, "tool_choice 'auto' (the default when tools are given) is not supported: kvserve does "
-                            "not parse free-form tool calls; set tool_choice to 'required' or "
-                            "{'type': 'function', 'function': {'name': ...}}", param="tool_choice",
-                       code="unsupported_parameter")
+        return ToolCallSpec(tools, "auto", max_calls=1 if req.parallel_tool_calls is False else None)
     if choice == "required":
         item = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
                            "required": ["name", "parameters"], "additionalProperties": False}
@@ -297,15 +308,15 @@ def tool_call_spec(req: "ChatCompletionRequest") -> Optional[ToolCallSpec]:
         schema = {"type": "array", "items": item, "minItems": 1}
         if not req.parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolCallSpec(tools, None, schema)
+        return ToolCallSpec(tools, "required", None, schema)
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(fn, dict):
-        raise APIError(400, f"tool_choice must be 'none', 'required' or {{'type': 'function', 'function': "
+        raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
                             f"{{'name': ...}}}}, got {choice!r}", param="tool_choice", code="invalid_value")
     if fn.get("name") not in params:
         raise APIError(400, f"tool_choice names the function {fn.get('name')!r}, which is not in tools "
                             f"({', '.join(names)})", param="tool_choice", code="invalid_value")
-    return ToolCallSpec(tools, fn["name"], params[fn["name"]])
+    return ToolCallSpec(tools, "named", fn["name"], params[fn["name"]])
 
 
 def structured_outputs_params(req: "_SamplingFields") -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
@@ -327,7 +338,7 @@ def structured_outputs_params(req: "_SamplingFields") -> tuple[Optional[Structur
     """
     rf, so = req.response_format, req.structured_outputs
     tool = tool_call_spec(req) if isinstance(req, ChatCompletionRequest) else None
-    if tool is not None:
+    if tool is not None and tool.forced:
         if so is not None or (isinstance(rf, dict) and rf.get("type") != "text"):
             raise APIError(400, "a tool call (tool_choice) cannot be combined with response_format or "
                                 "structured_outputs", param="tool_choice", code="invalid_value")

@@ -406,6 +406,7 @@ class _HermesStream(ToolCallStream):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesToolParser.name: HermesToolParser}
+DEFAULT_TOOL_PARSER = HermesToolParser.name
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
