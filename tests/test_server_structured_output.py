@@ -47,6 +47,20 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
+# a template that renders tools, as Qwen's and Hermes' do (CHAT_TEMPLATE ignores them, so under
+# tool_choice auto they would come in a system message, too long for this model's 512 tokens)
+TOOLS_TEMPLATE = ("{% if tools %}<s>tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}</s>\n"
+                  "{% endif %}" + CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tools_client(folder):
+    engine = LLMEngine(EngineArgs(model=str(folder), **ARGS))
+    engine.tokenizer.chat_template = TOOLS_TEMPLATE
+    with ServerThread(engine, names=["tiny"], tool_call_parser="hermes") as s:
+        yield openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0)
+
+
 @pytest.fixture(scope="module")
 def offline(folder):
     llm = LLM(model=str(folder), **ARGS)
@@ -227,12 +241,11 @@ def test_a_tool_reply_cut_by_a_stop_string_comes_back_as_text(client):
 
 
 TOOL_BAD = [
-    ({"tools": [WEATHER]}, "tool_choice", "tool_choice 'auto' (the default when tools are given) is not supported"),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "is not supported"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+    ({"tool_choice": "auto"}, "tool_choice", "tool_choice needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "names the function 'nope', which is not in tools (get_weather)"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be 'none', 'required'"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be 'none', 'auto', 'required'"),
     ({"tools": {"a": 1}, "tool_choice": "required"}, "tools", "tools must be a list"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools", "tools[0] must be"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"}, "tools",
@@ -241,10 +254,13 @@ TOOL_BAD = [
                                                                          "given twice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
       "tool_choice": "required"}, "tools", "tools: a function's parameters: invalid JSON schema"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, "tools",
+     "tools[1] (f): tools: a function's parameters: invalid JSON schema"),  # auto: checked, though not compiled
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid value for 'parallel_tool_calls'"),
+    ({"parallel_tool_calls": True}, "parallel_tool_calls", "parallel_tool_calls is only allowed when 'tools' are given"),
+    ({"tools": [], "parallel_tool_calls": False}, "parallel_tool_calls", "only allowed when 'tools' are given"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "cannot be combined with response_format"),
-    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream",
-     "stream is not supported with tool calls"),
 ]
 
 
@@ -254,3 +270,130 @@ def test_bad_tool_calls_get_400_naming_the_field(server, extra, param, words):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+# ------------------------------------------------------- streamed tool calls, tool_choice auto
+def _accumulate(chunks, text_has_tags=False):
+    """What an OpenAI client makes of a streamed chat reply: (content or None, [(id, name,
+    arguments)], finish reasons), checking each tool-call chunk's shape on the way."""
+    content, calls, finishes = [], {}, []
+    for ch in chunks:
+        assert len(ch.choices) == 1
+        c = ch.choices[0]
+        if c.finish_reason:
+            finishes.append(c.finish_reason)
+        if c.delta.content:
+            if not text_has_tags:  # (a tag split over tokens never leaks into the content)
+                assert "<tool_" not in c.delta.content and "tool_call>" not in c.delta.content
+            content.append(c.delta.content)
+        for tc in c.delta.tool_calls or []:
+            if tc.index not in calls:  # a call's first chunk: id, type, name and empty arguments
+                assert tc.id.startswith("chatcmpl-tool-") and tc.type == "function"
+                assert tc.function.name and tc.function.arguments == ""
+                calls[tc.index] = [tc.id, tc.function.name, ""]
+            else:  # then pieces of the arguments only
+                assert tc.id is None and tc.function.name is None and tc.function.arguments
+                calls[tc.index][2] += tc.function.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return ("".join(content) or None), [tuple(calls[i]) for i in sorted(calls)], finishes
+
+
+def _whole(message):
+    return message.content, [(t.id, t.function.name, t.function.arguments) for t in message.tool_calls or []]
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_streamed_forced_tool_calls_equal_the_whole_reply(client, tool_choice):
+    done = 0
+    for seed in (None, 1, 2, 3):
+        sample = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
+        kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=150, tool_choice=tool_choice,
+                  parallel_tool_calls=True, **sample)
+        whole = client.chat.completions.create(**kw).choices[0]
+        content, calls, finishes = _accumulate(client.chat.completions.create(stream=True, **kw))
+        assert finishes == [whole.finish_reason]
+        if whole.finish_reason != "tool_calls":  # (whitespace padding up to max_tokens: text, cut mid-call)
+            assert whole.finish_reason == "length"
+            continue
+        done += 1
+        w_content, w_calls = _whole(whole.message)
+        assert content is None and w_content is None
+        assert [c[1:] for c in calls] == [c[1:] for c in w_calls]  # (ids are new for each reply)
+        for _, name, args in calls:
+            jsonschema.validate(json.loads(args), PARAMS[name])
+    assert done
+
+
+# a reply forced through structured_outputs that exercises the parser: text, two calls, text after
+AUTO_REGEX = (r'Let me look\. <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(CITY)", '
+              r'"unit": "celsius"\}\}\n</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": '
+              r'\{"zone": [1-9]\}\}\n</tool_call> Done\.')
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", None])
+def test_auto_tool_calls_are_parsed_from_the_reply_whole_and_streamed(tools_client, tool_choice):
+    for seed, city in enumerate(["Paris", "Zürich", "東京", "Oslo|Rome"]):
+        kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=200, temperature=1.0, seed=seed,
+                  extra_body={"structured_outputs": {"regex": AUTO_REGEX.replace("CITY", city)}})
+        if tool_choice is not None:
+            kw["tool_choice"] = tool_choice
+        whole = tools_client.chat.completions.create(**kw).choices[0]
+        assert whole.finish_reason == "tool_calls"
+        content, calls = _whole(whole.message)
+        assert content == "Let me look. \n Done."
+        assert [c[1] for c in calls] == ["get_weather", "get_time"]
+        assert all(c[0].startswith("chatcmpl-tool-") for c in calls) and calls[0][0] != calls[1][0]
+        args = json.loads(calls[0][2])
+        assert args["city"] in city.split("|")
+        assert calls[0][2] == f'{{"city": "{args["city"]}", "unit": "celsius"}}'  # as the model wrote it
+        assert re.fullmatch(r'\{"zone": [1-9]\}', calls[1][2])
+        s_content, s_calls, finishes = _accumulate(tools_client.chat.completions.create(stream=True, **kw))
+        assert (s_content, [c[1:] for c in s_calls], finishes) == (content, [c[1:] for c in calls], ["tool_calls"])
+
+
+def test_auto_malformed_calls_stay_text_and_parallel_tool_calls_false_keeps_one(tools_client):
+    bad = (r'<tool_call>\n\{"name": "get_wind", "arguments": \{\}\}\n</tool_call> and <tool_call>\{"name": '
+           r'"get_time", "arguments": \{"zone": 1\}</tool_call>')
+    kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=200, temperature=0,
+              extra_body={"structured_outputs": {"regex": bad}})
+    whole = tools_client.chat.completions.create(**kw).choices[0]
+    text = ('<tool_call>\n{"name": "get_wind", "arguments": {}}\n</tool_call> and <tool_call>{"name": "get_time", '
+            '"arguments": {"zone": 1}</tool_call>')
+    assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == (text, None, "stop")
+    # streamed, the first block alone (the second's header is complete, so a stream sends its call
+    # before it can see the missing "}": the difference the parser documents)
+    assert _accumulate(tools_client.chat.completions.create(stream=True, **{**kw, "extra_body": {
+        "structured_outputs": {"regex": bad.split(" and ")[0]}}}), text_has_tags=True)[:2] == (text.split(" and ")[0], [])
+    one = tools_client.chat.completions.create(**{**kw, "parallel_tool_calls": False,
+                                            "extra_body": {"structured_outputs": {"regex": AUTO_REGEX.replace("CITY", "Oslo")}}}).choices[0]
+    assert [t.function.name for t in one.message.tool_calls] == ["get_weather"]
+    assert one.message.content == "Let me look. \n Done." and one.finish_reason == "tool_calls"
+
+
+def test_auto_tools_reach_the_model_through_the_template_or_a_system_prompt(server, client, offline):
+    from kvserve.server.tool_parsers import HermesToolParser
+
+    tok = offline.engine.tokenizer
+
+    def prompt_tokens(**kw):
+        return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, **kw).usage.prompt_tokens
+
+    # this template ignores tools: the Hermes description opens a system message (a short tool: this
+    # tokenizer makes the description ~400 tokens)
+    short = {"type": "function", "function": {"name": "f"}}
+    system = [{"role": "system", "content": HermesToolParser.system_prompt([short])}] + MESSAGES
+    want = len(tok.encode(tok.apply_chat_template(system, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False))
+    assert prompt_tokens(tools=[short]) == want
+    assert prompt_tokens(tools=[short], tool_choice="none") == prompt_tokens() < want - 300
+    # a template that renders tools gets them, and no system message
+    api_tok = server.api.tokenizer
+    api_tok.chat_template = "{% if tools %}<s>tools: {{ tools | length }}</s>\n{% endif %}" + CHAT_TEMPLATE
+    try:
+        with_tools = prompt_tokens(tools=[WEATHER, TIME])
+        rendered = api_tok.apply_chat_template(MESSAGES, tools=[WEATHER, TIME], tokenize=False,
+                                               add_generation_prompt=True)
+    finally:
+        api_tok.chat_template = CHAT_TEMPLATE
+    assert rendered.startswith("<s>tools: 2</s>\n")
+    assert with_tools == len(api_tok.encode(rendered, add_special_tokens=False))

@@ -9,11 +9,18 @@ and turns the engine's :class:`RequestOutput` updates into OpenAI's JSON shapes,
 server-sent events ending in ``data: [DONE]``. A client that disconnects has its request
 aborted at once (its KV blocks are freed before the engine's next step).
 
+Tool calls (chat): ``tool_choice`` ``"required"`` or a named function is generated under the
+tools' schemas; ``"auto"`` (the default when ``tools`` are given) lets the model write freely,
+and the server's tool-call parser (``--tool-call-parser``, :mod:`kvserve.server.tool_parsers`)
+reads its calls into ``message.tool_calls``; all three stream as OpenAI's ``delta.tool_calls``.
+A chat template that ignores ``tools`` gets them under "auto" as a system message in the
+parser's format.
+
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for an
 invalid parameter (``param`` names it: an invalid JSON schema, regex or grammar names
 ``response_format``, ``structured_outputs`` or ``tools``), a prompt beyond the context window or
-a request for what is not supported (``tool_choice`` "auto", streamed tool calls, OpenAI's
-deprecated ``functions``; code ``unsupported_parameter``), 401
+a request for what is not supported (OpenAI's deprecated ``functions``, tools on
+/v1/completions, vLLM's removed ``guided_*`` fields; code ``unsupported_parameter``), 401
 for a missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 503
 when the waiting queue is full.
 """
@@ -282,9 +289,13 @@ class OpenAIServer:
         """The request's :class:`SamplingParams`, its structured-output grammar compiled (into the
         engine's cache, off the engine thread), in the tokenizer thread.
 
+        Under ``tool_choice`` "auto" each tool's ``parameters`` is compiled too (checked as a
+        schema, though nothing constrains the reply).
+
         Raises:
             APIError: 400 naming the field (an invalid schema, regex or grammar: the field that
-                set it, ``response_format`` or ``structured_outputs``, with llguidance's message).
+                set it, ``response_format``, ``structured_outputs`` or ``tools``, with
+                llguidance's message).
         """
         params = to_sampling_params(req, max_tokens, logprobs, self.tokenizer, renames)
         tool = tool_call_spec(req) if isinstance(req, ChatCompletionRequest) else None
