@@ -125,3 +125,40 @@ def test_stop_string(client):
     r = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=["."])
     assert r.choices[0].text == text[: text.index(".")]
     assert r.choices[0].finish_reason == "stop"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in the capital of France?"}]
+
+
+def test_auto_tool_choice_on_smollm2(client, llm_fp32):
+    """SmolLM2's template ignores tools: under tool_choice auto they come in a Hermes-style system
+    message, so the reply equals the offline chat with that message, read by the hermes parser
+    (this model answers in prose: no calls). A reply forced into a <tool_call> block by a regex
+    (the city is the model's choice) comes back as the same call whole and streamed."""
+    from kvserve.server.tool_parsers import HermesToolParser
+
+    system = [{"role": "system", "content": HermesToolParser.system_prompt([WEATHER])}]
+    ref = llm_fp32.chat(system + ASK, SamplingParams(max_tokens=24, temperature=0))
+    r = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=24, temperature=0)
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    want = HermesToolParser([WEATHER]).extract(ref.text)
+    assert r.choices[0].message.content == want.content
+    assert [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []] == \
+        [(c.name, c.arguments) for c in want.calls]
+    regex = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,12}"\}\}\n</tool_call>'
+    kw = dict(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0,
+              extra_body={"structured_outputs": {"regex": regex}})
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == \
+        [("get_weather", '{"city": "Paris"}')]
+    pieces, names = [], []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            names += [tc.function.name] if tc.function.name else []
+            pieces.append(tc.function.arguments)
+        assert not chunk.choices[0].delta.content
+    assert names == ["get_weather"] and "".join(pieces) == '{"city": "Paris"}' and len(pieces) > 2
