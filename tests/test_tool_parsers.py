@@ -179,3 +179,15 @@ def test_forced_streams_equal_the_whole_reply_for_every_split(text, name):
             events = s.feed(text[:i]) + s.feed(text[i:j]) + s.feed(text[j:]) + s.finish()
             assert join_events(events) == ExtractedToolCalls(None, want), (i, j)
             assert s.calls == len(want)
+
+
+def test_a_long_unclosed_block_is_scanned_once():
+    """A block that never closes is held as it grows; each feed scans only the new text (a rescan
+    of the held text per token took 8.3 s here for these 5,608 feeds; now ~10 ms)."""
+    import time
+
+    text = "<tool_call>" + 'word "quoted" and more text ' * 800 + "</tool_call> after"
+    t = time.perf_counter()
+    events = _streamed(P, [text[i:i + 4] for i in range(0, len(text), 4)])
+    assert time.perf_counter() - t < 1.0
+    assert join_events(events) == ExtractedToolCalls(text, [])

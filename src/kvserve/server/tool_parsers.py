@@ -150,24 +150,47 @@ def _held_back(text: str, tag: str) -> int:
     return 0
 
 
+class _TagFinder:
+    """Finds the first ``tag`` outside JSON strings (``\\`` escapes honoured) in a text that
+    grows between calls (each call's text starts with the previous one), scanning each
+    character once."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.pos = 0
+        self.in_str = self.esc = False
+
+    def find(self, text: str) -> int:
+        """Index of the tag in ``text``, or -1 (not yet: a possible beginning of it at the end
+        is looked at again next time)."""
+        tag, i = self.tag, self.pos
+        while i < len(text):
+            c = text[i]
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif c == "\\":
+                    self.esc = True
+                elif c == '"':
+                    self.in_str = False
+            elif c == '"':
+                self.in_str = True
+            elif c == tag[0]:
+                if text.startswith(tag, i):
+                    self.pos = i
+                    return i
+                if tag.startswith(text[i:]):
+                    break
+            i += 1
+        self.pos = i
+        return -1
+
+
 def _find_outside_strings(text: str, tag: str, start: int = 0) -> int:
     """Index of the first ``tag`` in ``text[start:]`` that is not inside a JSON string (string
-    state followed from ``start``, ``\\`` escapes honoured), or -1."""
-    in_str = esc = False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c == tag[0] and text.startswith(tag, i):
-            return i
-    return -1
+    state followed from ``start``), or -1."""
+    j = _TagFinder(tag).find(text[start:])
+    return j + start if j >= 0 else -1
 
 
 def _json_string(literal: str) -> Optional[str]:
@@ -311,6 +334,7 @@ class _HermesStream(ToolCallStream):
         self.pending_ws = ""  # leading whitespace content, sent once real content comes
         self.sent_text = False
         self.scan: Optional[_JSONValueEnd] = None
+        self.finder = _TagFinder(parser.CLOSE)
 
     def _content(self, out: list[Event], s: str) -> None:
         if not s:
@@ -367,9 +391,9 @@ class _HermesStream(ToolCallStream):
                         self.buf, self.state = self.buf[m.end() - 1:], self.ARGS
                         self.scan = _JSONValueEnd()
                         continue
-                elif not final and _HERMES_HEADER.match(self.buf, partial=True) is not None:
-                    return  # may still become a header
-                self.state = self.BLOCK
+                elif not final and len(self.buf) <= 512 and _HERMES_HEADER.match(self.buf, partial=True):
+                    return  # may still become a header (names are short: a longer one cannot)
+                self.state, self.finder = self.BLOCK, _TagFinder(p.CLOSE)
                 continue
             if self.state == self.ARGS:
                 n = self.scan.consume(self.buf)
@@ -379,11 +403,11 @@ class _HermesStream(ToolCallStream):
                 if self.scan.done or self.scan.broken or final:
                     self.calls += 1
                     self.kept += 1
-                    self.state = self.TAIL
+                    self.state, self.finder = self.TAIL, _TagFinder(p.CLOSE)
                     continue
                 return
             if self.state == self.TAIL:  # after a sent call's arguments: skip to the end of the block
-                j = _find_outside_strings(self.buf, p.CLOSE)
+                j = self.finder.find(self.buf)
                 if j >= 0:
                     self.buf, self.state = self.buf[j + len(p.CLOSE):], self.TEXT
                     continue
@@ -391,7 +415,7 @@ class _HermesStream(ToolCallStream):
                     self.buf = ""
                 return  # (kept whole and scanned again with more text: a block's tail is short)
             if self.state == self.BLOCK:
-                j = _find_outside_strings(self.buf, p.CLOSE)
+                j = self.finder.find(self.buf)
                 if j < 0 and not final:
                     return
                 body = self.buf if j < 0 else self.buf[:j]
@@ -485,9 +509,9 @@ class RequiredToolCallStream(ToolCallStream):
                 if not (self.scan.done or self.scan.broken):
                     return out
                 self.calls += 1
-                self.state = self.TAIL
+                self.state, self.finder = self.TAIL, _TagFinder("}")
             if self.state == self.TAIL:
-                j = _find_outside_strings(self.buf, "}")
+                j = self.finder.find(self.buf)
                 if j < 0:
                     return out
                 self.buf, self.state = self.buf[j + 1:], self.BETWEEN
