@@ -397,3 +397,22 @@ def test_auto_tools_reach_the_model_through_the_template_or_a_system_prompt(serv
         api_tok.chat_template = CHAT_TEMPLATE
     assert rendered.startswith("<s>tools: 2</s>\n")
     assert with_tools == len(api_tok.encode(rendered, add_special_tokens=False))
+
+
+def test_streamed_auto_tool_calls_with_n_2_logprobs_and_usage(tools_client):
+    """Each of n choices has its own parser state; logprobs and the usage chunk still come."""
+    kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=200, temperature=1.0, seed=7, n=2,
+              extra_body={"structured_outputs": {"regex": AUTO_REGEX.replace("CITY", "Paris|Oslo|Rome|Bern")}})
+    whole = tools_client.chat.completions.create(**kw)
+    chunks = list(tools_client.chat.completions.create(stream=True, logprobs=True,
+                                                       stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    n_logprobs = 0
+    for i in range(2):
+        mine = [c for c in chunks if c.choices and c.choices[0].index == i]
+        content, calls, finishes = _accumulate(mine)
+        w = next(c for c in whole.choices if c.index == i)
+        w_content, w_calls = _whole(w.message)
+        assert (content, [c[1:] for c in calls], finishes) == (w_content, [c[1:] for c in w_calls], ["tool_calls"])
+        n_logprobs += sum(len(c.choices[0].logprobs.content) for c in mine if c.choices[0].logprobs)
+    assert n_logprobs == whole.usage.completion_tokens  # one entry per generated token, none lost
