@@ -416,3 +416,25 @@ def test_streamed_auto_tool_calls_with_n_2_logprobs_and_usage(tools_client):
         assert (content, [c[1:] for c in calls], finishes) == (w_content, [c[1:] for c in w_calls], ["tool_calls"])
         n_logprobs += sum(len(c.choices[0].logprobs.content) for c in mine if c.choices[0].logprobs)
     assert n_logprobs == whole.usage.completion_tokens  # one entry per generated token, none lost
+
+
+def test_special_tool_call_tags_are_kept_in_the_text(folder):
+    """A tokenizer whose <tool_call> tags are special tokens would drop them from the text under
+    the default skip_special_tokens: the tag check turns it off for that request only."""
+    from transformers import AutoTokenizer
+
+    from kvserve.server.api import keep_tool_tags
+    from kvserve.server.tool_parsers import HermesToolParser
+
+    parser = HermesToolParser([WEATHER])
+    tok = AutoTokenizer.from_pretrained(folder)
+    params = SamplingParams(max_tokens=4)
+    assert keep_tool_tags(params, parser, tok) is params  # plain text tags: nothing changes
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    ids = tok.encode('<tool_call>{"name": "get_weather"}</tool_call>', add_special_tokens=False)
+    assert "<tool_call>" not in tok.decode(ids, skip_special_tokens=True)
+    kept = keep_tool_tags(params, parser, tok)
+    assert kept.skip_special_tokens is False and kept.max_tokens == 4 and params.skip_special_tokens is True
+    assert tok.decode(ids, skip_special_tokens=kept.skip_special_tokens) == \
+        '<tool_call>{"name": "get_weather"}</tool_call>'
+    assert keep_tool_tags(SamplingParams(skip_special_tokens=False), parser, tok).skip_special_tokens is False

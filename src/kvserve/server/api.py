@@ -653,6 +653,8 @@ class OpenAIServer:
             if not chat_template_renders_tools(self.tokenizer):  # the model would never see the tools
                 msgs = _with_system_prompt(msgs, parser.system_prompt(tool.tools))
         params = await self._in_tokenizer_thread(self._sampling_params, req, max_tokens, k, renames)
+        if parser is not None:
+            params = keep_tool_tags(params, parser, self.tokenizer)
         add_gen = req.add_generation_prompt and not req.continue_final_message
         ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message,
                                               tool.tools if tool is not None else None)
@@ -749,6 +751,20 @@ class OpenAIServer:
             return chunks
 
         return self._stream(sub, req, base, "chat.completion.chunk", created, opening, choice, "messages")
+
+
+def keep_tool_tags(params: SamplingParams, parser: ToolParser, tokenizer: Any) -> SamplingParams:
+    """``params`` with ``skip_special_tokens`` off when the parser's tags are special tokens of
+    ``tokenizer`` (else the text would lose them and no call could be read; as vLLM's hermes
+    parser does). The EOS or stop token that ends a reply still adds no text.
+
+    Returns:
+        ``params`` itself when nothing changes, else a copy.
+    """
+    special = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    if params.skip_special_tokens and special.intersection(parser.tags):
+        return dataclasses.replace(params, skip_special_tokens=False)
+    return params
 
 
 def _tool_delta(event) -> dict:

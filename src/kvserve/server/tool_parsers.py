@@ -119,6 +119,7 @@ class ToolParser(ABC):
     """
 
     name: ClassVar[str]
+    tags: ClassVar[tuple[str, ...]] = ()  # the format's markers (kept in the text if they are special tokens)
 
     def __init__(self, tools: list[dict], max_calls: Optional[int] = None) -> None:
         self.tools = tools
@@ -266,6 +267,7 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
+    tags = (OPEN, CLOSE)
 
     def _parse_block(self, body: str) -> Optional[ToolCall]:
         """The call in a block's body, or None if it is malformed."""
