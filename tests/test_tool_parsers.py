@@ -191,3 +191,15 @@ def test_a_long_unclosed_block_is_scanned_once():
     events = _streamed(P, [text[i:i + 4] for i in range(0, len(text), 4)])
     assert time.perf_counter() - t < 1.0
     assert join_events(events) == ExtractedToolCalls(text, [])
+
+
+def test_the_server_option_names_the_parsers():
+    from kvserve.cli import build_parser
+    from kvserve.server import build_app
+
+    assert build_parser().parse_args(["serve"]).tool_call_parser == "hermes"
+    assert build_parser().parse_args(["serve", "--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'"):
+        build_app(None, ["m"], tool_call_parser="mistral")  # (checked before the engine is touched)
