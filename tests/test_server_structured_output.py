@@ -386,6 +386,16 @@ def test_auto_tools_reach_the_model_through_the_template_or_a_system_prompt(serv
                           add_special_tokens=False))
     assert prompt_tokens(tools=[short]) == want
     assert prompt_tokens(tools=[short], tool_choice="none") == prompt_tokens() < want - 300
+    # and earlier tool turns are written as <tool_call> / <tool_response> text
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    as_text = system + [{"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'},
+                        {"role": "tool", "tool_call_id": "c1", "content": "<tool_response>\nok\n</tool_response>"}]
+    want = len(tok.encode(tok.apply_chat_template(as_text, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False))
+    r = client.chat.completions.create(model="tiny", messages=history, tools=[short], max_tokens=1)
+    assert r.usage.prompt_tokens == want
     # a template that renders tools gets them, and no system message
     api_tok = server.api.tokenizer
     api_tok.chat_template = "{% if tools %}<s>tools: {{ tools | length }}</s>\n{% endif %}" + CHAT_TEMPLATE

@@ -203,3 +203,21 @@ def test_the_server_option_names_the_parsers():
         build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
     with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'"):
         build_app(None, ["m"], tool_call_parser="mistral")  # (checked before the engine is touched)
+
+
+def test_history_as_text_writes_earlier_tool_turns_as_blocks():
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
+        {"role": "assistant", "content": "It is 21 C."}]
+    got = HermesToolParser.history_as_text(history)
+    assert got[0] == history[0] and got[3] == history[3]
+    assert got[1] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+                      '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": "not json"}\n'
+                      '</tool_call>'}
+    assert got[2] == {"role": "tool", "tool_call_id": "c1", "content": "<tool_response>\n21 C\n</tool_response>"}
+    assert P.extract(got[1]["content"]).calls == [ToolCall("get_weather", '{"city": "Paris"}')]  # (round trip)
+    assert "tool_calls" in history[1]  # (the input is not changed)

@@ -651,7 +651,7 @@ class OpenAIServer:
         if tool is not None and not tool.forced:
             parser = self.tool_parser_cls(tool.tools, tool.max_calls)
             if not chat_template_renders_tools(self.tokenizer):  # the model would never see the tools
-                msgs = _with_system_prompt(msgs, parser.system_prompt(tool.tools))
+                msgs = _with_system_prompt(parser.history_as_text(msgs), parser.system_prompt(tool.tools))
         params = await self._in_tokenizer_thread(self._sampling_params, req, max_tokens, k, renames)
         if parser is not None:
             params = keep_tool_tags(params, parser, self.tokenizer)

@@ -140,6 +140,12 @@ class ToolParser(ABC):
         """A system message that describes ``tools`` and the call format, for chat templates
         that do not render ``tools`` themselves."""
 
+    @classmethod
+    def history_as_text(cls, messages: list[dict]) -> list[dict]:
+        """``messages`` with earlier tool turns written in the format, for chat templates that
+        do not render ``tool_calls`` (the default: unchanged)."""
+        return messages
+
 
 # ---------------------------------------------------------------- scanning helpers
 def _held_back(text: str, tag: str) -> int:
@@ -313,6 +319,34 @@ class HermesToolParser(ToolParser):
 
     def stream(self) -> "_HermesStream":
         return _HermesStream(self)
+
+    @classmethod
+    def history_as_text(cls, messages: list[dict]) -> list[dict]:
+        """Assistant ``tool_calls`` appended to the content as ``<tool_call>`` blocks, ``tool``
+        results wrapped in ``<tool_response></tool_response>`` (as Qwen's templates write them);
+        other messages unchanged. A call's ``arguments`` string is written as its JSON value
+        when it parses, else as the string."""
+        out = []
+        for m in messages:
+            if m.get("role") == "assistant" and m.get("tool_calls"):
+                blocks = []
+                for c in m["tool_calls"]:
+                    fn = c.get("function", {}) if isinstance(c, dict) else {}
+                    args = fn.get("arguments", {})
+                    if isinstance(args, str):
+                        try:
+                            args = json.loads(args)
+                        except ValueError:
+                            pass
+                    call = json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+                    blocks.append(f"{cls.OPEN}\n{call}\n{cls.CLOSE}")
+                text = "\n".join(blocks)
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+                m["content"] = f"{m['content']}\n{text}" if m.get("content") else text
+            elif m.get("role") == "tool":
+                m = {**m, "content": f"<tool_response>\n{m.get('content', '')}\n</tool_response>"}
+            out.append(m)
+        return out
 
     @classmethod
     def system_prompt(cls, tools: list[dict]) -> str:
