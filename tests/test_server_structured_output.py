@@ -362,10 +362,11 @@ def test_auto_malformed_calls_stay_text_and_parallel_tool_calls_false_keeps_one(
     assert (whole.message.content, whole.message.tool_calls, whole.finish_reason) == (text, None, "stop")
     # streamed, the first block alone (the second's header is complete, so a stream sends its call
     # before it can see the missing "}": the difference the parser documents)
-    assert _accumulate(tools_client.chat.completions.create(stream=True, **{**kw, "extra_body": {
-        "structured_outputs": {"regex": bad.split(" and ")[0]}}}), text_has_tags=True)[:2] == (text.split(" and ")[0], [])
-    one = tools_client.chat.completions.create(**{**kw, "parallel_tool_calls": False,
-                                            "extra_body": {"structured_outputs": {"regex": AUTO_REGEX.replace("CITY", "Oslo")}}}).choices[0]
+    first = {**kw, "extra_body": {"structured_outputs": {"regex": bad.split(" and ")[0]}}}
+    streamed = _accumulate(tools_client.chat.completions.create(stream=True, **first), text_has_tags=True)
+    assert streamed[:2] == (text.split(" and ")[0], [])
+    oslo = {"structured_outputs": {"regex": AUTO_REGEX.replace("CITY", "Oslo")}}
+    one = tools_client.chat.completions.create(**{**kw, "parallel_tool_calls": False, "extra_body": oslo}).choices[0]
     assert [t.function.name for t in one.message.tool_calls] == ["get_weather"]
     assert one.message.content == "Let me look. \n Done." and one.finish_reason == "tool_calls"
 

@@ -159,7 +159,8 @@ def test_get_tool_parser():
         get_tool_parser("mistral")
 
 
-REQUIRED = '[{"name":"get_weather","parameters":{"city":"[x]}","unit":"celsius"}},{"name":"get_time","parameters":{"zone":-2}}]'
+REQUIRED = ('[{"name":"get_weather","parameters":{"city":"[x]}","unit":"celsius"}},'
+            '{"name":"get_time","parameters":{"zone":-2}}]')
 
 
 def test_forced_replies_give_the_arguments_as_generated():
