@@ -32,6 +32,7 @@ from kvserve.beam_search import BeamSearchState
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.kv_cache import KVCacheManager, allocate_kv_cache, plan_kv_cache
+from kvserve.kv_swap import KVSwapSpace, check_swap_options, num_host_blocks
 from kvserve.layers.linear import QUANTIZATIONS
 from kvserve.loader import load_model_config, load_weights, resolve_model_path
 from kvserve.model_runner import ModelRunner, ModelRunnerOutput, SpecResult
@@ -116,6 +117,16 @@ class EngineArgs:
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
             "prompt_lookup_min": 1}`` or ``{"method": "draft_model", "model": PATH,
             "num_speculative_tokens": k}`` (see :class:`kvserve.spec_decode.SpeculativeConfig`).
+        swap_space: GiB of host memory for the KV blocks of preempted requests
+            (:mod:`kvserve.kv_swap`), in [0, 1048576]; 0 (default): none.
+        preemption_mode: what preemption does with a victim's KV: ``"recompute"`` (free it,
+            recompute prompt + output when resumed) or ``"swap"`` (copy it to the host pool and
+            back; needs ``swap_space > 0``). None (default): ``"swap"`` when ``swap_space > 0``,
+            else ``"recompute"``. Recompute is the default because it costs no memory up front,
+            prefix caching often serves most of a resumed request's context anyway, and on a CPU
+            the "device" pool is host RAM too (memory given to swap_space could as well enlarge
+            ``kv_cache_memory``); swap pays where recomputing long contexts is slow next to
+            copying them (vLLM v0: 4 GiB of swap space, recompute unless a group needed swap).
     """
 
     model: Optional[str] = None
@@ -133,6 +144,8 @@ class EngineArgs:
     quantization: Optional[str] = None
     seed: Optional[int] = None
     speculative_config: Optional[Union[dict, str, SpeculativeConfig]] = None
+    swap_space: float = 0.0
+    preemption_mode: Optional[str] = None
 
     def check(self, option_names: bool = False) -> None:
         """The range checks that need no model; :class:`LLMEngine` runs them before it loads one.
@@ -179,6 +192,7 @@ class EngineArgs:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)
+        check_swap_options(self.swap_space, self.preemption_mode, name)
 
 
 #: the largest KV budget accepted (GiB): beyond it the block count overflows, and no machine has it
@@ -254,7 +268,15 @@ class LLMEngine:
         self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, args.enable_prefix_caching,
                                  self.kv_caches, namespace_model=str(path))
         self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.preemption_mode = check_swap_options(args.swap_space, args.preemption_mode)
+        self.swap: Optional[KVSwapSpace] = None
+        if self.preemption_mode == "swap":
+            self.swap = KVSwapSpace(self.kv_caches, num_host_blocks(args.swap_space, self.kv_spec.bytes_per_token,
+                                                                    args.block_size))
+            logger.info("swap space: %d host blocks of %d tokens (%.2f GiB%s)", self.swap.num_blocks,
+                        args.block_size, self.swap.num_blocks * self.swap.block_bytes / (1 << 30),
+                        ", pinned" if self.swap.pin else "")
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, swap=self.swap)
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv.block_tables, args.block_size, self.device)
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
@@ -941,8 +963,18 @@ class LLMEngine:
             "spec_decode_mean_acceptance_length": 1.0 + a / d if d else 0.0,
         }
 
+    def swap_stats(self) -> dict:
+        """The swap space's counters (:meth:`kvserve.kv_swap.KVSwapSpace.stats`): swap-outs and
+        swap-ins (requests), blocks moved each way, recompute fallbacks, host pool blocks and
+        usage; all 0 without a swap space."""
+        if self.swap is not None:
+            return self.swap.stats()
+        return {"swap_num_swap_outs": 0, "swap_num_swap_ins": 0, "swap_num_swapped_out_blocks": 0,
+                "swap_num_swapped_in_blocks": 0, "swap_num_recompute_fallbacks": 0, "swap_num_dropped": 0,
+                "swap_blocks_total": 0, "swap_blocks_used": 0, "swap_usage": 0.0, "num_swapped": 0}
+
     def stats(self) -> dict:
-        """Engine counters: running/waiting requests, KV usage, preemptions, tokens."""
+        """Engine counters: running/waiting requests, KV usage, preemptions, swaps, tokens."""
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -954,6 +986,7 @@ class LLMEngine:
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "generated_tokens": self.num_generated_tokens,
             **self.spec_stats(),
+            **self.swap_stats(),
             **self.kv.stats(),  # prefix-cache queries/hits/hit rates/evictions, blocks free/cached/in use
         }
 

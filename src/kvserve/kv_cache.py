@@ -340,6 +340,34 @@ class KVCacheManager:
         self.block_tables[request.request_id] = table  # a new table holds no cached block
         return True
 
+    def admit_swapped(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
+                      headroom: int = 0) -> Optional[list[int]]:
+        """Give a request that holds no blocks (a swapped-out request coming back,
+        :mod:`kvserve.kv_swap`) a fresh block table for ``num_computed_tokens + num_new_tokens``
+        tokens and set its ``num_computed_tokens``; the caller copies its K/V into the first
+        blocks. No cache lookup: with prefix caching it locks its namespace's root, and its
+        blocks enter the cache after the step as any request's do (where the tree already holds
+        them, it switches to the tree's blocks).
+
+        Returns:
+            The new block table, or None (nothing taken or evicted) when the blocks do not fit
+            with ``headroom`` blocks left available.
+        """
+        rid = request.request_id
+        if rid in self.block_tables:
+            raise RuntimeError(f"request {rid} already holds blocks")
+        need = self.blocks_needed(num_computed_tokens + num_new_tokens)
+        if not self._make_room(need, headroom):
+            return None
+        table = self.pool.allocate(need)
+        self.block_tables[rid] = table
+        if self.cache is not None:
+            node = self.cache.match_prefix(self.namespace(request), [], max_tokens=0, update_stats=False).node
+            self.cache.lock(node)
+            self._nodes[rid] = node
+        request.num_computed_tokens = num_computed_tokens
+        return table
+
     def _hit_cap(self, request: Request) -> int:
         """Most tokens the request may take from the cache."""
         cap = request.num_tokens - 1  # the last token is always computed

@@ -35,6 +35,17 @@ as large as the whole pool can still run.
 
 A prompt longer than the budget is simply chunked over several steps.
 
+Swap (``preemption_mode="swap"``, :mod:`kvserve.kv_swap`): a preempted request's computed
+blocks are first copied to the host pool (then freed as above), and when it is admitted again
+it gets fresh blocks, its K/V copied back and its ``num_computed_tokens`` restored: it decodes
+on with no prefill. A swap-in is an admission (a sequence slot, its owed tokens from the
+budget, the watermark); a step swaps in at most ``max_num_batched_tokens // block_size``
+blocks (the blocks a prefill of the whole budget would write) but always at least one request,
+so a long context still comes back. Beam-search groups are recomputed (their beams share
+blocks copy-on-write: swapped apart, each beam would need its own copy of the shared ones). A
+victim the host pool cannot hold is recomputed, and a swapped request that cannot be swapped
+in while nothing else runs drops its host copy and is recomputed: none waits forever.
+
 Speculative decoding: a decoding request may carry draft tokens (``spec_token_ids``); it
 is then owed its last token plus the drafts, verified in one multi-token chunk. Drafts
 are trimmed to the budget left and to the slots its block table and the empty blocks
@@ -49,6 +60,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache import KVCacheManager
+from kvserve.kv_swap import KVSwapSpace
 from kvserve.request import Request, RequestStatus
 
 
@@ -82,12 +94,15 @@ class Scheduler:
         kv: the KV cache manager (block tables, pool and prefix cache).
         watermark: fraction of the pool's blocks kept available when admitting new
             requests while others run (see the module docstring); 0 disables it.
+        swap: the host pool to swap preempted requests' KV to (``preemption_mode="swap"``);
+            None recomputes them.
 
     Raises:
         ValueError: if ``watermark`` is not in ``[0, 1)``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, watermark: float = 0.01) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, watermark: float = 0.01,
+                 swap: KVSwapSpace | None = None) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.config = config
@@ -99,6 +114,8 @@ class Scheduler:
         self.num_preemptions = 0  # all preemptions (out of blocks or by priority)
         self.num_priority_preemptions = 0  # of those, to admit a higher-priority request
         self.num_chunked_prefills = 0
+        self.swap = swap
+        self.max_swap_in_blocks = max(1, config.max_num_batched_tokens // kv.block_size)  # per step
 
     # ------------------------------------------------------------------ queue
     @staticmethod
@@ -124,6 +141,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req, cache=status is not RequestStatus.FINISHED_ERROR)
+        if self.swap is not None:
+            self.swap.discard(req.request_id)  # (an aborted request swapped out)
 
     def _running_beams(self, req: Request) -> list[Request]:
         """The running beams of ``req``'s beam-search group (``req`` included if it runs);
@@ -146,6 +165,7 @@ class Scheduler:
                 taken = n
                 del out.scheduled[j]
                 break
+        self._swap_out(victim)
         self.kv.free(victim)  # computed full blocks are cached first: resumption may hit them
         victim.num_computed_tokens = 0
         victim.clear_spec()  # (drafts are proposed again once it decodes)
@@ -155,6 +175,28 @@ class Scheduler:
         self.add_request(victim)
         victim.status = RequestStatus.PREEMPTED
         return taken
+
+    def _swap_out(self, victim: Request) -> None:
+        """With a swap space, copy the victim's computed blocks to the host pool (it keeps its
+        ``num_computed_tokens`` there); a beam, or a victim the pool cannot hold, is recomputed."""
+        if self.swap is None or victim.sampling_params.use_beam_search or victim.num_computed_tokens == 0:
+            return
+        table = self.kv.block_tables.get(victim.request_id, [])
+        n = self.kv.blocks_needed(victim.num_computed_tokens)  # (not the slots allocated for this step)
+        self.swap.swap_out(victim.request_id, table[:n], victim.num_computed_tokens)
+
+    def _swap_in(self, req: Request, budget: int, headroom: int) -> int:
+        """Bring a swapped request back: fresh blocks for its computed tokens plus its next
+        chunk, its K/V copied in, ``num_computed_tokens`` restored. Returns the tokens scheduled,
+        0 when the blocks do not fit (nothing changed)."""
+        assert self.swap is not None
+        s = self.swap.swapped[req.request_id]
+        num_new = min(req.num_tokens - s.num_computed_tokens, budget)
+        table = self.kv.admit_swapped(req, s.num_computed_tokens, num_new, headroom)
+        if table is None:
+            return 0
+        req.num_computed_tokens = self.swap.swap_in(req.request_id, table)
+        return num_new
 
     def _release_waiting_blocks(self, keep: Request | None = None) -> bool:
         """Free the blocks of waiting requests that hold some (forked samples); they will be
@@ -207,8 +249,12 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in order while budget, sequence slots and blocks allow."""
+        swapped_in = 0  # blocks swapped in this step
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            swap_blocks = self.swap.num_blocks_of(req.request_id) if self.swap is not None else 0
+            if swap_blocks and swapped_in and swapped_in + swap_blocks > self.max_swap_in_blocks:
+                break  # this step's swap-in allowance is spent: it comes back next step
             if len(self.running) >= self.config.max_num_seqs:
                 if self._preempt_lower_priority(req, out):
                     budget = self.config.max_num_batched_tokens - out.num_batched_tokens
@@ -216,12 +262,21 @@ class Scheduler:
                 break
             # (no watermark for a beam whose group runs: the group cannot move without it)
             headroom = self.watermark_blocks if self.running and not self._running_beams(req) else 0
-            num_new = self.kv.admit(req, budget, headroom)
+            if swap_blocks:
+                num_new = self._swap_in(req, budget, headroom)
+                swapped_in += swap_blocks if num_new else 0
+            else:
+                num_new = self.kv.admit(req, budget, headroom)
             if num_new == 0:
                 if self._preempt_lower_priority(req, out):
                     budget = self.config.max_num_batched_tokens - out.num_batched_tokens
                     continue
                 if not self.running and self._release_waiting_blocks(keep=req):
+                    continue
+                if swap_blocks and not self.running:
+                    # its blocks cannot come back even with nothing else running: recompute it
+                    self.swap.discard(req.request_id)  # type: ignore[union-attr]
+                    self.swap.num_swap_drops += 1  # type: ignore[union-attr]
                     continue
                 break
             self.waiting.pop(0)
