@@ -33,6 +33,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as JSON (vLLM\'s form), e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
+    p.add_argument("--swap-space", type=float, default=0.0,
+                   help="GiB of host memory for the KV blocks of preempted requests, 0 to 1048576 "
+                        "(default 0: none)")
+    p.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
+                   help="what preemption does with a request's KV: recompute it when resumed, or swap it to "
+                        "the host (--swap-space) and back (default: swap when --swap-space > 0, else recompute)")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details (KV capacity, ...)")
 
 
@@ -48,6 +54,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         device=a.device,
         quantization=None if a.quantization == "none" else a.quantization,
         speculative_config=a.speculative_config,
+        swap_space=a.swap_space,
+        preemption_mode=a.preemption_mode,
     )
 
 
@@ -87,7 +95,7 @@ def _params(a: argparse.Namespace):
 #: (context_len: `kvserve plan`'s).
 _ENGINE_OPTIONS = {f: "--" + f.replace("_", "-") for f in (
     "max_model_len", "kv_cache_memory", "kv_cache_dtype", "device", "block_size", "max_num_batched_tokens",
-    "max_num_seqs", "context_len", "speculative_config")}
+    "max_num_seqs", "context_len", "speculative_config", "swap_space", "preemption_mode")}
 
 
 def _option_error(e: ValueError) -> str:

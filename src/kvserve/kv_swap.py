@@ -166,7 +166,6 @@ class KVSwapSpace:
     def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], num_blocks: int) -> None:
         from kvserve.kv_cache import available_memory
 
-        self.allocator = HostBlockAllocator(num_blocks)
         self.kv_caches = kv_caches
         k0 = kv_caches[0][0]
         self.device = k0.device
@@ -178,6 +177,7 @@ class KVSwapSpace:
         if have is not None and need > have:
             raise ValueError(f"swap_space: the host pool needs {need / GiB:.2f} GiB ({num_blocks} blocks), but only "
                              f"{have / GiB:.2f} GiB of host memory is available; lower swap_space (--swap-space)")
+        self.allocator = HostBlockAllocator(num_blocks)  # (after the check: its queue has num_blocks entries)
         try:
             self.host_caches = [
                 tuple(torch.zeros((num_blocks, *block_shape), dtype=c.dtype, device="cpu", pin_memory=self.pin)

@@ -11,12 +11,16 @@ Histograms (one observation per request unless noted):
     e2e_request_latency_seconds       arrival → finish
     request_queue_time_seconds        arrival → first scheduled
 Gauges: num_requests_running, num_requests_waiting, kv_cache_usage_perc (0..1),
-    prefix_cache_hit_rate (cached / queried prompt tokens, 0..1).
+    prefix_cache_hit_rate (cached / queried prompt tokens, 0..1), cpu_cache_usage_perc (host swap pool
+    blocks in use, 0..1), num_requests_swapped (requests whose KV is in the host swap pool).
 Counters: prompt_tokens_total, generation_tokens_total, num_preemptions_total,
     prefix_cache_queries_total / prefix_cache_hits_total (tokens),
     spec_decode_num_drafts_total (verification steps with drafts),
     spec_decode_num_draft_tokens_total / spec_decode_num_accepted_tokens_total (proposed and
     accepted draft tokens: their ratio is the acceptance rate),
+    swap_out_requests_total / swap_in_requests_total (preempted requests whose KV moved to the host
+    pool and back), swap_out_blocks_total / swap_in_blocks_total (KV blocks moved, all layers),
+    swap_recompute_fallbacks_total (preemptions recomputed because the host pool was full),
     request_success_total{finished_reason} (one per returned sequence: stop, length, abort, error).
 """
 
@@ -74,6 +78,14 @@ class ServerMetrics:
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verification steps (requests with drafts).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.cpu_cache_usage = gauge("cpu_cache_usage_perc", "Fraction of host swap-pool KV blocks in use (0..1).")
+        self.swapped = gauge("num_requests_swapped", "Requests whose KV is swapped out to the host pool.")
+        self.swap_outs = counter("swap_out_requests", "Preempted requests whose KV was swapped out to the host.")
+        self.swap_ins = counter("swap_in_requests", "Swapped requests whose KV was swapped back in.")
+        self.swap_out_blocks = counter("swap_out_blocks", "KV blocks copied to the host pool.")
+        self.swap_in_blocks = counter("swap_in_blocks", "KV blocks copied back from the host pool.")
+        self.swap_fallbacks = counter("swap_recompute_fallbacks",
+                                      "Preemptions recomputed instead of swapped (host pool full).")
         self._success = Counter("kvserve:request_success", "Finished sequences by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model = model_name

@@ -76,7 +76,7 @@ class AsyncEngine:
         self._stopped = False
         self.fatal_error: Optional[BaseException] = None
         self._last_preemptions = 0
-        self._last_spec: dict[str, int] = {}  # spec-decode counters already added to the metrics
+        self._last_spec: dict[str, int] = {}  # spec-decode and swap counters already added to the metrics
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._last_q = 0
@@ -377,13 +377,19 @@ class AsyncEngine:
         m.running.set(s.get("num_running", 0))
         m.waiting.set(s.get("num_waiting", 0))
         m.kv_usage.set(s.get("kv_usage", 0.0))
+        m.cpu_cache_usage.set(s.get("swap_usage", 0.0))
+        m.swapped.set(s.get("num_swapped", 0))
         pre = s.get("num_preemptions", 0)
         if pre > self._last_preemptions:
             m.preemptions.inc(pre - self._last_preemptions)
         self._last_preemptions = pre
         for key, counter in (("spec_decode_num_drafts", m.spec_drafts),
                              ("spec_decode_num_draft_tokens", m.spec_draft_tokens),
-                             ("spec_decode_num_accepted_tokens", m.spec_accepted_tokens)):
+                             ("spec_decode_num_accepted_tokens", m.spec_accepted_tokens),
+                             ("swap_num_swap_outs", m.swap_outs), ("swap_num_swap_ins", m.swap_ins),
+                             ("swap_num_swapped_out_blocks", m.swap_out_blocks),
+                             ("swap_num_swapped_in_blocks", m.swap_in_blocks),
+                             ("swap_num_recompute_fallbacks", m.swap_fallbacks)):
             v = s.get(key, 0)
             if v > self._last_spec.get(key, 0):
                 counter.inc(v - self._last_spec.get(key, 0))
