@@ -63,8 +63,18 @@ def _check_swap(engine: LLMEngine) -> None:
 
 
 def _run(engine: LLMEngine, prompts, params, step_cap: int = 3000) -> dict[str, list]:
-    """Add every prompt, step to the end checking invariants; request id → summary."""
+    """Add every prompt, step to the end checking invariants; request id → summary. The tokens
+    run through the model are summed in ``engine.tokens_computed``."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
+    engine.tokens_computed = 0
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        engine.tokens_computed += out.num_batched_tokens
+        return out
+
+    engine.scheduler.schedule = counting_schedule
     for i, (p, sp) in enumerate(zip(prompts, plist)):
         engine.add_request(list(p), sp, request_id=f"r{i}")
     final = {}
@@ -87,14 +97,18 @@ def _prompts(n: int, lo: int = 10, hi: int = 30, seed: int = 0, prefix: tuple = 
     return [list(prefix) + [rng.randrange(3, 383) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-def _assert_swapped(engine: LLMEngine, prompt_tokens: int | None = None) -> dict:
+def _assert_swapped(engine: LLMEngine, ref: LLMEngine | None = None) -> dict:
+    """Swap-outs and swap-ins happened, every block swapped out came back; with ``ref`` (the
+    same requests without preemption, no prefix caching) nothing was recomputed: the same
+    prompt tokens and the same total of tokens ran through the model."""
     s = engine.stats()
     assert s["swap_num_swap_outs"] > 0 and s["swap_num_swap_ins"] > 0, s
     assert s["swap_num_swap_ins"] == s["swap_num_swap_outs"] - s["swap_num_dropped"]
     assert s["swap_num_swapped_in_blocks"] == s["swap_num_swapped_out_blocks"] > 0
-    if prompt_tokens is not None:  # nothing was recomputed: each prompt ran through the model once
+    if ref is not None:
         assert s["num_preemptions"] == s["swap_num_swap_outs"]
-        assert s["prompt_tokens_computed"] == prompt_tokens
+        assert s["prompt_tokens_computed"] == ref.stats()["prompt_tokens_computed"]
+        assert engine.tokens_computed == ref.tokens_computed
     return s
 
 
@@ -110,23 +124,26 @@ def test_swapped_outputs_equal_a_run_without_preemption(llama, kind):
     eng = _engine(llama, num_blocks=20, swap_space=1e-4)
     assert eng.preemption_mode == "swap" and eng.swap.num_blocks == 52  # 1e-4 GiB / (512 bytes/token · 4)
     assert _run(eng, prompts, params) == ref
-    _assert_swapped(eng, prompt_tokens=sum(map(len, prompts)))
+    assert ref_engine.stats()["prompt_tokens_computed"] == sum(map(len, prompts))
+    _assert_swapped(eng, ref_engine)
     # the same pool with recompute preempts as often and recomputes prompts
     rec = _engine(llama, num_blocks=20)
     assert rec.preemption_mode == "recompute" and rec.swap is None
     assert _run(rec, prompts, params) == ref
     assert rec.stats()["prompt_tokens_computed"] > sum(map(len, prompts))
+    assert rec.tokens_computed > ref_engine.tokens_computed
 
 
 def test_int8_kv_cache_swaps_rows_with_their_scales(llama):
     prompts = _prompts(6, seed=1)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    ref = _run(_engine(llama, num_blocks=256, kv_cache_dtype="int8"), prompts, params)
+    ref_engine = _engine(llama, num_blocks=256, kv_cache_dtype="int8")
+    ref = _run(ref_engine, prompts, params)
     eng = _engine(llama, num_blocks=20, kv_cache_dtype="int8", swap_space=1e-4)
     hk = eng.swap.host_caches[0][0]
     assert hk.dtype == torch.int8 and hk.shape[1:] == eng.kv_caches[0][0].shape[1:] and hk.shape[-1] == 16 + 4
     assert _run(eng, prompts, params) == ref
-    _assert_swapped(eng, prompt_tokens=sum(map(len, prompts)))
+    _assert_swapped(eng, ref_engine)
 
 
 def test_n_samples_and_beams_stay_exact(llama):
