@@ -307,6 +307,11 @@ def test_bad_device_and_max_model_len(tiny_model_dir, monkeypatch):
     ({"max_model_len": "1024"}, "max_model_len must be an integer or None, got '1024'"),
     ({"kv_cache_memory": "2"}, "kv_cache_memory must be a number of GiB, got '2'"),
     ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False, got 'no'"),
+    ({"swap_space": -1}, r"swap_space must be in \[0, 1048576\] GiB \(0: no swap space\), got -1"),
+    ({"swap_space": float("nan")}, r"swap_space must be in \[0, 1048576\] GiB \(0: no swap space\), got nan"),
+    ({"swap_space": 1e300}, r"swap_space must be in \[0, 1048576\] GiB \(0: no swap space\), got 1e\+300"),
+    ({"preemption_mode": "swap"}, r"preemption_mode='swap' needs swap_space > 0 GiB"),
+    ({"preemption_mode": "swapp", "swap_space": 4}, r"preemption_mode must be one of \['recompute', 'swap'\]"),
 ])
 def test_bad_engine_args_fail_before_the_model_loads(kwargs, words, tmp_path):
     # a model path that does not exist: the argument must be checked before the model is looked at
@@ -362,6 +367,8 @@ def test_cli_rejects_empty_message_before_loading_the_model(argv, words, tmp_pat
     ("--kv-cache-memory", "0", "--kv-cache-memory must be in (0, 1048576] GiB, got 0.0"),
     ("--kv-cache-memory", "-2", "--kv-cache-memory must be in (0, 1048576] GiB, got -2.0"),
     ("--kv-cache-memory", "1e300", "--kv-cache-memory must be in (0, 1048576] GiB, got 1e+300"),
+    ("--swap-space", "-1", "--swap-space must be in [0, 1048576] GiB (0: no swap space), got -1.0"),
+    ("--swap-space", "inf", "--swap-space must be in [0, 1048576] GiB (0: no swap space), got inf"),
     ("--max-num-seqs", "0", "--max-num-seqs must be ≥ 1, got 0"),
 ])
 def test_cli_rejects_bad_engine_options_before_loading_the_model(command, option, value, words, tmp_path, capsys):
