@@ -274,12 +274,12 @@ class KVSwapSpace:
         dst = torch.tensor(list(device_blocks[:n]), dtype=torch.long, device=self.device)
         for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
             for c, h in ((k, hk), (v, hv)):
-                rows = h.index_select(0, src)
-                if self.pin:  # gather into pinned memory, copy asynchronously (the caching host
-                    # allocator keeps the buffer until the copy is done)
-                    buf = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                    buf.copy_(rows)
-                    rows = buf.to(self.device, non_blocking=True)
+                if self.pin:  # gather into pinned memory, copy asynchronously (PyTorch's caching
+                    # host allocator keeps the buffer until the copy is done)
+                    buf = torch.empty((n, *h.shape[1:]), dtype=h.dtype, pin_memory=True)
+                    rows = torch.index_select(h, 0, src, out=buf).to(self.device, non_blocking=True)
+                else:
+                    rows = h.index_select(0, src)
                 c.index_copy_(0, dst, rows)
         self.discard(request_id)
         self.num_swap_ins += 1

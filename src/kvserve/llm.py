@@ -50,7 +50,8 @@ class LLM:
             on CPU it runs without the fused kernels and is slower).
         **kwargs: any other :class:`kvserve.engine.EngineArgs` field (``kv_cache_memory``,
             ``max_model_len``, ``max_num_batched_tokens``, ``max_num_seqs``, ``block_size``,
-            ``num_blocks``, ``enable_prefix_caching``, ``device``, ``quantization``, ``seed``).
+            ``num_blocks``, ``enable_prefix_caching``, ``device``, ``quantization``, ``seed``,
+            ``swap_space``, ``preemption_mode``).
 
     Example:
         >>> llm = LLM(dtype="float32")
