@@ -49,6 +49,18 @@ def run(args: argparse.Namespace, mode: str, prompts: list[list[int]]) -> dict:
         return out
 
     engine.scheduler.schedule = counting_schedule
+    copy_s = 0.0  # time inside the swap copies
+    if engine.swap is not None:
+        def timed(fn):
+            def wrapper(*a):
+                nonlocal copy_s
+                t = time.perf_counter()
+                try:
+                    return fn(*a)
+                finally:
+                    copy_s += time.perf_counter() - t
+            return wrapper
+        engine.swap.swap_out, engine.swap.swap_in = timed(engine.swap.swap_out), timed(engine.swap.swap_in)
     t0 = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)
@@ -60,7 +72,8 @@ def run(args: argparse.Namespace, mode: str, prompts: list[list[int]]) -> dict:
     dt = time.perf_counter() - t0
     s = engine.stats()
     return dict(mode=mode, seconds=dt, out_tok_s=len(prompts) * args.output_len / dt, outs=outs,
-                blocks=engine.kv.num_blocks, tokens=tokens, **s)
+                blocks=engine.kv.num_blocks, tokens=tokens, copy_s=copy_s,
+                block_bytes=engine.swap.block_bytes if engine.swap is not None else 0, **s)
 
 
 def main() -> None:
@@ -69,8 +82,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[128, 256], metavar=("MIN", "MAX"))
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--fit", type=int, default=4, help="the pool holds this many full contexts")
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--fit", type=int, default=3, help="the pool holds this many full contexts")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--swap-space", type=float, default=1.0, help="GiB (swap mode)")
@@ -99,7 +112,11 @@ def main() -> None:
               f"{r['swap_num_swap_outs']} | {r['swap_num_swap_ins']} | {r['swap_num_swapped_out_blocks']} / "
               f"{r['swap_num_swapped_in_blocks']} | {r['swap_num_recompute_fallbacks']} | "
               f"{r['prompt_tokens_computed']} | {r['tokens']} | {same}/{len(ref)} |")
-    print(f"swap / recompute wall time: {results[1]['seconds'] / results[0]['seconds']:.2f}x")
+    sw = results[1]
+    moved = sw["swap_num_swapped_out_blocks"] + sw["swap_num_swapped_in_blocks"]
+    print(f"swap / recompute wall time: {sw['seconds'] / r0['seconds']:.2f}x; swap copies took {sw['copy_s'] * 1e3:.1f} ms "
+          f"in all ({moved} blocks of {sw['block_bytes'] / 1024:.0f} KiB moved, "
+          f"{sw['copy_s'] * 1e3 / max(moved, 1):.3f} ms per block)")
 
 
 if __name__ == "__main__":
