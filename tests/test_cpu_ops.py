@@ -649,3 +649,85 @@ def test_paged_attention_prefill_on_8bit_pools_matches_sdpa_on_dequantized(H, KV
     _check_prefill_matches_sdpa(H, KVH, hd, bs, g,
                                 lambda nb, used: _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used),
                                 lambda c, slots: kv_quant.gather(c, slots, torch.bfloat16))
+
+
+@pytest.mark.parametrize("kv_dtype", [None] + KV8, ids=["model-dtype", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (8, 2, 128, 4), (4, 4, 80, 16), (16, 1, 32, 32)])
+def test_paged_attention_decode_window_matches_reference(dtype, kv_dtype, H, KVH, hd, bs, amx):
+    """Sliding-window decode: the new token at position p = L - 1 sees keys (p - W, p] only.
+    Windows of 1, 7, 16, 33 and 100 tokens (odd ones not multiples of the block size) over
+    contexts shorter and longer than them; the reference is float32 SDPA over exactly the
+    window's keys. Every table entry before the window's first block points at a block of
+    NaN (a freed block), so a walk that starts a block too early fails; keys of the first
+    block before the window hold finite random values, so a start one key too early changes
+    the output beyond the tolerance."""
+    from kvserve import kv_quant
+
+    g = torch.Generator().manual_seed(H * hd + bs)
+    nb = 2048 // bs
+    ctx = [1, 7, 15, 16, 17, 31, 100, 333]
+    windows = [1, 7, 16, 33, 100]
+    nan_block = nb - 1
+    perm = torch.randperm(nb - 1, generator=g).tolist()
+    rows = [(n, w) for w in windows for n in ctx]
+    tables, i = [], 0
+    for n, w in rows:
+        first = (n - w) // bs if n > w else 0
+        t = [nan_block] * first + perm[i : i + math.ceil(n / bs) - first]
+        i += math.ceil(n / bs) - first
+        tables.append(t)
+    assert i <= nb - 1
+    used = torch.zeros(nb * bs, dtype=torch.bool)
+    for t, (n, w) in zip(tables, rows):
+        first = (n - w) // bs if n > w else 0
+        used[torch.tensor([t[j // bs] * bs + j % bs for j in range(first * bs, n)])] = True
+    if kv_dtype is None:
+        kc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
+        vc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
+        kc.view(nb * bs, -1)[~used] = float("nan")
+        vc.view(nb * bs, -1)[~used] = float("nan")
+    else:
+        kc, vc = _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [nan_block] * (width - len(t)) for t in tables])
+    qkv = torch.randn(len(rows), (H + 2 * KVH) * hd, generator=g).to(dtype)
+    q = qkv[:, : H * hd].view(len(rows), H, hd)
+    scale = hd**-0.5
+    lens = torch.tensor([n for n, _ in rows])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for w in windows:  # one call per window, all contexts batched
+        sel = [d for d, (_, wd) in enumerate(rows) if wd == w]
+        qs = q[sel]
+        out = K.paged_attention_decode(qs, kc, vc, bt[sel].contiguous(), lens[sel].contiguous(), scale, window=w)
+        assert not out.isnan().any()
+        for r, d in enumerate(sel):
+            n = rows[d][0]
+            slots = torch.tensor([tables[d][j // bs] * bs + j % bs for j in range(max(0, n - w), n)])
+            k = kv_quant.gather(kc, slots, dtype).transpose(0, 1).float()
+            v = kv_quant.gather(vc, slots, dtype).transpose(0, 1).float()
+            e = F.scaled_dot_product_attention(qs[r].float().unsqueeze(1), k, v, scale=scale,
+                                               enable_gqa=True).squeeze(1)
+            torch.testing.assert_close(out[r].float(), e, rtol=tol, atol=tol)
+
+
+def test_paged_attention_decode_window_reads_only_the_window():
+    """The same query over a long context with and without a window: the windowed result
+    equals full attention over a context cut to the window's keys, and differs from full
+    attention over the whole context (the window is not ignored)."""
+    g = torch.Generator().manual_seed(3)
+    H, KVH, hd, bs, L, W = 4, 2, 64, 16, 300, 37
+    kc = torch.randn(32, bs, KVH, hd, generator=g)
+    vc = torch.randn(32, bs, KVH, hd, generator=g)
+    bt = torch.randperm(32, generator=g)[: math.ceil(L / bs)].unsqueeze(0)
+    q = torch.randn(1, H, hd, generator=g)
+    win = K.paged_attention_decode(q, kc, vc, bt, torch.tensor([L]), hd**-0.5, window=W)
+    full = K.paged_attention_decode(q, kc, vc, bt, torch.tensor([L]), hd**-0.5)
+    assert (win - full).abs().max() > 1e-2
+    slots = torch.tensor([bt[0, j // bs].item() * bs + j % bs for j in range(L - W, L)])
+    k = kc.view(-1, KVH, hd)[slots].transpose(0, 1)
+    v = vc.view(-1, KVH, hd)[slots].transpose(0, 1)
+    e = F.scaled_dot_product_attention(q[0].unsqueeze(1), k, v, scale=hd**-0.5, enable_gqa=True).squeeze(1)
+    torch.testing.assert_close(win[0], e, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="window"):
+        K.paged_attention_decode(q, kc, vc, bt, torch.tensor([L]), hd**-0.5, window=0)

@@ -592,9 +592,10 @@ INLINE TGT void softmax_rows(float* sc, int64_t G, int64_t L, float* inv_sum) {
 /* G, NV: query heads per KV head and 16-float vectors per head (compile-time after inlining,
  * or runtime in the generic instance). kt: scratch for 16 converted keys [16][NV*16]. */
 INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, const void* kc, const void* vc,
-                          const int64_t* bt, int64_t L, void* out, int64_t KVH, int64_t g, int64_t hd, int64_t bs,
-                          float scale, float* sc, float* qf, float* kt, int bf) {
+                          const int64_t* bt, int64_t J, int64_t L, void* out, int64_t KVH, int64_t g, int64_t hd,
+                          int64_t bs, float scale, float* sc, float* qf, float* kt, int bf) {
     const int64_t rs = KVH * hd; /* elements between consecutive tokens of one KV head */
+    const int64_t Lw = L - J;    /* keys attended: [J, L) */
     /* Software prefetch of upcoming tokens. The KV heads of a token are adjacent and the
      * work items of one sequence run g = 0, 1, ... in turn, so the first one prefetches whole
      * token rows (sequential DRAM reads; the rows stay in L2 for the other heads). */
@@ -603,8 +604,8 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
         for (int64_t v = 0; v < NV; v++)
             _mm512_storeu_ps(qf + (h * NV + v) * 16, _mm512_mul_ps(ld(q, (g * G + h) * hd + v * 16,
                                                                       tail_mask(hd - v * 16), bf), _mm512_set1_ps(scale)));
-    /* pass 1: scores, 16 keys per step (chunks never cross a block when bs % 16 == 0) */
-    for (int64_t j0 = 0; j0 < L;) {
+    /* pass 1: scores, 16 keys per step (chunks never cross a block) */
+    for (int64_t j0 = J; j0 < L;) {
         const int64_t blk = bt[j0 / bs], o0 = j0 % bs;
         int64_t n = bs - o0 < 16 ? bs - o0 : 16;
         if (L - j0 < n) n = L - j0;
@@ -619,28 +620,29 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
             for (int64_t jj = 0; jj < n; jj++)
                 for (int64_t v = 0; v < NV; v++)
                     P[jj] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (h * NV + v) * 16), _mm512_loadu_ps(kt + (jj * NV + v) * 16), P[jj]);
-            _mm512_mask_storeu_ps(sc + h * L + j0, tail_mask(n), hsum16(P));
+            _mm512_mask_storeu_ps(sc + h * Lw + (j0 - J), tail_mask(n), hsum16(P));
         }
         j0 += n;
     }
     float inv_sum[64];
-    softmax_rows(sc, G, L, inv_sum);
+    softmax_rows(sc, G, Lw, inv_sum);
     /* pass 2: P @ V, accumulators in registers when G * NV is a small constant */
     __m512 acc[G][NV];
     for (int64_t h = 0; h < G; h++)
         for (int64_t v = 0; v < NV; v++) acc[h][v] = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const int64_t blk = bt[j0 / bs], n = (L - j0) < bs ? (L - j0) : bs;
-        const int64_t base = blk * bs * rs + g * hd;
+    for (int64_t j0 = J; j0 < L;) { /* the rest of j0's block, then whole blocks */
+        const int64_t blk = bt[j0 / bs], o0 = j0 % bs, n = (L - j0) < bs - o0 ? (L - j0) : bs - o0;
+        const int64_t base = (blk * bs + o0) * rs + g * hd;
         prefetch_rows(vc, bf ? 2 : 4, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
         for (int64_t o = 0; o < n; o++) {
             __m512 vv[NV];
             for (int64_t v = 0; v < NV; v++) vv[v] = ld(vc, base + o * rs + v * 16, tail_mask(hd - v * 16), bf);
             for (int64_t h = 0; h < G; h++) {
-                const __m512 p = _mm512_set1_ps(sc[h * L + j0 + o]);
+                const __m512 p = _mm512_set1_ps(sc[h * Lw + (j0 - J) + o]);
                 for (int64_t v = 0; v < NV; v++) acc[h][v] = _mm512_fmadd_ps(p, vv[v], acc[h][v]);
             }
         }
+        j0 += n;
     }
     for (int64_t h = 0; h < G; h++)
         for (int64_t v = 0; v < NV; v++)
@@ -663,15 +665,15 @@ static inline uint32_t bf16_bits(float f) {
 }
 
 INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_t* q, const uint16_t* kc,
-                                const uint16_t* vc, const int64_t* bt, int64_t L, uint16_t* out, int64_t KVH,
-                                int64_t g, int64_t hd, int64_t bs, float scale, float* sc) {
-    const int64_t rs = KVH * hd;
+                                const uint16_t* vc, const int64_t* bt, int64_t J, int64_t L, uint16_t* out,
+                                int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc) {
+    const int64_t rs = KVH * hd, Lw = L - J;
     const int64_t pf_bytes = (g == 0 ? rs : hd) * 2;
     __m512bh qv[G][NW];
     for (int64_t h = 0; h < G; h++)
         for (int64_t w = 0; w < NW; w++) qv[h][w] = (__m512bh)_mm512_loadu_si512(q + (g * G + h) * hd + w * 32);
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < L;) {
+    for (int64_t j0 = J; j0 < L;) {
         const int64_t blk = bt[j0 / bs], o0 = j0 % bs;
         int64_t n = bs - o0 < 16 ? bs - o0 : 16;
         if (L - j0 < n) n = L - j0;
@@ -683,19 +685,19 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
             for (int64_t jj = 0; jj < n; jj++)
                 for (int64_t w = 0; w < NW; w++)
                     P[jj] = _mm512_dpbf16_ps(P[jj], qv[h][w], (__m512bh)_mm512_loadu_si512(kb + jj * rs + w * 32));
-            _mm512_mask_storeu_ps(sc + h * L + j0, tail_mask(n), _mm512_mul_ps(hsum16(P), vscale));
+            _mm512_mask_storeu_ps(sc + h * Lw + (j0 - J), tail_mask(n), _mm512_mul_ps(hsum16(P), vscale));
         }
         j0 += n;
     }
     float inv_sum[64];
-    softmax_rows(sc, G, L, inv_sum);
+    softmax_rows(sc, G, Lw, inv_sum);
     /* P @ V over pairs of keys: lane i of lo/hi holds dim 32w + 8(i/4) + i%4 (+ 4 for hi) */
     __m512 lo[G][NW], hi[G][NW];
     for (int64_t h = 0; h < G; h++)
         for (int64_t w = 0; w < NW; w++) lo[h][w] = hi[h][w] = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const int64_t blk = bt[j0 / bs], n = (L - j0) < bs ? (L - j0) : bs;
-        const uint16_t* vb = vc + blk * bs * rs + g * hd;
+    for (int64_t j0 = J; j0 < L;) { /* the rest of j0's block, then whole blocks */
+        const int64_t blk = bt[j0 / bs], o0 = j0 % bs, n = (L - j0) < bs - o0 ? (L - j0) : bs - o0;
+        const uint16_t* vb = vc + (blk * bs + o0) * rs + g * hd;
         prefetch_rows(vc, 2, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
         for (int64_t o = 0; o < n; o += 2) {
             const int two = o + 1 < n;
@@ -707,7 +709,7 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
                 b[w] = _mm512_unpackhi_epi16(v0, v1);
             }
             for (int64_t h = 0; h < G; h++) {
-                const float* s = sc + h * L + j0 + o;
+                const float* s = sc + h * Lw + (j0 - J) + o;
                 const uint32_t pp = bf16_bits(s[0]) | (two ? bf16_bits(s[1]) << 16 : 0u);
                 const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp);
                 for (int64_t w = 0; w < NW; w++) {
@@ -716,6 +718,7 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
                 }
             }
         }
+        j0 += n;
     }
     const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -734,35 +737,47 @@ static int kv_bf16_dot = 0;
 void kv_set_bf16_dot(int on) { kv_bf16_dot = on; }
 
 static __attribute__((noinline)) TGT_DP void attn_one_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                                                         const int64_t* bt, int64_t L, uint16_t* out, int64_t G,
+                                                         const int64_t* bt, int64_t J, int64_t L, uint16_t* out, int64_t G,
                                                          int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale,
                                                          float* sc) {
     const int64_t nw = hd / 32;
 #define KV_DP_CASE(GC, NC) \
-    if (G == GC && nw == NC) { attn_core_dp(GC, NC, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc); return; }
+    if (G == GC && nw == NC) { attn_core_dp(GC, NC, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc); return; }
     KV_DP_CASE(1, 2) KV_DP_CASE(2, 2) KV_DP_CASE(3, 2) KV_DP_CASE(4, 2) KV_DP_CASE(5, 2) KV_DP_CASE(6, 2)
     KV_DP_CASE(8, 2) KV_DP_CASE(1, 4) KV_DP_CASE(2, 4) KV_DP_CASE(3, 4) KV_DP_CASE(4, 4) KV_DP_CASE(1, 8)
     KV_DP_CASE(2, 8)
 #undef KV_DP_CASE
-    attn_core_dp(G, nw, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc);
+    attn_core_dp(G, nw, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc);
 }
 
-INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const int64_t* bt, int64_t L, void* out,
+/* Keys [J, L) of the sequence (block table bt): J > 0 skips the first J keys (a sliding window
+ * starting inside bt's first block); the scratch sc holds G * (L - J) scores. */
+INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const int64_t* bt, int64_t J, int64_t L,
+                         void* out,
                          int64_t G, int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc,
                          float* qf, float* kt, int bf) {
     const int64_t nv = (hd + 15) / 16;
     if (bf && kv_bf16_dot && hd % 32 == 0) {
-        attn_one_dp((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, bt, L, (uint16_t*)out, G, KVH, g,
+        attn_one_dp((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, bt, J, L, (uint16_t*)out, G, KVH, g,
                     hd, bs, scale, sc);
         return;
     }
 #define KV_ATTN_CASE(GC, NC) \
-    if (G == GC && nv == NC) { attn_core(GC, NC, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf); return; }
+    if (G == GC && nv == NC) { attn_core(GC, NC, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf); return; }
     KV_ATTN_CASE(1, 4) KV_ATTN_CASE(2, 4) KV_ATTN_CASE(3, 4) KV_ATTN_CASE(4, 4) KV_ATTN_CASE(5, 4) KV_ATTN_CASE(6, 4)
     KV_ATTN_CASE(1, 8) KV_ATTN_CASE(2, 8) KV_ATTN_CASE(3, 8) KV_ATTN_CASE(4, 8)
     KV_ATTN_CASE(1, 2) KV_ATTN_CASE(2, 2) KV_ATTN_CASE(4, 2) KV_ATTN_CASE(8, 2)
 #undef KV_ATTN_CASE
-    attn_core(G, nv, q, kc, vc, bt, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf);
+    attn_core(G, nv, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf);
+}
+
+/* Sliding windows (Beltagy et al. 2020; Mistral 7B, Jiang et al. 2023): a query at position
+ * p = L - 1 of a context of L tokens sees keys (p - window, p], i.e. [L - window, L) (window 0:
+ * all). The block-table walk starts at the first block overlapping that range, so a windowed
+ * layer reads at most window + bs - 1 keys whatever the context length; blocks before it are
+ * never read (an all-windowed model frees them: their table entries are not valid blocks). */
+static inline int64_t kv_window_first_block(int64_t L, int64_t window, int64_t bs) {
+    return window > 0 && L > window ? (L - window) / bs : 0;
 }
 
 /* ---- Paged decode attention on AMX tiles (bf16 caches, CPUs with AMX-BF16) ----------------
@@ -914,14 +929,17 @@ INLINE TGT_AMX void scores_t_amx_q(const uint8_t* kc, const int64_t* bt, int64_t
 
 /* Up to 16 query columns over the KV heads [g0, g0 + ns) of one sequence (block table bt).
  * Column n: query qn[n] and output on[n] (hd values each), local KV head gl[n] in [0, ns),
- * attending to the first Ln[n] tokens (Ln[n] = 0 for unused columns n >= nq); decode uses
+ * attending to tokens [Sn[n], Ln[n]) (Sn NULL: from 0; Ln[n] = 0 for unused columns n >= nq;
+ * keys before Sn[n] are read and get probability 0: a sliding window's start, always inside
+ * bt's first block, which the caller starts at the window's first block); decode uses
  * one token's heads as columns. Scratch (per thread): qb [NC][16][32] u16, sc [Lp][16] f32,
  * p [16][Lp] u16, vb [4][16][32] u16, ct [4][16][16] f32, NC = ns * hd / 32, Lp = max(Ln)
  * rounded up to 32. The columns' K and V are first pulled into L2 (prefetch_kv_l2: in decode
  * they come from DRAM). */
 static TGT_AMX void attn_amx_cols(const void* kc_, const void* vc_, const int64_t* bt, int64_t nq,
                                   const uint16_t* const* qn, uint16_t* const* on, const int64_t* gl_n,
-                                  const int32_t* Ln, int64_t KVH, int64_t hd, int64_t bs, float scale, int64_t g0,
+                                  const int32_t* Ln, const int32_t* Sn, int64_t KVH, int64_t hd, int64_t bs,
+                                  float scale, int64_t g0,
                                   int64_t ns, uint16_t* qb, float* sc, uint16_t* p, uint16_t* vb, float* ct, int fmt,
                                   uint16_t* kq) {
     const uint16_t *kc = (const uint16_t*)kc_, *vc = (const uint16_t*)vc_;
@@ -946,19 +964,22 @@ static TGT_AMX void attn_amx_cols(const void* kc_, const void* vc_, const int64_
     }
     if (fmt) scores_t_amx_q((const uint8_t*)kc, bt, L, bs, KVH, hd, g0, ns, NC, qb, sc, kq, fmt);
     else scores_t_amx(kc, bt, L, bs, rs, g0 * hd, NC, qb, sc, ns * hd * 2);
-    /* softmax over keys, one lane per column; key j counts for column n iff j < Ln[n] */
+    /* softmax over keys, one lane per column; key j counts for column n iff Sn[n] <= j < Ln[n] */
     const __m512i lens = _mm512_loadu_si512(Ln);
+    const __m512i starts = Sn ? _mm512_loadu_si512(Sn) : _mm512_setzero_si512();
     const __m512 vs = _mm512_set1_ps(scale);
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < L; j++) {
-        const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)j), lens);
+        const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)j), lens)
+                            & _mm512_cmpge_epi32_mask(_mm512_set1_epi32((int)j), starts);
         const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), m, _mm512_loadu_ps(sc + j * 16), vs);
         _mm512_storeu_ps(sc + j * 16, s);
         mx = _mm512_max_ps(mx, s);
     }
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; j++) {
-        const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)j), lens);
+        const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)j), lens)
+                            & _mm512_cmpge_epi32_mask(_mm512_set1_epi32((int)j), starts);
         const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + j * 16), mx)));
         _mm512_storeu_ps(sc + j * 16, e);
         sum = _mm512_add_ps(sum, e);
@@ -1060,9 +1081,12 @@ static TGT_AMX char* amx_attn_begin(int64_t NC, int64_t maxL, uint16_t** qb, flo
 static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const void* kc, const void* vc,
                                  const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, uint16_t* out,
                                  int64_t ldo, int64_t D, int64_t KVH, int64_t G, int64_t hd, int64_t bs,
-                                 float scale, int64_t ns, int fmt, int nthreads) {
-    int64_t maxL = 0;
-    for (int64_t d = 0; d < D; d++) maxL = ctx[d] > maxL ? ctx[d] : maxL;
+                                 float scale, int64_t window, int64_t ns, int fmt, int nthreads) {
+    int64_t maxL = 0; /* keys read by one sequence: from its window's first block (all if no window) */
+    for (int64_t d = 0; d < D; d++) {
+        const int64_t Ld = ctx[d] - kv_window_first_block(ctx[d], window, bs) * bs;
+        maxL = Ld > maxL ? Ld : maxL;
+    }
     const int64_t nsets = KVH / ns;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -1087,21 +1111,26 @@ static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const void* kc,
         for (int64_t i = 0; i < D * nsets; i++) {
             if (!buf) continue;
             const int64_t d = i / nsets, g0 = (i % nsets) * ns, nq = ns * G;
+            const int64_t b0 = kv_window_first_block(ctx[d], window, bs); /* the walk starts at block b0 */
+            const int64_t first = ctx[d] > window && window > 0 ? ctx[d] - window : 0;
+            const int64_t* bt = block_tables + d * bt_stride + b0;
             const uint16_t* qn[16];
             uint16_t* on[16];
             int64_t gl[16];
-            int32_t Ln[16] = {0};
+            int32_t Ln[16] = {0}, Sn[16] = {0};
             for (int64_t n = 0; n < nq; n++) {
                 qn[n] = q + d * ldq + (g0 * G + n) * hd;
                 on[n] = out + d * ldo + (g0 * G + n) * hd;
                 gl[n] = n / G;
-                Ln[n] = (int32_t)ctx[d];
+                Ln[n] = (int32_t)(ctx[d] - b0 * bs);
+                Sn[n] = (int32_t)(first - b0 * bs);
             }
+            const int32_t* sn = first > b0 * bs ? Sn : NULL;
             if (fmt) /* (two calls: the compiler specialises the bf16 one for fmt = 0) */
-                attn_amx_cols(kc, vc, block_tables + d * bt_stride, nq, qn, on, gl, Ln, KVH, hd, bs, scale, g0, ns,
+                attn_amx_cols(kc, vc, bt, nq, qn, on, gl, Ln, sn, KVH, hd, bs, scale, g0, ns,
                               qb, sc, p, vb, ct, fmt, kd);
             else
-                attn_amx_cols(kc, vc, block_tables + d * bt_stride, nq, qn, on, gl, Ln, KVH, hd, bs, scale, g0, ns,
+                attn_amx_cols(kc, vc, bt, nq, qn, on, gl, Ln, sn, KVH, hd, bs, scale, g0, ns,
                               qb, sc, p, vb, ct, 0, NULL);
         }
         if (buf) _tile_release();
@@ -1387,7 +1416,7 @@ TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k
 TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
                                   int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs, float scale,
-                                  int bf, int fmt, int nthreads) {
+                                  int64_t window, int bf, int fmt, int nthreads) {
     const int64_t G = H / KVH, nv = (hd + 15) / 16;
     if (bf && kv_amx && hd % 32 == 0 && bs % 16 == 0 && G <= 16) {
         /* the most KV heads per work item, fewer when that would leave threads idle */
@@ -1395,10 +1424,13 @@ TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cach
         for (int64_t c = KVH; c > 1; c--)
             if (KVH % c == 0 && c * G <= 16 && D * (KVH / c) >= 2 * nthreads) { ns = c; break; }
         return attention_amx((const uint16_t*)q, ldq, k_cache, v_cache, block_tables, bt_stride, ctx, (uint16_t*)out,
-                             ldo, D, KVH, G, hd, bs, scale, ns, fmt, nthreads);
+                             ldo, D, KVH, G, hd, bs, scale, window, ns, fmt, nthreads);
     }
-    int64_t maxL = 0;
-    for (int64_t d = 0; d < D; d++) maxL = ctx[d] > maxL ? ctx[d] : maxL;
+    int64_t maxL = 0; /* keys read by one sequence: from its window's first block */
+    for (int64_t d = 0; d < D; d++) {
+        const int64_t Ld = ctx[d] - kv_window_first_block(ctx[d], window, bs) * bs;
+        maxL = Ld > maxL ? Ld : maxL;
+    }
     const int64_t maxLp = (maxL + 15) & ~(int64_t)15, es = bf ? 2 : 4;
     const int64_t zero_bt = 0;
     int failed = 0;
@@ -1416,23 +1448,26 @@ TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cach
             const int64_t d = i / KVH, g = i % KVH;
             float* qf = sc + G * maxL;
             float* kt = qf + G * nv * 16;
-            const int64_t* bt = block_tables + d * bt_stride;
+            /* the walk starts at the window's first block b0; keys [J, L) of it on are attended */
+            const int64_t b0 = kv_window_first_block(ctx[d], window, bs);
+            const int64_t* bt = block_tables + d * bt_stride + b0;
+            const int64_t L = ctx[d] - b0 * bs, J = window > 0 && ctx[d] > window ? ctx[d] - window - b0 * bs : 0;
             if (fmt) {
-                const int64_t L = ctx[d], Lp = (L + 15) & ~(int64_t)15;
+                const int64_t Lp = (L + 15) & ~(int64_t)15;
                 char* vd = kd + maxLp * hd * es;
                 dequant_ctx((const uint8_t*)k_cache, bt, L, Lp, bs, KVH, hd, g, 1, kd, bf, fmt);
                 dequant_ctx((const uint8_t*)v_cache, bt, L, Lp, bs, KVH, hd, g, 1, vd, bf, fmt);
                 if (bf)
-                    attn_one(at(q, d * ldq + g * G * hd, 1), kd, vd, &zero_bt, L, atw(out, d * ldo + g * G * hd, 1), G,
-                             1, 0, hd, Lp, scale, sc, qf, kt, 1);
+                    attn_one(at(q, d * ldq + g * G * hd, 1), kd, vd, &zero_bt, J, L, atw(out, d * ldo + g * G * hd, 1),
+                             G, 1, 0, hd, Lp, scale, sc, qf, kt, 1);
                 else
-                    attn_one(at(q, d * ldq + g * G * hd, 0), kd, vd, &zero_bt, L, atw(out, d * ldo + g * G * hd, 0), G,
-                             1, 0, hd, Lp, scale, sc, qf, kt, 0);
+                    attn_one(at(q, d * ldq + g * G * hd, 0), kd, vd, &zero_bt, J, L, atw(out, d * ldo + g * G * hd, 0),
+                             G, 1, 0, hd, Lp, scale, sc, qf, kt, 0);
             } else if (bf)
-                attn_one(at(q, d * ldq, 1), k_cache, v_cache, bt, ctx[d],
+                attn_one(at(q, d * ldq, 1), k_cache, v_cache, bt, J, L,
                          atw(out, d * ldo, 1), G, KVH, g, hd, bs, scale, sc, qf, kt, 1);
             else
-                attn_one(at(q, d * ldq, 0), k_cache, v_cache, bt, ctx[d],
+                attn_one(at(q, d * ldq, 0), k_cache, v_cache, bt, J, L,
                          atw(out, d * ldo, 0), G, KVH, g, hd, bs, scale, sc, qf, kt, 0);
         }
         free(sc);
@@ -1476,7 +1511,7 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
                        void* residual, void* delta, void* x, void* qkv, void* attn, void* gu, void* act,
                        int64_t E, int64_t H, int64_t KVH, int64_t hd, int64_t I, float eps, const int64_t* pos,
                        const void* cos, const void* sin, const int64_t* slots, const int64_t* bt, int64_t bt_stride,
-                       const int64_t* ctx, int64_t max_ctx, int64_t bs, float scale, const void* final_norm,
+                       const int64_t* ctx, int64_t max_ctx, int64_t bs, float scale, int64_t window, const void* final_norm,
                        const void* lm_head, const void* lm_head_p, int64_t V, void* logits, int bf, int kv_fmt,
                        int nthreads, int attn_threads) {
     const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4;
@@ -1511,7 +1546,7 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
             kv_reshape_and_cache(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache, L->v_cache,
                                  slots, M, KVH * hd, es);
         if (kv_paged_attention_decode(qkv, NQKV, L->k_cache, L->v_cache, bt, bt_stride, ctx, attn, H * hd, M, H, KVH,
-                                      hd, bs, scale, bf, kv_fmt, attn_threads))
+                                      hd, bs, scale, window, bf, kv_fmt, attn_threads))
             return -1;
         KV_LINEAR(attn, H * hd, L->o_w, L->o_p, NULL, delta, E, E, H * hd);
 #pragma omp parallel for num_threads(rows_nt(M * E, nthreads)) schedule(static)
@@ -1560,8 +1595,8 @@ class _Lib:
             "kv_gelu_tanh_and_mul": [vp, i64, vp, i64, i64, i64, ci, ci],
             "kv_reshape_and_cache": [vp, i64, vp, i64, vp, vp, vp, i64, i64, i64],
             "kv_reshape_and_cache_q": [vp, i64, vp, i64, vp, vp, vp, i64, i64, i64, ci, ci],
-            "kv_paged_attention_decode": [vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, i64, cf, ci, ci,
-                                          ci],
+            "kv_paged_attention_decode": [vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, i64, cf, i64, ci,
+                                          ci, ci],
             "kv_paged_attention_prefill": [vp, i64, vp, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, cf, ci, ci],
         }
         for name, args in spec.items():
@@ -1966,9 +2001,10 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: Optional[torch.Tensor] = None, max_context_len: Optional[int] = None) -> torch.Tensor:
+                           out: Optional[torch.Tensor] = None, max_context_len: Optional[int] = None,
+                           window: Optional[int] = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (PagedAttention, Kwon et
-    al. 2023), with GQA and an exact float32 softmax.
+    al. 2023), with GQA and an exact float32 softmax; optionally over a sliding window only.
 
     Args:
         q: ``[D, num_heads, head_dim]``; heads and values contiguous within a row (row stride free).
@@ -1984,6 +2020,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out: optional ``[D, num_heads, head_dim]`` destination, heads contiguous within a row.
         max_context_len: ``max(context_lens)`` if the caller knows it (saves a reduction);
             only used to decide whether to use more than one thread.
+        window: sliding window in tokens (Beltagy et al. 2020; Mistral 7B, Jiang et al. 2023), or
+            None for all of the context: the new token at position ``p = context_len - 1`` sees
+            the keys at positions ``(p - window, p]``. The block-table walk starts at the first
+            block overlapping the window, so a sequence reads at most ``window + block_size - 1``
+            keys whatever its context length, and the table entries before that block are never
+            read (they may hold anything, e.g. -1 for blocks freed by the KV manager).
 
     Returns:
         ``out`` (or a new tensor) with ``softmax(q·Kᵀ·scale)·V`` per head, in ``q.dtype``.
@@ -2000,14 +2042,18 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     KVH, bs = k_cache.shape[2], k_cache.shape[1]
     if not supports_attention_shape(H, KVH, hd):
         raise ValueError(f"paged_attention_decode: unsupported shape (heads {H}, kv_heads {KVH}, head_dim {hd})")
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention_decode: window must be >= 1 token or None, got {window}")
     if out is None:
         out = torch.empty((D, H, hd), dtype=q.dtype)
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if D else 0
+    read = max_context_len if window is None else min(max_context_len, window + bs - 1)  # keys read per sequence
     rc = _lib().paged_attention_decode(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), out.stride(0), D, H, KVH, hd, bs,
-        float(scale), int(q.dtype == torch.bfloat16), _kv_format(k_cache), _threads(D * H * max_context_len * hd // 64))
+        float(scale), window or 0, int(q.dtype == torch.bfloat16), _kv_format(k_cache),
+        _threads(D * H * read * hd // 64))
     if rc:
         raise MemoryError("paged_attention_decode: could not allocate work buffers")
     return out
@@ -2094,13 +2140,16 @@ class DecodeStep:
         gemv_max_tokens: the gemv limit (defaults to ``max_tokens``); above it the linears run on
             ``amx`` (the ctypes ``kv_amx_linear``) with the packed weights.
         amx: optional AMX linear function; lm_head_packed: the packed LM head for it.
+        window: every layer's sliding window in tokens (Mistral), or None: attention as in
+            :func:`paged_attention_decode` with that ``window``.
     """
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, gemv, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  max_tokens: int, gemv_max_tokens: Optional[int] = None, amx=None,
-                 lm_head_packed: Optional[torch.Tensor] = None) -> None:
+                 lm_head_packed: Optional[torch.Tensor] = None, window: Optional[int] = None) -> None:
         self._keep = (layers, final_norm, lm_head, cos, sin, lm_head_packed)  # the C side holds raw pointers
+        self.window = window
         self.dtype = lm_head.dtype
         self.E, self.V = final_norm.shape[0], lm_head.shape[0]
         self.H, self.KVH, self.hd = num_heads, num_kv_heads, head_dim
@@ -2126,7 +2175,7 @@ class DecodeStep:
         i64, vp, cf, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self.kv_format = _kv_format(layers[0]["k_cache"])
         fn.argtypes = [vp, i64, vp, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, cf, vp,
-                       vp, vp, vp, vp, i64, vp, i64, i64, cf, vp, vp, vp, i64, vp, ci, ci, ci, ci]
+                       vp, vp, vp, vp, i64, vp, i64, i64, cf, i64, vp, vp, vp, i64, vp, ci, ci, ci, ci]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -2152,6 +2201,7 @@ class DecodeStep:
             raise ValueError(f"DecodeStep takes 1..{self.max_tokens} tokens, got {M}")
         residual, delta, x, qkv, attn, gu, act = self._scratch
         logits = torch.empty((M, self.V), dtype=self.dtype)
+        read = max_context_len if self.window is None else min(max_context_len, self.window + self.block_size - 1)
         nt = torch.get_num_threads()
         fin, head, head_p, cos, sin = self._ptrs
         rc = self._fn(ctypes.addressof(self._layers), len(self._layers), self._gemv, self._amx, self.gemv_max_tokens,
@@ -2159,9 +2209,9 @@ class DecodeStep:
                       attn.data_ptr(), gu.data_ptr(), act.data_ptr(),
                       self.E, self.H, self.KVH, self.hd, self.I, self.eps, positions.data_ptr(), cos, sin,
                       slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                      context_lens.data_ptr(), max_context_len, self.block_size, self.hd**-0.5, fin, head, head_p,
-                      self.V, logits.data_ptr(), int(self.dtype == torch.bfloat16), self.kv_format, nt,
-                      _threads(M * self.H * max_context_len * self.hd // 64))
+                      context_lens.data_ptr(), max_context_len, self.block_size, self.hd**-0.5, self.window or 0,
+                      fin, head, head_p, self.V, logits.data_ptr(), int(self.dtype == torch.bfloat16), self.kv_format,
+                      nt, _threads(M * self.H * read * self.hd // 64))
         if rc:
             raise MemoryError("decode step: could not allocate attention or linear work buffers")
         return logits
