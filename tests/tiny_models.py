@@ -57,6 +57,8 @@ def _config(arch: str):
             "original_max_position_embeddings": 64})
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=None)
+    if arch == "mistral_window":  # every layer windowed (Mistral v0.1), a window of 16 tokens
+        return tf.MistralConfig(**common, sliding_window=16)
     if arch == "qwen2":
         return tf.Qwen2Config(**common)
     if arch == "qwen3":

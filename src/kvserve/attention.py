@@ -18,11 +18,19 @@ chunks then attend to their own K/V as read back from the cache, like later chun
 GQA: K/V keep ``num_kv_heads`` heads; SDPA's ``enable_gqa`` maps each group of query heads
 to its KV head, so repeated KV is never materialised.
 
-Sliding windows (Gemma 3's local layers, Beltagy et al. 2020): ``forward(..., window=W)``
-lets the query at position p see only the keys in ``(p - W, p]``. The masks come from the
-step's metadata (built once per step and window, shared by the layers); the whole context
-stays in the cache (nothing outside the window is evicted). The C kernels have no window:
-the CPU backend runs windowed layers on the SDPA path.
+Sliding windows (Beltagy et al. 2020; Mistral 7B, Jiang et al. 2023; Gemma 3's local layers):
+``forward(..., window=W)`` lets the query at position p see only the keys in ``(p - W, p]``,
+and no path reads a key before that: the C decode kernel starts its block-table walk at the
+window's first block (:func:`kvserve.kernels.cpu_ops.paged_attention_decode`), SDPA decode
+gathers only the last ``W`` positions of each row (:func:`decode_window_context`), and SDPA
+prefill only the context from ``num_past - W + 1`` on. So a model whose every layer is windowed
+can have the blocks before the window freed (their table entries are then -1,
+:data:`kvserve.kv_cache.FREED_BLOCK`; :class:`kvserve.kv_cache.KVCacheManager`), and a windowed
+layer reads ``W`` tokens of K/V per decode row whatever the context length. Windowed prefill
+runs on SDPA with a banded mask (built once per step, window and chunk, shared by the layers)
+also where the AMX prefill kernel exists: that kernel has no window (it could take one by the
+decode kernel's start-offset logic, but it cannot be tested on a machine without AMX), and
+prefill is bound by compute, not by reading the cache.
 """
 
 from __future__ import annotations
@@ -174,9 +182,12 @@ class TorchSDPABackend(AttentionBackend):
         dequantized to ``q.dtype`` as they are gathered.
         """
         nd = meta.num_decode_tokens
-        slots, mask = decode_context(meta, k_cache.shape[1])
-        if window is not None:
-            mask = decode_window_mask(meta, mask, window)
+        if window is not None and meta.decode_block_tables is not None:
+            slots, mask = decode_window_context(meta, k_cache.shape[1], window)
+        else:
+            slots, mask = decode_context(meta, k_cache.shape[1])
+            if window is not None:
+                mask = decode_window_mask(meta, mask, window)
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; index_select is much cheaper than
         # advanced indexing for these small gathers.
         kc = kv_quant.gather(k_cache, slots, q.dtype).transpose(1, 2)
@@ -194,21 +205,23 @@ class TorchSDPABackend(AttentionBackend):
         8-bit pool it reads them back from the cache instead (dequantized), so that a prompt
         sees the same K/V whether it is prefilled in one chunk or several. With ``window``, a
         chunk whose context spans more than the window gets a banded mask
-        (:func:`prefill_window_mask`).
+        (:func:`prefill_window_mask`) and gathers only the context its first token's window
+        starts at (positions from ``num_past - window + 1``: earlier blocks may be freed).
         """
         quantized = kv_quant.is_quantized(k_cache)
         for i, seg in enumerate(meta.prefills):
             qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             windowed = window is not None and seg.num_past + (seg.end - seg.start) > window
+            lo = max(0, seg.num_past - window + 1) if windowed else 0  # first context position any query sees
             if seg.num_past == 0 and not quantized:
                 ks = k[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
                 vs = v[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
             else:
-                slots = seg.context_slots if seg.num_past else meta.slot_mapping[seg.start : seg.end]
+                slots = seg.context_slots[lo:] if seg.num_past else meta.slot_mapping[seg.start : seg.end]
                 ks = kv_quant.gather(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
                 vs = kv_quant.gather(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
             if windowed:
-                mask = prefill_window_mask(meta, i, window, q.device)
+                mask = prefill_window_mask(meta, i, window, q.device)[:, lo:]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             elif seg.num_past == 0:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
@@ -251,6 +264,25 @@ def decode_context(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tens
     return meta.derived[key]
 
 
+def decode_window_context(meta: AttentionMetadata, block_size: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slots [D, Wm] int64, mask [D, 1, 1, Wm] bool)`` of the decode rows' windows, built once
+    per step and window from ``decode_block_tables``/``decode_context_lens``: row d (context
+    ``c_d`` tokens) gets positions ``max(c_d - window, 0) + i`` for ``i < Wm = min(window,
+    decode_max_context_len)``, valid where below ``c_d``. No table entry before a row's window is
+    read (those blocks may be freed, entry -1); invalid positions point at slot 0 and are masked.
+    """
+    key = ("decode_window_context", window)
+    if key not in meta.derived:
+        bt, ctx_len = meta.decode_block_tables, meta.decode_context_lens
+        D, Wm = bt.shape[0], min(window, meta.decode_max_context_len)
+        pos = (ctx_len - window).clamp(min=0).unsqueeze(1) + torch.arange(Wm, dtype=torch.long, device=bt.device)
+        valid = pos < ctx_len.unsqueeze(1)
+        pos = torch.where(valid, pos, 0)
+        slots = bt.gather(1, pos // block_size) * block_size + pos % block_size
+        meta.derived[key] = (torch.where(valid, slots, 0), valid.view(D, 1, 1, Wm))
+    return meta.derived[key]
+
+
 def decode_window_mask(meta: AttentionMetadata, mask: torch.Tensor, window: int) -> torch.Tensor:
     """``mask [D, 1, 1, L]`` narrowed to the last ``window`` context positions of each row (the
     new token is at ``context_len - 1``; it sees positions ``>= context_len - window``)."""
@@ -279,7 +311,7 @@ def prefill_window_mask(meta: AttentionMetadata, index: int, window: int, device
 class CPUPagedAttentionBackend(TorchSDPABackend):
     """CPU backend: the KV write and decode attention run on the fused C kernels of
     :mod:`kvserve.kernels.cpu_ops` (reading K/V through the block tables, no gather, GQA
-    without repeating KV). Prefill chunks run on the AMX prefill kernel where it applies
+    without repeating KV; windowed layers read only their window). Prefill chunks run on the AMX prefill kernel where it applies
     (bf16, AMX CPUs: :func:`kvserve.kernels.cpu_ops.amx_prefill_supported`; ~2x SDPA on
     SmolLM2's prompts in its first version, 1.3x that since) and on SDPA as in :class:`TorchSDPABackend` otherwise.
 
@@ -293,13 +325,10 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
         out = torch.empty(q.shape, dtype=q.dtype)
         nd = meta.num_decode_tokens
         num_kv_heads, head_dim = k_cache.shape[2], kv_quant.head_dim_of(k_cache)
-        if nd and window is not None and meta.decode_max_context_len > window:
-            # the C kernel has no window: SDPA over the gathered context with a banded mask
-            self.decode(q, k_cache, v_cache, meta, scale, out, window)
-        elif nd:
+        if nd:
             cpu_ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                            meta.decode_context_lens, scale, out=out[:nd],
-                                           max_context_len=meta.decode_max_context_len)
+                                           max_context_len=meta.decode_max_context_len, window=window)
         if meta.prefills:
             if window is None and meta.prefill_chunks is not None and cpu_ops.amx_prefill_supported(
                     q.dtype, q.shape[1], num_kv_heads, head_dim, k_cache.shape[1]):

@@ -21,8 +21,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(int8, fp8 = fp8_e4m3): ~1.9x the tokens per GiB (default: auto)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence (prompt + generated) in tokens, 2 to the model's context length "
-                        "(default: the model's context length, at most 4096); capped at the attention window "
-                        "of models whose every layer is windowed (Mistral), not of Gemma 3")
+                        "(default: the model's context length, at most 4096); models whose every layer is "
+                        "windowed (Mistral) free the KV blocks before the window, so their sequences hold "
+                        "about window / block-size blocks whatever their length")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most running sequences")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

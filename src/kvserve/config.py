@@ -56,8 +56,8 @@ class ModelConfig:
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         bos_token_id, eos_token_ids: special tokens (EOS may be several).
         sliding_window: attention window (tokens). Without ``layer_types`` (Mistral) every
-            layer has it and kvserve caps ``max_model_len`` at it, where full attention is
-            exact; with ``layer_types`` (Gemma 3) only the ``sliding_attention`` layers do.
+            layer has it (:attr:`uniform_window`: the KV manager frees the blocks before the
+            window); with ``layer_types`` (Gemma 3) only the ``sliding_attention`` layers do.
         layer_types: per layer ``"sliding_attention"`` or ``"full_attention"`` (Gemma 3), or None.
         rope_local_theta: RoPE base of the sliding-window layers (Gemma 3's
             ``rope_local_base_freq``); None: they use ``rope_theta``. Global layers use
@@ -130,11 +130,25 @@ class ModelConfig:
     def layer_window(self, i: int) -> Optional[int]:
         """Attention window (tokens) of layer ``i`` as the model computes it, or None for full
         attention. Query position p sees keys in ``(p - window, p]`` (Hugging Face's
-        ``sliding_window_overlay``: ``kv_idx > q_idx - window``). Mistral's uniform window is
-        not reported here: kvserve caps ``max_model_len`` at it instead."""
-        if self.layer_types is None or self.layer_types[i] != "sliding_attention":
+        ``sliding_window_overlay``: ``kv_idx > q_idx - window``). Without ``layer_types``
+        (Mistral) every layer has ``sliding_window``."""
+        if self.layer_types is None:
+            return self.sliding_window
+        if self.layer_types[i] != "sliding_attention":
             return None
         return self.sliding_window
+
+    @property
+    def uniform_window(self) -> Optional[int]:
+        """The window (tokens) when every layer is windowed (Mistral v0.1: ``sliding_window``
+        without ``layer_types``, or ``layer_types`` all ``sliding_attention``), else None. Only
+        then can the KV blocks before the window be freed (Mistral 7B's rolling buffer, Jiang
+        et al. 2023; vLLM's sliding-window KV manager)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window
+        return None
 
     @property
     def attention_scale(self) -> float:

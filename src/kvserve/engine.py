@@ -110,7 +110,8 @@ class EngineArgs:
         max_model_len: longest sequence in tokens (default: min(model's context, 4096)).
         max_num_batched_tokens: per-step token budget.
         max_num_seqs: most running sequences.
-        enable_prefix_caching: reuse cached prompt KV.
+        enable_prefix_caching: reuse cached prompt KV (off for models whose every layer has a
+            sliding window, whose blocks before the window are freed instead).
         quantization: None, or "int8" for weight-only int8 linears.
         seed: seed for the random seeds of unseeded requests.
         speculative_config: None, or speculative decoding as a dict (or its JSON text):
@@ -246,27 +247,33 @@ class LLMEngine:
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
         max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
-        if cfg.sliding_window is not None and cfg.layer_types is None and max_len > cfg.sliding_window:
-            # every layer windowed (Mistral): full attention is exact up to the window. Models
-            # with per-layer windows (Gemma 3) attend with the window and are not capped.
-            logger.warning("max_model_len capped at the sliding window (%d tokens)", cfg.sliding_window)
-            max_len = cfg.sliding_window
+        # Every layer windowed (Mistral v0.1): the blocks before the window are freed as a
+        # request advances (kv_cache.KVCacheManager), so a sequence of any length runs in about
+        # window / block_size blocks. The radix prefix cache keeps a running request's whole
+        # prefix locked, which would pin those blocks: prefix caching is off for such models.
+        window = cfg.uniform_window
+        prefix_caching = args.enable_prefix_caching
+        if window is not None and prefix_caching:
+            logger.warning("prefix caching is off: every layer of this model has a sliding window (%d tokens), "
+                           "and the blocks before it are freed while a request runs", window)
+            prefix_caching = False
         self.max_model_len = max_len
         backend = default_backend(self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.model = model_class(cfg.architecture)(cfg, backend, self.dtype, self.device, max_positions=max_len)
         self.model.load_weights(state, quantization=args.quantization)
         del state
         self.model.eval()
-        self.cache_config = CacheConfig(args.block_size, args.kv_cache_memory, args.num_blocks, args.enable_prefix_caching)
+        self.cache_config = CacheConfig(args.block_size, args.kv_cache_memory, args.num_blocks, prefix_caching)
         self.kv_spec = plan_kv_cache(cfg, self.kv_cache_dtype, args.kv_cache_memory, args.block_size, max_len, args.num_blocks)
         logger.info(self.kv_spec.describe())
-        if self.kv_spec.capacity_tokens < max_len:
+        if self.kv_spec.capacity_tokens < max_len and (window is None or self.kv_spec.num_blocks < -(
+                -(window - 1 + args.max_num_batched_tokens) // args.block_size) + 1):
             logger.warning("the KV cache holds %d tokens, less than one sequence of max_model_len=%d: a request's "
                            "prompt + max_tokens must fit in %d tokens (raise kv_cache_memory to lift this)",
                            self.kv_spec.capacity_tokens, max_len, self.kv_spec.capacity_tokens)
         self.kv_caches = allocate_kv_cache(cfg, self.kv_spec, self.kv_cache_dtype, self.device)
-        self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, args.enable_prefix_caching,
-                                 self.kv_caches, namespace_model=str(path))
+        self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, prefix_caching,
+                                 self.kv_caches, namespace_model=str(path), sliding_window=window)
         self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting)
         self.preemption_mode = check_swap_options(args.swap_space, args.preemption_mode)
         self.swap: Optional[KVSwapSpace] = None
@@ -277,7 +284,8 @@ class LLMEngine:
                         args.block_size, self.swap.num_blocks * self.swap.block_bytes / (1 << 30),
                         ", pinned" if self.swap.pin else "")
         self.scheduler = Scheduler(self.scheduler_config, self.kv, swap=self.swap)
-        self.runner = ModelRunner(self.model, self.kv_caches, self.kv.block_tables, args.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.kv.block_tables, args.block_size, self.device,
+                                  sliding_window=window)
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
@@ -360,7 +368,9 @@ class LLMEngine:
                 f"{self.max_model_len - 1} tokens to leave room for one generated token"
             )
         # no max_tokens: up to the context window, or to what the whole KV pool holds if less
-        limit = min(self.max_model_len, self.kv_spec.capacity_tokens)
+        budget = self.args.max_num_batched_tokens
+        limit = (self.max_model_len if self.kv.blocks_to_run(self.max_model_len, budget) <= self.kv.num_blocks
+                 else min(self.max_model_len, self.kv_spec.capacity_tokens))
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, limit - n)
         if n + max_tokens > self.max_model_len:
             raise ValueError(
@@ -380,7 +390,7 @@ class LLMEngine:
                 raise ValueError(
                     f"allowed_token_ids: every allowed token is banned by bad_words or is a stop/EOS token, "
                     f"which min_tokens={params.min_tokens} forbids for the first {params.min_tokens} tokens")
-        need = self.kv.blocks_needed(n + max_tokens)
+        need = self.kv.blocks_to_run(n + max_tokens, budget)  # (a sliding window bounds it)
         if need > self.kv.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens = {n + max_tokens} tokens needs {need} KV blocks, but the whole "

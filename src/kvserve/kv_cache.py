@@ -4,6 +4,19 @@ block tables and the prefix cache (:class:`KVCacheManager`).
 Per layer there is one K pool and one V pool, each ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. A request's block table lists the blocks holding its tokens in order; token at
 position ``p`` lives in slot ``block_table[p // block_size] · block_size + p % block_size``.
+
+Sliding windows (``sliding_window``, for models whose every layer is windowed: Mistral v0.1;
+Beltagy et al. 2020, Mistral 7B's rolling buffer, Jiang et al. 2023, vLLM's sliding-window KV
+manager): the query at position p attends to ``(p - W, p]`` only, so once a block lies
+entirely before the window of the first token a step computes, no later token reads it; the
+manager then drops the request's reference to it (the block returns to the pool unless a fork
+still shares it) and sets its table entry to :data:`FREED_BLOCK`. Tables stay positional (entry
+i still stands for positions ``[i·bs, (i+1)·bs)``), the freed entries form a prefix of the
+table, and the attention kernels never reach them (they start at the window's first block). A
+sequence of any length then holds at most ``ceil((W - 1 + chunk) / block_size) + 1`` blocks
+(:meth:`KVCacheManager.blocks_to_run`). Models with some full-attention layers (Gemma 3) keep
+every block: their full layers read the whole context, and per-layer-group block tables (vLLM's
+hybrid allocator) are not implemented; their windowed layers still read only the window.
 """
 
 from __future__ import annotations
@@ -24,6 +37,14 @@ from kvserve.request import Request
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+
+#: Block-table entry of a block freed because it lies before the sliding window (never read).
+FREED_BLOCK = -1
+
+
+def held_blocks(table: Sequence[int]) -> list[int]:
+    """The blocks a table really references (its entries other than :data:`FREED_BLOCK`)."""
+    return [b for b in table if b != FREED_BLOCK]
 
 
 @dataclass(slots=True)
@@ -238,6 +259,14 @@ class KVCacheManager:
         hit_rate_window: requests covered by the recent hit rate.
         partial_block_reuse: copy a partially matching block (token-granular reuse);
             False reuses full blocks only.
+        sliding_window: the window (tokens) of a model whose every layer is windowed: blocks
+            before the window of a request's next token are freed (module docstring); None
+            keeps every block.
+
+    Raises:
+        ValueError: ``hit_rate_window`` < 1, ``sliding_window`` < 1, or ``sliding_window`` with
+            prefix caching (the radix cache keeps whole prefixes locked while a request runs,
+            so its early blocks could not be freed).
     """
 
     def __init__(
@@ -250,9 +279,14 @@ class KVCacheManager:
         namespace_model: str = "model",
         hit_rate_window: int = 1000,
         partial_block_reuse: bool = True,
+        sliding_window: Optional[int] = None,
     ) -> None:
         if hit_rate_window < 1:
             raise ValueError(f"hit_rate_window must be ≥ 1, got {hit_rate_window}")
+        if sliding_window is not None and (sliding_window < 1 or enable_prefix_caching):
+            raise ValueError(f"sliding_window must be ≥ 1 tokens and needs prefix caching off, got "
+                             f"{sliding_window} with enable_prefix_caching={enable_prefix_caching}")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
         self.block_tables: dict[str, list[int]] = {}
@@ -297,6 +331,33 @@ class KVCacheManager:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
+    def blocks_to_run(self, num_tokens: int, max_chunk: int) -> int:
+        """Most blocks a request of ``num_tokens`` tokens holds at once when it computes at most
+        ``max_chunk`` tokens a step: all of them, or with a sliding window W the blocks of
+        positions ``(first - W, first + max_chunk)`` of a step computing from ``first``, at most
+        ``ceil((W - 1 + max_chunk) / block_size) + 1``."""
+        need = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return need
+        return min(need, self.blocks_needed(self.sliding_window - 1 + max_chunk) + 1)
+
+    def num_held_blocks(self, request: Request) -> int:
+        """Blocks the request references (freed entries of its table not counted)."""
+        return len(held_blocks(self.block_tables.get(request.request_id, [])))
+
+    def _free_outside_window(self, table: list[int], num_computed: int) -> None:
+        """Free the blocks of ``table`` that lie entirely before the window of position
+        ``num_computed`` (the first token the next step computes): blocks ``[0, n)`` with
+        ``n = max(0, num_computed - W + 1) // block_size``. Amortized O(1) per freed block (the
+        freed entries are a prefix)."""
+        n = min(max(0, num_computed - self.sliding_window + 1) // self.block_size, len(table))
+        i = n
+        while i > 0 and table[i - 1] != FREED_BLOCK:
+            i -= 1
+        if i < n:
+            self.pool.decref(table[i:n])
+            table[i:n] = [FREED_BLOCK] * (n - i)
+
     def namespace(self, request: Request) -> Namespace:
         """Cache namespace of a request: model, adapter (``request.adapter_id`` if the
         request has one) and ``cache_salt``, each in its own tagged slot."""
@@ -331,6 +392,8 @@ class KVCacheManager:
             False (and allocates and evicts nothing) when even eviction cannot make room.
         """
         table = self.block_tables.get(request.request_id, [])
+        if self.sliding_window is not None and table:  # first give back what the window left behind
+            self._free_outside_window(table, request.num_computed_tokens)
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table)
         if need <= 0:
             return True
@@ -502,7 +565,7 @@ class KVCacheManager:
             self.cache.unlock(node)
         table = self.block_tables.pop(rid, None)
         if table:
-            self.pool.decref(table)
+            self.pool.decref(held_blocks(table))
 
     def fork(self, src: Request, dst: Request) -> bool:
         """Give ``dst`` (same prompt, no blocks yet) the K/V of ``src``'s prompt except its
@@ -523,6 +586,10 @@ class KVCacheManager:
                 or dst.prompt_token_ids != src.prompt_token_ids):
             return False
         num_full, rem = divmod(n, self.block_size)
+        if self.sliding_window is not None:  # dst's first token (position n) needs its window's blocks
+            first = max(0, n - self.sliding_window + 1) // self.block_size
+            if FREED_BLOCK in src_table[first : num_full + (1 if rem else 0)]:
+                return False
         node: Optional[RadixNode] = None
         if self.cache is not None:
             self.cache_computed(src)
@@ -534,11 +601,11 @@ class KVCacheManager:
             self.cache.lock(node)
         else:
             shared = src_table[:num_full]
-        self.pool.incref(shared)
+        self.pool.incref(held_blocks(shared))
         table = list(shared)
         if rem:
             if self.kv_caches is None or not self._make_room(1):
-                self.pool.decref(shared)
+                self.pool.decref(held_blocks(shared))
                 if node is not None:
                     self.cache.unlock(node)  # type: ignore[union-attr]
                 return False
@@ -603,14 +670,14 @@ class KVCacheManager:
         """
         table, node = handle
         num_full, rem = divmod(num_tokens, self.block_size)
-        shared = table[:num_full]
+        shared = table[:num_full]  # (freed entries stay freed in the clone)
         new: list[int] = []
         if rem:
-            if self.kv_caches is None or not self._make_room(1):
+            if self.kv_caches is None or table[num_full] == FREED_BLOCK or not self._make_room(1):
                 return None
             new = self.pool.allocate(1)
             self._copy_block_prefix(table[num_full], new[0], rem)
-        self.pool.incref(shared)
+        self.pool.incref(held_blocks(shared))
         if node is not None:
             assert self.cache is not None
             if node.depth > num_full * self.block_size:  # keep only the path the clone shares
@@ -625,7 +692,7 @@ class KVCacheManager:
             assert self.cache is not None
             self.cache.unlock(node)
         if table:
-            self.pool.decref(table)
+            self.pool.decref(held_blocks(table))
 
     def check_invariants(self) -> None:
         """Recount references and locks from the block tables; O(everything), for tests.
@@ -635,8 +702,11 @@ class KVCacheManager:
         """
         pool, cache = self.pool, self.cache
         expected = [0] * pool.num_blocks
-        for table in self.block_tables.values():
-            for b in table:
+        for rid, table in self.block_tables.items():
+            held = held_blocks(table)
+            if len(held) != len(table) and (self.sliding_window is None or FREED_BLOCK in table[len(table) - len(held):]):
+                raise RuntimeError(f"request {rid}: freed table entries without a window, or not a prefix")
+            for b in held:
                 expected[b] += 1
         locks: dict[int, int] = {}
         if cache is not None:

@@ -117,10 +117,15 @@ class ModelRunner:
         block_tables: the KV manager's ``request_id → block ids`` map (read only).
         block_size: tokens per block.
         device: where the batch tensors go.
+        sliding_window: the window (tokens) of a model whose every layer is windowed, whose
+            blocks before the window the KV manager frees (their table entries are -1), or
+            None. The decode rows then get block tables and context lengths (windowed
+            attention reads only the window) and no gathered context, which would cover freed
+            blocks.
     """
 
     def __init__(self, model, kv_caches, block_tables: dict[str, list[int]], block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, sliding_window: Optional[int] = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_tables = block_tables
@@ -128,7 +133,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         backend = getattr(model, "attn_backend", None)
-        self.uses_context_slots = getattr(backend, "uses_context_slots", True)
+        self.uses_context_slots = getattr(backend, "uses_context_slots", True) and sliding_window is None
 
     # ---------------------------------------------------------------- inputs
     def prepare_inputs(self, sched: SchedulerOutput) -> BatchInputs:
@@ -175,9 +180,9 @@ class ModelRunner:
                 valid = grid.unsqueeze(0) < ctx_len.unsqueeze(1)
                 meta.decode_context_slots = torch.where(valid, ctx_slots, 0).to(self.device)
                 meta.decode_mask = valid.view(D, 1, 1, max_ctx).to(self.device)
-            else:
-                meta.decode_block_tables = bt.to(self.device)
-                meta.decode_context_lens = ctx_len.to(self.device)
+            # (the SDPA backend reads these for windowed layers: their windows alone)
+            meta.decode_block_tables = bt.to(self.device)
+            meta.decode_context_lens = ctx_len.to(self.device)
             pos_parts.append(nc)
             slot_parts.append(bt.gather(1, (nc // bs).unsqueeze(1)).squeeze(1) * bs + nc % bs)
             for i, (r, n) in enumerate(decodes):

@@ -159,6 +159,7 @@ class LlamaAttention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.window = cfg.uniform_window  # Mistral: every layer attends over (p - window, p]
         self.backend = backend
         self.rotary = [rotary]  # shared by all layers; a list keeps it out of this module's children
         self.qkv_proj: Optional[Linear] = None  # set by load_weights (fused q, k, v)
@@ -175,7 +176,7 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(qk[:, self.q_size :].reshape(T, self.num_kv_heads, self.head_dim))
             qk.copy_(torch.cat([q.reshape(T, -1), k.reshape(T, -1)], dim=-1))
         q, k, v = self.rotary[0](qkv, self.num_heads, self.num_kv_heads, rope_inputs)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, hd]
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)  # [T, H, hd]
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -332,7 +333,8 @@ class LlamaForCausalLM(nn.Module):
                 layers, self.norm.weight, self.lm_head.weight, self.rotary_emb.cos_table, self.rotary_emb.sin_table,
                 gemv, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps,
                 max_tokens=linear.AMX_MAX_M_BF16 if use_amx else gemv_max, gemv_max_tokens=gemv_max,
-                amx=k.amx_linear if use_amx else None, lm_head_packed=self.lm_head._amx)
+                amx=k.amx_linear if use_amx else None, lm_head_packed=self.lm_head._amx,
+                window=self.cfg.uniform_window)
         step = self._decode_step
         return step if step is not None and num_tokens <= step.max_tokens else None
 
