@@ -34,8 +34,8 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 @pytest.fixture(params=["kernels", "pytorch"])
 def path(request, monkeypatch):
     """Both CPU paths: the default one (where the kernels build: the fused Gemma kernels, and C
-    decode attention within the window) and the plain PyTorch one (CUDA's, and machines
-    without the kernels)."""
+    decode attention, windowed on the local layers) and the plain PyTorch one (CUDA's, and
+    machines without the kernels)."""
     if request.param == "pytorch":
         monkeypatch.setattr(cpu_ops, "available", lambda: False)
     return request.param
@@ -74,6 +74,42 @@ def test_greedy_matches_transformers_chunked_and_batched(tiny_model_dir, arch, p
     for p, o in zip(PROMPTS, outs):
         assert o.outputs[0].token_ids == _hf_greedy(hf, p, 14), p
     assert llm.engine.scheduler.num_chunked_prefills > 0
+
+
+def test_c_kernel_window_equals_sdpa_and_transformers(tiny_model_dir, monkeypatch):
+    """Decode 24 tokens after a 40-token prompt (8-13x the window of 8): the local layers' decode
+    attention runs on the C kernel with window=8 (spied), the global layers' without; each
+    token's logprob equals the SDPA path's and transformers' (1e-4), the tokens are identical.
+    Every block is kept (hybrid model: the global layers read the whole context)."""
+    folder, hf = tiny_model_dir("gemma3")
+    prompt = [(13 * j) % 370 + 5 for j in range(40)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    windows = []
+    real = cpu_ops.paged_attention_decode
+
+    def spy(*a, **kw):
+        windows.append((kw.get("window"), int(a[4].max())))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_ops, "paged_attention_decode", spy)
+    kern = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4, enable_prefix_caching=False)
+    assert kern.engine.kv.sliding_window is None  # hybrid: no block is freed
+    a = kern.generate([prompt], params)[0].outputs[0]
+    if cpu_ops.available():
+        assert {w for w, _ in windows} == {8, None}
+        assert any(w == 8 and ctx > 8 for w, ctx in windows)  # windowed C decode past the window
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    sdpa = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4, enable_prefix_caching=False)
+    assert type(sdpa.engine.model.attn_backend) is TorchSDPABackend
+    b = sdpa.generate([prompt], params)[0].outputs[0]
+    assert a.token_ids == b.token_ids == _hf_greedy(hf, prompt, 24)
+    seq = prompt + a.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].double(), -1)
+    want = torch.tensor([ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(a.token_ids)], dtype=torch.float64)
+    for out in (a, b):
+        got = torch.tensor([lp.logprob for lp in out.logprobs], dtype=torch.float64)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_greedy_one_prompt_at_a_time_in_large_chunks(tiny_model_dir):

@@ -29,8 +29,10 @@ the non-matmul ops run on its fused C kernels, which round where the PyTorch ops
 
 Otherwise (CUDA, other dtypes, no kernels) every op is PyTorch's, as written in the modules'
 ``forward``. The one-call C decode step is Llama-only; the linears are :class:`Linear` and the
-attention is the engine's backend (its C decode kernel serves every layer on CPU while the
-context fits the window, then the global layers only).
+attention is the engine's backend (on CPU its C decode kernel serves every layer, reading only
+the last ``sliding_window`` positions on the local layers). Every KV block is kept: the global
+layers read the whole context (per-layer-group block tables, vLLM's hybrid allocator, which
+could free the local layers' old blocks, are not implemented).
 """
 
 from __future__ import annotations
