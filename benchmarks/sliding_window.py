@@ -124,7 +124,7 @@ def mistral_blocks(contexts: list[int]) -> None:
             eng.step()
             for r in eng.scheduler.running:
                 most = max(most, eng.kv.num_held_blocks(r))
-                if r.output_token_ids:
+                if len(r.output_token_ids) >= 2:  # decode steps (the first follows the last chunk)
                     decoding = max(decoding, eng.kv.num_held_blocks(r))
         full = -(-n // bs)
         print(f"| {n} | {most} | {decoding} | {full} | {most / full:.2f} |")
