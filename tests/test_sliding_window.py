@@ -278,3 +278,21 @@ def test_8bit_pools_batch_equals_alone_with_freed_blocks(mistral, kv_cache_dtype
         assert toks == solo["r0"].outputs[0].token_ids, i
         if kv_cache_dtype == "int8":  # (fp8's 3 mantissa bits flip this random model's first tokens)
             assert toks[:5] == _hf_greedy(hf, p, 40)[:5], i
+
+
+def test_swap_preemption_with_freed_blocks_recomputes_and_equals_transformers(mistral):
+    """preemption_mode="swap" on an every-layer-windowed model: a victim still holding all its
+    blocks (within the window) is swapped out and back; one that has freed blocks before its
+    window is recomputed (its table has holes that the host pool does not keep). The pool holds
+    less than one whole sequence; every request's tokens equal transformers'."""
+    folder, hf = mistral
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    eng = LLMEngine(EngineArgs(model=str(folder), dtype="float32", device="cpu", num_blocks=14, block_size=BS,
+                               max_num_batched_tokens=7, swap_space=0.01, preemption_mode="swap"))
+    ids, final = run_workload(eng, [dict(prompt=p, params=params, arrive=0, abort=None) for p in PROMPTS], 3000)
+    st = eng.stats()
+    assert st["swap_num_swap_outs"] >= 1 and st["swap_num_swap_ins"] == st["swap_num_swap_outs"], st
+    assert st["swap_num_recompute_fallbacks"] >= 1, st  # a victim with freed blocks
+    for rid, out in final.items():
+        assert out.outputs[0].token_ids == _hf_greedy(hf, list(ids[rid]["prompt"]), 40), rid
+    assert eng.kv.num_free_blocks == 14 and eng.swap.allocator.num_used == 0

@@ -59,7 +59,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv_cache import KVCacheManager
+from kvserve.kv_cache import FREED_BLOCK, KVCacheManager
 from kvserve.kv_swap import KVSwapSpace
 from kvserve.request import Request, RequestStatus
 
@@ -178,12 +178,16 @@ class Scheduler:
 
     def _swap_out(self, victim: Request) -> None:
         """With a swap space, copy the victim's computed blocks to the host pool (it keeps its
-        ``num_computed_tokens`` there); a beam, or a victim the pool cannot hold, is recomputed."""
+        ``num_computed_tokens`` there); a beam, a victim the pool cannot hold, or one that has freed
+        blocks before its sliding window (their K/V is gone), is recomputed."""
         if self.swap is None or victim.sampling_params.use_beam_search or victim.num_computed_tokens == 0:
             return
         table = self.kv.block_tables.get(victim.request_id, [])
-        n = self.kv.blocks_needed(victim.num_computed_tokens)  # (not the slots allocated for this step)
-        self.swap.swap_out(victim.request_id, table[:n], victim.num_computed_tokens)
+        blocks = table[: self.kv.blocks_needed(victim.num_computed_tokens)]  # (not this step's new slots)
+        if FREED_BLOCK in blocks:
+            self.swap.num_swap_fallbacks += 1
+            return
+        self.swap.swap_out(victim.request_id, blocks, victim.num_computed_tokens)
 
     def _swap_in(self, req: Request, budget: int, headroom: int) -> int:
         """Bring a swapped request back: fresh blocks for its computed tokens plus its next
