@@ -315,6 +315,7 @@ class LLMEngine:
         self.spec_num_drafts = 0  # verifications with at least one draft
         self.spec_num_draft_tokens = 0  # drafts verified
         self.spec_num_accepted_tokens = 0  # drafts accepted
+        self.spec_num_grammar_cut_tokens = 0  # drafts dropped before verification: after one the grammar rejects
         self.load_time_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------- requests
@@ -648,16 +649,21 @@ class LLMEngine:
     def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput,
                  failed: dict[str, tuple[RequestGroup, Exception]]) -> None:
         """Draft tokens for the requests of this step that decode next (see
-        ``speculative_config``). Beam search and structured output decode without drafts. At most
+        ``speculative_config``). Beam search decodes without drafts. At most
         ``min(max_tokens - output, max_model_len - num_tokens) - 1`` drafts are proposed, so
-        that drafts plus the bonus token never pass either limit."""
+        that drafts plus the bonus token never pass either limit.
+
+        Structured output: the proposers do not know the grammar, so a constrained request's
+        drafts are cut at the first one its grammar rejects (:meth:`_fit_to_grammar`); the
+        verification then runs every position under the grammar's mask."""
         sampled = {r.request_id for r in result.sample_requests} | set(result.spec)
         reqs, rooms = [], []
         for req, _ in sched.scheduled:
             # (only after a sampled token: a prompt chunk that stops one token short of its end
             # has no output yet, and the forks of an n > 1 group must see its prompt first)
             if (req.request_id not in sampled or req.status is not RequestStatus.RUNNING
-                    or req.sampling_params.use_beam_search or req.grammar is not None
+                    or req.sampling_params.use_beam_search
+                    or (req.grammar is not None and (req.grammar.is_error() or req.grammar.is_terminated()))
                     or req.num_tokens - req.num_computed_tokens != 1
                     or self._group_id(req) in failed):
                 continue
@@ -669,6 +675,8 @@ class LLMEngine:
             for req, room in zip(reqs, rooms):
                 with self._isolated(req, failed):
                     req.spec_token_ids = self.proposer.propose(np.asarray(req.all_token_ids, dtype=np.int64), room)
+                    if req.grammar is not None:
+                        self._fit_to_grammar(req)
             return
         # the draft KV of requests that do not run (finished, aborted, preempted) is freed: the
         # draft pool, sized like the target's, then never holds more than the running requests
@@ -684,6 +692,33 @@ class LLMEngine:
             return
         for req, (ids, q) in zip(reqs, drafts):
             req.spec_token_ids, req.spec_draft_probs = ids, q
+            if req.grammar is not None:
+                with self._isolated(req, failed):
+                    self._fit_to_grammar(req)
+
+    def _fit_to_grammar(self, req: Request) -> None:
+        """Cut a constrained request's drafts at the first one its grammar rejects.
+
+        Drafts with a one-hot q (n-gram, or a greedy request's draft-model argmax) are cut
+        right before it: rejecting such a draft would draw from ``max(p - onehot, 0) = p``
+        (its masked p is 0), which is what the position draws from once the draft is gone.
+        A draft drawn from the draft model's q is kept as the last draft: its p is 0, so it is
+        rejected with certainty and the correction is drawn from ``normalize(max(p - q, 0))``;
+        drawing from p there instead would skew the output toward the tokens q favours
+        (Leviathan et al. 2023: the residual is what makes the output exactly p).
+        """
+        ids = req.spec_token_ids
+        n = req.grammar.valid_prefix(ids)
+        if n == len(ids):
+            return
+        q = req.spec_draft_probs
+        keep = n + 1 if q is not None else n
+        self.spec_num_grammar_cut_tokens += len(ids) - keep
+        req.spec_token_ids = list(ids[:keep])
+        if q is not None:
+            req.spec_draft_probs = q[:keep]
+        if not req.spec_token_ids:
+            req.clear_spec()
 
     def _group_id(self, req: Request) -> Optional[str]:
         group = self._seq_to_group.get(req.request_id)
@@ -768,8 +803,9 @@ class LLMEngine:
         grammar_end = False
         for i, tok in enumerate(toks):
             n_out = n0 + i + 1
-            if req.grammar is not None:  # structured output: the grammar follows every sampled token
-                # (such requests get no drafts: one token per step, never dropped after this)
+            if req.grammar is not None:  # structured output: the grammar follows every token kept
+                # (a verified run's accepted drafts and its last token; the loop stops at the end of
+                # the output, and tokens a stop string drops after this finish the request)
                 req.grammar.accept_token(tok)
             if n_out >= p.min_tokens:
                 if tok in req.eos_token_ids and not p.ignore_eos:
@@ -963,9 +999,13 @@ class LLMEngine:
         """Speculative-decoding counters (vLLM's names): verifications with drafts
         (``num_drafts``), drafts verified and accepted, the acceptance rate (accepted /
         proposed drafts) and the mean acceptance length (tokens emitted per verification:
-        1 + accepted / verifications). All 0 without speculation."""
+        1 + accepted / verifications). All 0 without speculation.
+        ``spec_decode_num_grammar_cut_tokens`` (kvserve's own) counts the drafts of
+        structured-output requests dropped before verification because their grammar rejects
+        a draft before them (they are not in ``num_draft_tokens``)."""
         d, t, a = self.spec_num_drafts, self.spec_num_draft_tokens, self.spec_num_accepted_tokens
         return {
+            "spec_decode_num_grammar_cut_tokens": self.spec_num_grammar_cut_tokens,
             "spec_decode_num_drafts": d,
             "spec_decode_num_draft_tokens": t,
             "spec_decode_num_accepted_tokens": a,

@@ -25,7 +25,7 @@ from kvserve.attention import AttentionMetadata, PrefillSegment
 from kvserve.request import Request, TokenLogprob
 from kvserve.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenHistory, compute_logprobs
 from kvserve.scheduler import SchedulerOutput
-from kvserve.structured_output import grammar_bitmask
+from kvserve.structured_output import grammar_bitmask, speculative_bitmask
 from kvserve.spec_decode.rejection_sampler import DraftBatch, rejection_sample
 
 
@@ -286,7 +286,10 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, reqs: list[Request]) -> dict[str, SpecResult]:
         """Rejection-sample the drafts of ``reqs`` (logits [sum(k + 1), V], each request's rows
-        in order of position) → request id → :class:`SpecResult`."""
+        in order of position) → request id → :class:`SpecResult`. A request with a grammar has
+        each of its rows under the grammar's mask at that position
+        (:func:`~kvserve.structured_output.speculative_bitmask`), so its target p is the masked
+        distribution; its matcher is left as it was (the engine advances it by the tokens kept)."""
         rows = []
         for r in reqs:
             p = r.sampling_params
@@ -299,7 +302,20 @@ class ModelRunner:
                 rows.append(SamplingRow(params=p, prompt_token_ids=r.prompt_token_ids, output_token_ids=out_i,
                                         seed=r.seed, eos_token_id=list(r.eos_token_ids),
                                         history=None if hist is None else (hist if i == 0 else hist.extended(out_i))))
-        meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
+        # structured output: one bitmask row per verified position of the constrained requests
+        # (row i: the grammar's state after the first i drafts), all in one [G, W] tensor
+        g_reqs, g_rows, row0 = [], [], 0
+        for r in reqs:
+            n = len(r.spec_token_ids) + 1
+            if r.grammar is not None:
+                g_reqs.append(r)
+                g_rows.extend(range(row0, row0 + n))
+            row0 += n
+        g_mask = None
+        if g_reqs:
+            g_mask = speculative_bitmask([r.grammar for r in g_reqs], [r.spec_token_ids for r in g_reqs],
+                                         [r.grammar.valid_prefix(r.spec_token_ids) for r in g_reqs])
+        meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device, g_rows, g_mask)
         drafts = DraftBatch(
             num_drafts=[len(r.spec_token_ids) for r in reqs],
             draft_token_ids=[list(r.spec_token_ids) for r in reqs],

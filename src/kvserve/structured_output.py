@@ -17,6 +17,12 @@ output a prefix of the language ("token masks") in well under a millisecond per 
 * :func:`grammar_bitmask` fills the token bitmasks of a batch's constrained rows, ``[G, W]``
   int32 (bit ``j`` of word ``w`` allows token ``32·w + j``); the sampler applies them to the
   logits before anything else chooses a token (:mod:`kvserve.sampler`, step 1).
+* Speculative decoding: :meth:`StructuredOutputGrammar.valid_prefix` finds where the grammar
+  stops accepting a request's drafts (the engine truncates them there), and
+  :func:`speculative_bitmask` fills one bitmask row per verified position (row ``i``: the
+  state after the first ``i`` drafts) by advancing each matcher through its drafts and
+  rolling it back, so that the rejection sampler's target distribution at every position
+  is the masked one.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 
 from kvserve.sampling_params import StructuredOutputsParams
 
-__all__ = ["StructuredOutputManager", "StructuredOutputGrammar", "grammar_bitmask"]
+__all__ = ["StructuredOutputManager", "StructuredOutputGrammar", "grammar_bitmask", "speculative_bitmask"]
 
 #: Compiled grammars kept per engine (least recently used dropped first).
 DEFAULT_GRAMMAR_CACHE_SIZE = 128
@@ -64,6 +70,14 @@ class StructuredOutputGrammar:
             # (llguidance appends its parser state to the message: the first line says it)
             raise RuntimeError(f"structured output: the grammar rejected token {token_id}: "
                                f"{_first_lines(self.matcher.get_error() or 'not allowed here', 1)}")
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts, one after another, from its current
+        state (llguidance's ``validate_tokens``; the matcher is left as it was). EOS counts as
+        accepted where the output may end. 0 for a matcher in an error state."""
+        if not tokens or self.matcher.is_error():
+            return 0
+        return int(self.matcher.validate_tokens(list(tokens)))
 
     def is_terminated(self) -> bool:
         """True when the output is complete: the grammar allows nothing more (EOS at most)."""
@@ -241,4 +255,72 @@ def grammar_bitmask(grammars: Sequence[StructuredOutputGrammar]) -> torch.Tensor
     for i, g in enumerate(grammars):
         if g.matcher.is_error():
             mask[i] = -1
+    return mask
+
+
+def speculative_bitmask(grammars: Sequence[StructuredOutputGrammar], drafts: Sequence[Sequence[int]],
+                        num_valid: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """The token bitmasks of the ``k_r + 1`` verified positions of each grammar's drafts
+    → ``[sum(k_r + 1), W]`` int32 on the CPU, request r's rows consecutive and in order.
+
+    Row ``i`` of request r is the mask of the state after its first ``i`` drafts: the matcher
+    consumes the drafts one at a time and the row is filled after each (rows at the same
+    depth of all requests in one call of llguidance's thread pool, the GIL released); then
+    every matcher is rolled back by what it consumed, so it leaves exactly as it came.
+
+    Args:
+        grammars: one per verified request.
+        drafts: per request its k_r drafts.
+        num_valid: per request how many leading drafts the grammar accepts (default: all).
+            The rows after the first ``num_valid[r] + 1`` (states after a draft the grammar
+            rejects) are all-ones: their draft is rejected with certainty (its p is 0), so
+            nothing is ever drawn at them. A grammar in an error state gets all-ones rows, as
+            in :func:`grammar_bitmask`.
+
+    Raises:
+        ValueError: the grammars have different vocabulary sizes, or ``drafts`` /
+            ``num_valid`` do not have one entry per grammar.
+        RuntimeError: a matcher rejected a draft it had validated, or could not roll back
+            (a bug: the matchers would no longer follow their sequences).
+    """
+    import llguidance.torch as llt
+
+    if len(drafts) != len(grammars) or (num_valid is not None and len(num_valid) != len(grammars)):
+        raise ValueError("speculative_bitmask: drafts and num_valid need one entry per grammar")
+    if not grammars:
+        return torch.empty(0, 0, dtype=torch.int32)
+    vocab = grammars[0].vocab_size
+    if any(g.vocab_size != vocab for g in grammars):
+        raise ValueError("speculative_bitmask: the grammars have different vocabulary sizes")
+    ks = [len(d) for d in drafts]
+    offsets = [0] * len(grammars)
+    for r in range(1, len(grammars)):
+        offsets[r] = offsets[r - 1] + ks[r - 1] + 1
+    # m[r]: drafts the matcher consumes (those the grammar accepts); rows 0..m[r] are filled
+    m = [0 if g.matcher.is_error() else min(k if num_valid is None else int(v), k)
+         for g, k, v in zip(grammars, ks, num_valid if num_valid is not None else ks)]
+    mask = torch.full((sum(ks) + len(grammars), (vocab + 31) // 32), -1, dtype=torch.int32)
+    consumed = [0] * len(grammars)
+    try:
+        for depth in range(max(m) + 1):
+            live = [r for r in range(len(grammars)) if depth <= m[r] and not grammars[r].matcher.is_error()]
+            if not live:
+                break
+            if len(live) == 1:
+                llt.fill_next_token_bitmask(grammars[live[0]].matcher, mask, offsets[live[0]] + depth)
+            else:
+                llt.fill_next_token_bitmask_par(_executor(), [(grammars[r].matcher, offsets[r] + depth) for r in live],
+                                                mask)
+            for r in live:
+                if depth < m[r]:
+                    if not grammars[r].matcher.consume_token(int(drafts[r][depth])):
+                        raise RuntimeError(f"structured output: the grammar rejected draft {drafts[r][depth]} "
+                                           f"that it had validated")
+                    consumed[r] += 1
+    finally:
+        for g, n in zip(grammars, consumed):
+            if n and not g.matcher.rollback(n):
+                raise RuntimeError(f"structured output: the grammar could not roll back {n} draft tokens")
+    # a state with nothing allowed (past the end of the output) or in error: all-ones (never drawn at)
+    mask[(mask == 0).all(dim=1)] = -1
     return mask
