@@ -344,26 +344,232 @@ def test_beam_search_decodes_without_drafts(folder):
     assert eng.stats()["spec_decode_num_drafts"] == 0
 
 
-def test_structured_output_decodes_without_drafts(folder):
-    """A grammar-constrained request gets no drafts (its token mask is one step's), keeps to its
-    grammar and gives the tokens of plain decoding; its batch-mates still speculate."""
-    import re
+# -------------------------------------------------------------- structured output
+# (each has free text where a draft model that knows nothing of the grammar can be right, and
+# fixed parts where its drafts are cut)
+JSON_SCHEMA = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0, "maximum": 999},
+    "tag": {"type": "string", "maxLength": 24},
+    "ok": {"type": "boolean"}}, "required": ["id", "tag", "ok"], "additionalProperties": False}
+REGEX = r"[a-z ]{2,24}=(ab|cd){1,4}x"
+CHOICE = ["the lazy dog", "the little girl", "the capital of France"]
+LARK = r"""
+start: "let " NAME " = " NUMBER ";"
+NAME: /[a-z ]{1,16}/
+NUMBER: /[0-9]{1,3}/
+"""
+LARK_RE = r"let [a-z ]{1,16} = [0-9]{1,3};"
+# (spec, prompt text): prompts that hold text the outputs share, so n-gram drafts exist
+GRAMMAR_CASES = {
+    "json": (dict(json=JSON_SCHEMA, disable_any_whitespace=True),
+             '{"id":12,"tag":"the fox","ok":true} {"id":7,"tag":"a dog","ok":false} {"id":'),
+    "regex": (dict(regex=REGEX), "the fox=abcdx a dog=cdx the lazy dog=abab"),
+    "choice": (dict(choice=CHOICE), "the lazy dog saw the little girl in the capital of France; the"),
+    "grammar": (dict(grammar=LARK), "let a = 1; let the fox = 22; let x = 3; let"),
+}
 
+
+def _so(kind):
     from kvserve import StructuredOutputsParams
 
-    regex = "(ab|cd){2,5}x"
-    constrained = SamplingParams(max_tokens=20, temperature=0, structured_outputs=StructuredOutputsParams(regex=regex))
-    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    prompts, params = PROMPTS[:3], [constrained, free, free]
-    base = _run(_engine(folder, spec=None), prompts, params)
-    eng = _engine(folder)
+    return StructuredOutputsParams(**GRAMMAR_CASES[kind][0])
+
+
+def _check_valid(kind, text):
+    import json
+    import re
+
+    import jsonschema
+
+    if kind == "json":
+        jsonschema.validate(json.loads(text), JSON_SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICE, text
+    else:
+        assert re.fullmatch(LARK_RE, text), text
+
+
+def _spy(eng):
+    """Per request (group) id: [drafts verified, drafts accepted, drafts cut by the grammar]."""
+    seen: dict = {}
+    verify, fit = eng._apply_verification, eng._fit_to_grammar
+
+    def apply(req, res, now):
+        c = seen.setdefault(eng._group_id(req), [0, 0, 0])
+        c[0] += res.num_drafts
+        c[1] += res.num_accepted
+        return verify(req, res, now)
+
+    def cut(req):
+        before = len(req.spec_token_ids)
+        fit(req)
+        seen.setdefault(eng._group_id(req), [0, 0, 0])[2] += before - len(req.spec_token_ids)
+
+    eng._apply_verification, eng._fit_to_grammar = apply, cut
+    return seen
+
+
+SPEC_CASES = [("ngram", 2), ("ngram", 3), ("ngram", 4), ("same", 2), ("same", 4), ("noisy", 3)]
+
+
+def _spec(method, k, drafts):
+    if method == "ngram":
+        return {**NGRAM, "num_speculative_tokens": k}
+    return _draft(drafts[method], k)
+
+
+@pytest.mark.parametrize("method, k", SPEC_CASES)
+def test_structured_output_greedy_with_drafts_is_token_identical(folder, drafts, method, k):
+    """Greedy float32 requests under a JSON schema, a regex, a choice and a Lark grammar, with
+    drafts (n-gram or a draft model that knows nothing of the grammar): the tokens of plain
+    grammar decoding; every request verified drafts, some were accepted, some rejected and
+    some cut before verification because the grammar rejects them; the outputs are valid."""
+    kinds = sorted(GRAMMAR_CASES)
+    base_eng = _engine(folder, spec=None)
+    prompts = [base_eng.encode(GRAMMAR_CASES[kind][1]) for kind in kinds]
+    params = [SamplingParams(max_tokens=60, temperature=0, structured_outputs=_so(kind), logprobs=1) for kind in kinds]
+    base = _run(base_eng, prompts, params)
+    eng = _engine(folder, spec=_spec(method, k, drafts))
+    seen = _spy(eng)
     outs = _run(eng, prompts, params)
-    assert [_summary(o) for o in outs] == [_summary(b) for b in base]
-    assert re.fullmatch(regex, outs[0].outputs[0].text) and outs[0].finish_reason == "stop"
-    assert eng.stats()["spec_decode_num_drafts"] > 0  # (the free requests speculated)
-    alone = _engine(folder)
-    _run(alone, prompts[:1], constrained)
-    assert alone.stats()["spec_decode_num_drafts"] == 0
+    for kind, b, o in zip(kinds, base, outs):
+        assert _summary(o) == _summary(b), kind
+        assert o.outputs[0].finish_reason == "stop"
+        _check_valid(kind, o.outputs[0].text)
+        assert [lp.logprob for lp in o.outputs[0].logprobs] == pytest.approx(
+            [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-4)
+    counts = dict(zip(kinds, (seen.get(o.request_id, [0, 0, 0]) for o in outs)))
+    s = eng.stats()
+    assert s["spec_decode_num_grammar_cut_tokens"] == sum(c[2] for c in counts.values()) > 0
+    assert s["spec_decode_num_draft_tokens"] == sum(c[0] for c in counts.values()) > 0
+    if method == "ngram":  # every request verified drafts, had some accepted, some rejected
+        assert all(c[0] > 0 for c in counts.values()), counts
+        assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+        assert sum(c[1] > 0 for c in counts.values()) >= 3, counts
+        # fewer verification steps than tokens: accepted drafts came for free
+        assert s["spec_decode_num_drafts"] < s["generated_tokens"]
+    elif method == "same":
+        # the target as its own (unconstrained) draft: a draft the grammar allows is the masked
+        # argmax too, so every draft left after the cut is accepted (the JSON string's free text)
+        assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"] > 0
+        assert counts["json"][1] > 0
+        assert all(c[2] > 0 for c in counts.values()), counts  # its free argmax breaks every grammar somewhere
+
+
+def test_structured_output_mixed_batch_n_and_preemption(folder, drafts):
+    """Constrained (greedy, n = 2) and free requests in one batch, some speculating, in a pool
+    that preempts: every output is that of plain decoding, and the constrained ones are valid."""
+    kinds = sorted(GRAMMAR_CASES)
+    base_eng = _engine(folder, spec=None)
+    prompts, params = [], []
+    for kind in kinds:
+        prompts.append(base_eng.encode(GRAMMAR_CASES[kind][1]))
+        params.append(SamplingParams(max_tokens=60, temperature=0, n=2, structured_outputs=_so(kind)))
+    for p in PROMPTS[:3]:
+        prompts.append(p)
+        params.append(SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    base = _run(base_eng, prompts, params)
+    for spec in (_spec("ngram", 3, drafts), _spec("noisy", 3, drafts)):
+        eng = _engine(folder, spec=spec, num_blocks=40)  # tight: preempts
+        seen = _spy(eng)
+        outs = _run(eng, prompts, params)
+        assert [_summary(o) for o in outs] == [_summary(b) for b in base]
+        for kind, o in zip(kinds, outs):
+            assert len(o.outputs) == 2
+            for c in o.outputs:
+                _check_valid(kind, c.text)
+        assert eng.scheduler.num_preemptions > 0
+        assert eng.stats()["spec_decode_num_accepted_tokens"] > 0
+        assert sum(c[0] for c in seen.values()) > 0
+
+
+def test_grammar_completing_inside_accepted_drafts_stops_there(folder):
+    """A grammar completed by an accepted draft ends the request at that token ("stop", no EOS),
+    with the verification's later tokens dropped, as in plain decoding."""
+    from kvserve import StructuredOutputsParams
+
+    eng0 = _engine(folder, spec=None)
+    # (the prompt repeats the grammar's only output: the drafts are its tokens and what follows)
+    prompt = eng0.encode("pay the fox. pay the fox. pay the fox. pay")
+    so = StructuredOutputsParams(regex="pay the fox")
+    params = SamplingParams(max_tokens=30, temperature=0, structured_outputs=so)
+    base = _run(eng0, [prompt], params)[0]
+    eng = _engine(folder, spec={**NGRAM, "num_speculative_tokens": 4})
+    ended_inside = []
+    apply = eng._apply_verification
+
+    def spy(req, res, now):
+        n0 = len(req.output_token_ids)
+        apply(req, res, now)
+        ended_inside.append(req.is_finished and len(req.output_token_ids) - n0 < len(res.token_ids))
+
+    eng._apply_verification = spy
+    out = _run(eng, [prompt], params)[0]
+    assert _summary(out) == _summary(base)
+    assert out.outputs[0].text == "pay the fox" and out.outputs[0].finish_reason == "stop"
+    assert not set(eng.eos_token_ids) & set(out.outputs[0].token_ids)
+    assert ended_inside and ended_inside[-1]  # the last verification ran past the grammar's end
+
+
+def test_speculative_bitmask_rows_are_the_states_after_each_draft(folder):
+    """Row i of a request is the mask of a fresh matcher that consumed its first i drafts; rows
+    after a draft the grammar rejects are all-ones; the matchers come back unchanged."""
+    import torch
+
+    from kvserve.structured_output import grammar_bitmask, speculative_bitmask
+
+    eng = _engine(folder, spec=None)
+    so = eng.structured_output
+    enc = lambda t: eng.encode(t)  # noqa: E731
+    g1 = so.new_grammar(_so("regex"))
+    g2 = so.new_grammar(_so("json"))
+    g3 = so.new_grammar(_so("choice"))
+    g2.accept_token(enc("{")[0])  # a grammar part-way through its output
+    d1 = enc("abcdab")
+    d2 = enc('"id":5')
+    d3 = enc("the lazy") + enc("!")  # the last draft is rejected
+    n3 = g3.valid_prefix(d3)
+    assert g1.valid_prefix(d1) == len(d1) and g2.valid_prefix(d2) == len(d2) and n3 == len(d3) - 1
+    before = grammar_bitmask([g1, g2, g3])
+    mask = speculative_bitmask([g1, g2, g3], [d1, d2, d3], [len(d1), len(d2), n3])
+    assert mask.shape == (len(d1) + len(d2) + len(d3) + 3, before.shape[1]) and mask.dtype == torch.int32
+    assert torch.equal(grammar_bitmask([g1, g2, g3]), before)  # rolled back
+    row = 0
+    for g, d, n in ((g1, d1, len(d1)), (g2, d2, len(d2)), (g3, d3, n3)):
+        for i in range(len(d) + 1):
+            if i <= n:
+                fresh = so.new_grammar(_so("regex" if g is g1 else "json" if g is g2 else "choice"))
+                if g is g2:
+                    fresh.accept_token(enc("{")[0])
+                for t in d[:i]:
+                    fresh.accept_token(t)
+                assert torch.equal(mask[row], grammar_bitmask([fresh])[0]), (i, d)
+            else:
+                assert bool((mask[row] == -1).all())
+            row += 1
+    assert len({tuple(r) for r in mask.tolist()}) > 8  # (the states differ)
+
+
+def test_structured_output_draft_model_keeps_a_rejected_sample_and_cuts_one_hot_drafts(folder, drafts):
+    """The grammar cut: one-hot drafts (greedy draft model) stop before the first draft the grammar
+    rejects; a sampled draft-model request keeps it as its last draft (rejected for sure)."""
+    from kvserve import StructuredOutputsParams
+    from kvserve.request import Request
+
+    eng = _engine(folder)
+    so = eng.structured_output
+    ids = eng.encode("abcdab")
+    for q, keep in ((None, 2), (torch.full((4, 384), 1 / 384), 3)):
+        req = Request(request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(), seed=0)
+        req.grammar = so.new_grammar(StructuredOutputsParams(regex="(ab|cd){2,5}x"))
+        req.spec_token_ids, req.spec_draft_probs = ids[:2] + [90, 90], q
+        eng._fit_to_grammar(req)  # after one "ab" the regex wants another pair, not "x"
+        assert req.spec_token_ids == (ids[:2] + [90, 90])[:keep]
+        assert (req.spec_draft_probs is None) == (q is None)
+        if q is not None:
+            assert tuple(req.spec_draft_probs.shape) == (keep, 384)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
@@ -392,15 +598,16 @@ A, B, C, D = 40, 41, 42, 43
 PROMPT = [A, B, C, A, B, C, A, B]  # n-gram drafts exist after A, B or C
 
 
-def _exact_distribution(model, params, num_tokens):
+def _exact_distribution(model, params, num_tokens, prompt=None):
     """P(first num_tokens tokens) enumerated from the transformers model's logits: allowed
     ids, temperature, top-k, as kvserve's sampler defines them."""
+    prompt = PROMPT if prompt is None else prompt
     allowed = params.allowed_token_ids
     probs = {}
 
     def dist(prefix):
         with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double()
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double()
         x = logits[allowed] / params.temperature
         p = torch.softmax(x, 0)
         if params.top_k > 0:
@@ -439,9 +646,9 @@ def _chi_square(counts: dict, probs: dict, n: int) -> float:
     return stats.chisquare(obs, exp).pvalue
 
 
-def _sample_counts(eng, base, n):
+def _sample_counts(eng, base, n, prompt=None):
     """n samples of PROMPT (16 requests of n / 16 samples, one seed each) → token tuple → count."""
-    outs = _run(eng, [PROMPT] * 16, [SamplingParams(**{**_fields(base), "seed": s, "n": n // 16}) for s in range(16)],
+    outs = _run(eng, [PROMPT if prompt is None else prompt] * 16, [SamplingParams(**{**_fields(base), "seed": s, "n": n // 16}) for s in range(16)],
                 check=False)
     counts: dict = {}
     for o in (c for out in outs for c in out.outputs):
@@ -656,6 +863,47 @@ def test_draft_model_sampling_matches_the_exact_distribution(folder, drafts, tin
     s = eng.stats()
     assert s["spec_decode_num_draft_tokens"] >= n  # (k = 2, max_tokens = 3: one draft after the first token)
     assert 0.1 < s["spec_decode_acceptance_rate"] < 0.95
+    assert _chi_square(counts, probs, n) > 1e-3
+
+
+LETTERS = [68, 77, 88, 92]  # "b", "k", "v", "z": one token each, no merged token of them in the vocabulary
+# n-gram drafts after "b k" are digits (the grammar rejects them: cut), after one letter letters
+LETTER_PROMPT = [68, 77, 19, 88, 92, 68, 77, 20, 92, 88, 68, 77]
+
+
+@pytest.mark.parametrize("method", ["ngram", "noisy"])
+def test_structured_output_sampling_matches_the_masked_distribution(folder, drafts, tiny_model_dir, method):
+    """Seeded samples of regex [bkvz]{3} (temperature 0.8) with drafts, against the exact
+    distribution: the model's softmax renormalized over the grammar's tokens at each position,
+    enumerated from the transformers model. N-gram drafts the grammar rejects are cut; the
+    noisy draft model's drafts, drawn from its q over the whole vocabulary, are mostly outside
+    the grammar: each such draft is rejected and the correction drawn from max(p - q, 0)."""
+    from kvserve import StructuredOutputsParams
+    from kvserve.sampler import unpack_bitmask
+    from kvserve.structured_output import grammar_bitmask
+
+    n = 2000 if method == "ngram" else 1200
+    model = tiny_model_dir("llama")[1]
+    so = StructuredOutputsParams(regex="[bkvz]{3}")
+    probs = _exact_distribution(model, SamplingParams(max_tokens=3, temperature=0.8, allowed_token_ids=LETTERS), 3,
+                                LETTER_PROMPT)
+    eng = _engine(folder, num_blocks=4096, max_num_seqs=512, max_num_batched_tokens=8192,
+                  spec={**NGRAM, "num_speculative_tokens": 2} if method == "ngram" else _draft(drafts["noisy"], 2))
+    g = eng.structured_output.new_grammar(so)
+    for t in [None, 68, 92]:  # (the premise: the grammar allows exactly LETTERS until its third token)
+        if t is not None:
+            g.accept_token(t)
+        assert unpack_bitmask(grammar_bitmask([g]), 384)[0].nonzero().squeeze(1).tolist() == LETTERS
+    counts = _sample_counts(eng, SamplingParams(max_tokens=10, temperature=0.8, structured_outputs=so), n,
+                            LETTER_PROMPT)
+    s = eng.stats()
+    assert s["spec_decode_num_draft_tokens"] > 0.4 * n
+    assert s["spec_decode_num_accepted_tokens"] > 0.02 * n
+    assert s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+    if method == "ngram":
+        assert s["spec_decode_num_grammar_cut_tokens"] > 0.1 * n
+    else:  # most draft-model samples fall outside the grammar: verified, and rejected
+        assert s["spec_decode_acceptance_rate"] < 0.5
     assert _chi_square(counts, probs, n) > 1e-3
 
 
