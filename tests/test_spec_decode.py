@@ -710,6 +710,44 @@ def test_rejection_sampler_against_exact_distribution_directly():
         assert out.num_accepted == [len(t) - 1 for t in out.token_ids]
 
 
+def test_rejection_sampler_under_a_grammar_mask():
+    """As above with a grammar bitmask per verified position (position 0 allows {0, 1, 2, 4},
+    the bonus position {1, 3, 5}) and drafts drawn from a q that puts mass on forbidden tokens:
+    a forbidden draft is never accepted, the first token follows p masked at position 0 and the
+    bonus token p masked at position 1 (chi-square), nothing outside a mask is emitted."""
+    from kvserve.sampler import SamplingMetadata, SamplingRow
+    from kvserve.spec_decode import DraftBatch, rejection_sample
+
+    V, n = 6, 4000
+    torch.manual_seed(2)
+    logits = torch.randn(2, V)
+    allowed = [[0, 1, 2, 4], [1, 3, 5]]
+    masked = torch.full((2, V), float("-inf"), dtype=torch.float64)
+    for i, a in enumerate(allowed):
+        masked[i, a] = logits[i, a].double()
+    p = torch.softmax(masked, 1)
+    q = torch.softmax(torch.randn(V).double() * 2, 0)
+    bits = torch.tensor([sum(1 << t for t in a) for a in allowed], dtype=torch.int32).unsqueeze(1)  # [2, W = 1]
+    sp = SamplingParams(temperature=1.0)
+    drafts = torch.multinomial(q, n, replacement=True, generator=torch.Generator().manual_seed(3)).tolist()
+    assert sum(d not in allowed[0] for d in drafts) > 0.1 * n  # (q often proposes what the grammar forbids)
+    rows = [SamplingRow(sp, [1], [] if i == 0 else [d], seed, None) for seed, d in enumerate(drafts) for i in range(2)]
+    meta = SamplingMetadata.build(rows, V, "cpu", list(range(2 * n)), bits.repeat(n, 1))
+    out = rejection_sample(logits.repeat(n, 1), meta, DraftBatch(
+        [1] * n, [[d] for d in drafts], [q.float().unsqueeze(0)] * n, list(range(n)), [0] * n))
+    for d, t in zip(drafts, out.token_ids):
+        assert t[0] in allowed[0] and (len(t) == 1 or t[1] in allowed[1])
+        if d not in allowed[0]:
+            assert len(t) == 1  # rejected
+    first = np.bincount([t[0] for t in out.token_ids], minlength=V)
+    keep = p[0].numpy() > 0
+    assert stats.chisquare(first[keep], p[0].numpy()[keep] * n).pvalue > 1e-3, (first, p[0] * n)
+    bonus = np.bincount([t[1] for t in out.token_ids if len(t) == 2], minlength=V)
+    keep = p[1].numpy() > 0
+    assert 0 < bonus.sum() < n
+    assert stats.chisquare(bonus[keep], p[1].numpy()[keep] * bonus.sum()).pvalue > 1e-3
+
+
 # ------------------------------------------------------------------- randomized
 def test_randomized_workloads_with_speculation(folder):
     """Hypothesis workloads (tight pools, small budgets, shared prefixes, aborts, n > 1,
