@@ -157,6 +157,28 @@ def _held_back(text: str, tag: str) -> int:
     return 0
 
 
+class _JSONStringState:
+    """Whether a stream of characters is inside a JSON string literal (escapes followed)."""
+
+    def __init__(self) -> None:
+        self.in_str = self.esc = False
+
+    def step(self, c: str) -> bool:
+        """Follow one character; True when it belongs to a string literal (its quotes too)."""
+        if self.in_str:
+            if self.esc:
+                self.esc = False
+            elif c == "\\":
+                self.esc = True
+            elif c == '"':
+                self.in_str = False
+            return True
+        if c == '"':
+            self.in_str = True
+            return True
+        return False
+
+
 class _TagFinder:
     """Finds the first ``tag`` outside JSON strings (``\\`` escapes honoured) in a text that
     grows between calls (each call's text starts with the previous one), scanning each
@@ -165,7 +187,7 @@ class _TagFinder:
     def __init__(self, tag: str) -> None:
         self.tag = tag
         self.pos = 0
-        self.in_str = self.esc = False
+        self.string = _JSONStringState()
 
     def find(self, text: str) -> int:
         """Index of the tag in ``text``, or -1 (not yet: a possible beginning of it at the end
@@ -173,16 +195,7 @@ class _TagFinder:
         tag, i = self.tag, self.pos
         while i < len(text):
             c = text[i]
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif c == "\\":
-                    self.esc = True
-                elif c == '"':
-                    self.in_str = False
-            elif c == '"':
-                self.in_str = True
-            elif c == tag[0]:
+            if not self.string.step(c) and c == tag[0]:
                 if text.startswith(tag, i):
                     self.pos = i
                     return i
@@ -214,24 +227,16 @@ class _JSONValueEnd:
 
     def __init__(self) -> None:
         self.depth = 0
-        self.in_str = self.esc = False
+        self.string = _JSONStringState()
         self.done = self.broken = False
 
     def consume(self, text: str) -> int:
         """Follow ``text``; return how many of its characters belong to the value (all of
         them unless it ended or broke inside ``text``)."""
         for i, c in enumerate(text):
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif c == "\\":
-                    self.esc = True
-                elif c == '"':
-                    self.in_str = False
+            if self.string.step(c):
                 continue
-            if c == '"':
-                self.in_str = True
-            elif c in "{[":
+            if c in "{[":
                 self.depth += 1
             elif c in "}]":
                 self.depth -= 1
