@@ -41,10 +41,11 @@ it gets fresh blocks, its K/V copied back and its ``num_computed_tokens`` restor
 on with no prefill. A swap-in is an admission (a sequence slot, its owed tokens from the
 budget, the watermark); a step swaps in at most ``max_num_batched_tokens // block_size``
 blocks (the blocks a prefill of the whole budget would write) but always at least one request,
-so a long context still comes back (the requests behind it wait for the next step: FCFS). Beam-search groups are recomputed (their beams share
-blocks copy-on-write: swapped apart, each beam would need its own copy of the shared ones). A
-victim the host pool cannot hold is recomputed, and a swapped request that cannot be swapped
-in while nothing else runs drops its host copy and is recomputed: none waits forever.
+so a long context still comes back (the requests behind it wait for the next step: FCFS).
+Beam-search groups are recomputed (their beams share blocks copy-on-write: swapped apart, each
+beam would need its own copy of the shared ones), and so is a victim the host pool cannot hold
+or one that has freed blocks before its sliding window; a swapped request that cannot be
+swapped in while nothing else runs drops its host copy and is recomputed: none waits forever.
 
 Speculative decoding: a decoding request may carry draft tokens (``spec_token_ids``); it
 is then owed its last token plus the drafts, verified in one multi-token chunk. Drafts
