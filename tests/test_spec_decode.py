@@ -966,6 +966,35 @@ def test_server_serves_speculative_greedy_and_exports_the_counters(folder):
     assert values["kvserve:spec_decode_num_drafts_total"] > 0
 
 
+def test_server_speculates_under_structured_outputs_and_exports_the_grammar_cuts(folder):
+    """Over HTTP with n-gram speculation, vLLM's ``structured_outputs`` (JSON schema, regex,
+    choice, Lark) give offline plain grammar decoding's text; /metrics counts the drafts the
+    grammars cut (kvserve:spec_decode_num_grammar_cut_tokens), as the engine's stats do."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server_helpers import ServerThread
+
+    kinds = sorted(GRAMMAR_CASES)
+    base_eng = _engine(folder, spec=None)
+    prompts = [base_eng.encode(GRAMMAR_CASES[kind][1]) for kind in kinds]
+    offline = _run(base_eng, prompts, [SamplingParams(max_tokens=60, temperature=0, structured_outputs=_so(kind))
+                                       for kind in kinds])
+    eng = _engine(folder)
+    with ServerThread(eng, names=["tiny"]) as server:
+        for kind, prompt, want in zip(kinds, prompts, offline):
+            r = httpx.post(server.base_url + "/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 60, "temperature": 0,
+                "structured_outputs": GRAMMAR_CASES[kind][0]}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want.outputs[0].text, kind
+            _check_valid(kind, want.outputs[0].text)
+        text = httpx.get(server.base_url + "/metrics").text
+        cuts = server.engine_call(lambda e: e.stats()["spec_decode_num_grammar_cut_tokens"])
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert values["kvserve:spec_decode_num_grammar_cut_tokens_total"] == cuts > 0
+    assert values["kvserve:spec_decode_num_accepted_tokens_total"] > 0
+
+
 # ---------------------------------------------------------------------- SmolLM2
 @pytest.mark.slow
 def test_smollm2_fp32_greedy_with_ngram_speculation(llm_fp32, reference):

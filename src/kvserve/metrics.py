@@ -18,6 +18,8 @@ Counters: prompt_tokens_total, generation_tokens_total, num_preemptions_total,
     spec_decode_num_drafts_total (verification steps with drafts),
     spec_decode_num_draft_tokens_total / spec_decode_num_accepted_tokens_total (proposed and
     accepted draft tokens: their ratio is the acceptance rate),
+    spec_decode_num_grammar_cut_tokens_total (drafts of structured-output requests dropped before
+    verification, after one their grammar rejects),
     swap_out_requests_total / swap_in_requests_total (preempted requests whose KV moved to the host
     pool and back), swap_out_blocks_total / swap_in_blocks_total (KV blocks moved, all layers),
     swap_recompute_fallbacks_total (preemptions recomputed because the host pool was full),
@@ -78,6 +80,8 @@ class ServerMetrics:
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verification steps (requests with drafts).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_grammar_cut_tokens = counter("spec_decode_num_grammar_cut_tokens",
+                                               "Draft tokens dropped before verification by a request's grammar.")
         self.cpu_cache_usage = gauge("cpu_cache_usage_perc", "Fraction of host swap-pool KV blocks in use (0..1).")
         self.swapped = gauge("num_requests_swapped", "Requests whose KV is swapped out to the host pool.")
         self.swap_outs = counter("swap_out_requests", "Preempted requests whose KV was swapped out to the host.")

@@ -386,6 +386,7 @@ class AsyncEngine:
         for key, counter in (("spec_decode_num_drafts", m.spec_drafts),
                              ("spec_decode_num_draft_tokens", m.spec_draft_tokens),
                              ("spec_decode_num_accepted_tokens", m.spec_accepted_tokens),
+                             ("spec_decode_num_grammar_cut_tokens", m.spec_grammar_cut_tokens),
                              ("swap_num_swap_outs", m.swap_outs), ("swap_num_swap_ins", m.swap_ins),
                              ("swap_num_swapped_out_blocks", m.swap_out_blocks),
                              ("swap_num_swapped_in_blocks", m.swap_in_blocks),
