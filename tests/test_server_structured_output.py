@@ -449,3 +449,45 @@ def test_special_tool_call_tags_are_kept_in_the_text(folder):
     assert tok.decode(ids, skip_special_tokens=kept.skip_special_tokens) == \
         '<tool_call>{"name": "get_weather"}</tool_call>'
     assert keep_tool_tags(SamplingParams(skip_special_tokens=False), parser, tok).skip_special_tokens is False
+
+
+# roles must alternate after an optional system message, as Gemma 3's template demands
+ALTERNATING_TEMPLATE = (
+    "{% set ns = namespace(start=0) %}{% if messages[0]['role'] == 'system' %}"
+    "<s>system\n{{ messages[0]['content'] }}</s>\n{% set ns.start = 1 %}{% endif %}"
+    "{% for m in messages[ns.start:] %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("with_tools", [False, True])
+def test_tool_turns_reach_a_template_whose_roles_must_alternate(server, client, with_tools):
+    """A call -> result -> answer loop on a template that refuses the tool role (Gemma 3's):
+    the calls are written as <tool_call> blocks, the results as a user turn, and the prompt is
+    exactly that rendering (with tools: after the Hermes system message); a conversation the
+    template refuses for another reason is still a 400 naming messages."""
+    from kvserve.server.tool_parsers import HermesToolParser
+
+    short = {"type": "function", "function": {"name": "f"}}
+    first = [{"role": "user", "content": "Hi"}]
+    history = first + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}, {"role": "user", "content": "So?"}]
+    as_text = first + [{"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'},
+                          {"role": "user", "content": "<tool_response>\nok\n</tool_response>\n\nSo?"}]
+    if with_tools:
+        as_text = [{"role": "system", "content": HermesToolParser.system_prompt([short])}] + as_text
+    api_tok = server.api.tokenizer
+    api_tok.chat_template = ALTERNATING_TEMPLATE
+    try:
+        want = len(api_tok.encode(api_tok.apply_chat_template(as_text, tokenize=False, add_generation_prompt=True),
+                                  add_special_tokens=False))
+        kw = {"tools": [short]} if with_tools else {}
+        r = client.chat.completions.create(model="tiny", messages=history, max_tokens=1, **kw)
+        assert r.usage.prompt_tokens == want
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=MESSAGES * 2, max_tokens=1, **kw)
+    finally:
+        api_tok.chat_template = CHAT_TEMPLATE
+    assert e.value.body["param"] == "messages" and "alternate" in e.value.body["message"]

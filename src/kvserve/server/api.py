@@ -620,18 +620,40 @@ class OpenAIServer:
 
     # --------------------------------------------------------------- chat
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool, continue_final: bool,
-                     tools: Optional[list[dict]] = None) -> list[int]:
+                     tools: Optional[list[dict]] = None, history_as_text: bool = True) -> list[int]:
+        """The prompt's token ids. A template that refuses tool turns (Gemma 3's: roles must
+        alternate user/assistant) gets them as text: the calls as the tool parser's blocks
+        (:meth:`ToolParser.history_as_text`, unless ``history_as_text`` is False: the caller has
+        written them so already), the results as user turns (:meth:`ToolParser.alternating`).
+
+        Raises:
+            APIError: 400 (``messages``) when the template refuses the messages.
+        """
         try:
-            if continue_final:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
-                                                          continue_final_message=True, tools=tools)
-                return list(self.tokenizer.encode(text, add_special_tokens=False))
-            return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                                       tools=tools)
+            return self._apply_template(messages, add_generation_prompt, continue_final, tools)
         except APIError:
             raise
         except Exception as e:  # template errors (jinja raise_exception, unknown roles...) are the client's
-            raise APIError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from None
+            error = e
+        if any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            as_text = self.tool_parser_cls.history_as_text(messages) if history_as_text else messages
+            as_text = self.tool_parser_cls.alternating(as_text)
+            try:
+                return self._apply_template(as_text, add_generation_prompt, continue_final, tools)
+            except APIError:
+                raise
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+        raise APIError(400, f"cannot apply the chat template to these messages: {error}", param="messages")
+
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, continue_final: bool,
+                        tools: Optional[list[dict]]) -> list[int]:
+        if continue_final:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                      continue_final_message=True, tools=tools)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                   tools=tools)
 
     async def chat_completions(self, request: Request):
         arrival = time.perf_counter()
@@ -647,17 +669,18 @@ class OpenAIServer:
         if req.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         tool = tool_call_spec(req)  # (400 for bad tools / tool_choice)
-        parser = None
+        parser, history_written = None, False
         if tool is not None and not tool.forced:
             parser = self.tool_parser_cls(tool.tools, tool.max_calls)
             if not chat_template_renders_tools(self.tokenizer):  # the model would never see the tools
                 msgs = _with_system_prompt(parser.history_as_text(msgs), parser.system_prompt(tool.tools))
+                history_written = True
         params = await self._in_tokenizer_thread(self._sampling_params, req, max_tokens, k, renames)
         if parser is not None:
             params = keep_tool_tags(params, parser, self.tokenizer)
         add_gen = req.add_generation_prompt and not req.continue_final_message
         ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message,
-                                              tool.tools if tool is not None else None)
+                                              tool.tools if tool is not None else None, not history_written)
         ids, _ = self._truncate(ids, None, params)
         self._check_length(ids, "messages")
         base = f"chatcmpl-{uuid.uuid4().hex}"

@@ -140,6 +140,21 @@ class ToolParser(ABC):
         """A system message that describes ``tools`` and the call format, for chat templates
         that do not render ``tools`` themselves."""
 
+    @staticmethod
+    def alternating(messages: list[dict]) -> list[dict]:
+        """For chat templates whose roles must alternate user/assistant (Gemma 3's), applied after
+        :meth:`history_as_text`: ``tool`` messages become ``user`` turns, and each run of
+        consecutive user or assistant turns is joined into one (a blank line between)."""
+        out: list[dict] = []
+        for m in messages:
+            role = "user" if m.get("role") == "tool" else m.get("role")
+            m = {k: v for k, v in m.items() if k not in ("tool_call_id", "name")} | {"role": role}
+            if out and out[-1]["role"] == role and role in ("user", "assistant"):
+                out[-1] = {**out[-1], "content": f"{out[-1].get('content') or ''}\n\n{m.get('content') or ''}"}
+            else:
+                out.append(m)
+        return out
+
     @classmethod
     def history_as_text(cls, messages: list[dict]) -> list[dict]:
         """``messages`` with earlier tool turns written in the format, for chat templates that
