@@ -491,3 +491,34 @@ def test_tool_turns_reach_a_template_whose_roles_must_alternate(server, client, 
     finally:
         api_tok.chat_template = CHAT_TEMPLATE
     assert e.value.body["param"] == "messages" and "alternate" in e.value.body["message"]
+
+
+GRAMMAR_LIMIT_CASES = {
+    # refused at submission: the first step's mask already fails
+    "ref_loop": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}}, "response_format"),
+    # limits hit while the request runs (Earley row size, lexer size, item count)
+    "choice": ({"structured_outputs": {"choice": [f"opt{i}" for i in range(10001)]}}, "structured_outputs"),
+    "regex": ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs"),
+    "endless": ({"structured_outputs": {"grammar": 'start: a\na: "x" a'}}, "structured_outputs"),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAMMAR_LIMIT_CASES))
+def test_a_grammar_that_hits_a_limit_is_the_clients_400(server, case):
+    """Grammars that compile but hit one of llguidance's limits: a 400 naming the field (at
+    submission where the first mask fails, else when the limit is hit), never a 500; a good
+    request sent beside it still gets its answer."""
+    import concurrent.futures
+
+    body, param = GRAMMAR_LIMIT_CASES[case]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}
+    good = {**chat, "max_tokens": 8, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        bad_f = pool.submit(httpx.post, server.base_url + "/v1/chat/completions", json={**chat, **body}, timeout=120)
+        good_f = pool.submit(httpx.post, server.base_url + "/v1/chat/completions", json=good, timeout=120)
+        bad, ok = bad_f.result(), good_f.result()
+    assert bad.status_code == 400, bad.text
+    err = bad.json()["error"]
+    assert err["param"] == param and "\n" not in err["message"] and len(err["message"]) < 400, err
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"

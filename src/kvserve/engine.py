@@ -47,7 +47,7 @@ from kvserve.request import (
 from kvserve.sampler import sample_seed
 from kvserve.sampling_params import SamplingParams, require_utf8
 from kvserve.scheduler import Scheduler, SchedulerOutput
-from kvserve.structured_output import StructuredOutputManager
+from kvserve.structured_output import GrammarLimitError, StructuredOutputManager
 from kvserve.spec_decode import NgramProposer, SpeculativeConfig
 from kvserve.spec_decode.draft_model import DraftModelProposer
 from kvserve.tokenizer import bad_words_token_ids, load_tokenizer
@@ -786,7 +786,8 @@ class LLMEngine:
                                  finish_reason="error", cumulative_logprob=s.cumulative_logprob)
                 for i, s in enumerate(group.seqs[: group.params.n])]
         return RequestOutput(group.request_id, lead.prompt, lead.prompt_token_ids, outs, True, lead.metrics,
-                             num_cached_tokens=lead.num_cached_tokens, error=msg)
+                             num_cached_tokens=lead.num_cached_tokens, error=msg,
+                             error_param=error.param if isinstance(error, GrammarLimitError) else None)
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprob, now: float) -> None:
         self._append_tokens(req, [tok], [lp], now)

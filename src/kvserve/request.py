@@ -203,6 +203,9 @@ class RequestOutput:
         prompt_logprobs: per prompt position (the first is None), when asked.
         num_cached_tokens: prompt tokens served from the prefix cache.
         error: the error message of a request that failed.
+        error_param: for a failure caused by the request's own input (its grammar hit one of
+            the structured-output backend's limits), the request field at fault
+            (``"structured_outputs"``); None when the engine is at fault.
     """
 
     request_id: str
@@ -214,6 +217,7 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None
+    error_param: Optional[str] = None
 
     @property
     def text(self) -> str:

@@ -42,6 +42,14 @@ __all__ = ["StructuredOutputManager", "StructuredOutputGrammar", "grammar_bitmas
 DEFAULT_GRAMMAR_CACHE_SIZE = 128
 
 
+class GrammarLimitError(RuntimeError):
+    """A request's grammar hit one of llguidance's limits while it ran (e.g. ``a{1000000}``, a
+    JSON schema whose ``$ref`` loops, a grammar that can never end): the request's own input is
+    at fault, so the server answers 400 (``param``: the field), not 500."""
+
+    param = "structured_outputs"
+
+
 class StructuredOutputGrammar:
     """The grammar state of one sequence (an llguidance ``LLMatcher``).
 
@@ -62,14 +70,15 @@ class StructuredOutputGrammar:
         """Advance the grammar by one sampled token.
 
         Raises:
-            RuntimeError: the grammar rejects the token (the sampler only draws allowed tokens,
-                so this means a bug or a grammar that hit one of llguidance's limits mid-way);
-                the message is llguidance's.
+            GrammarLimitError: the grammar rejects the token. The sampler only draws tokens
+                the mask allows, so the grammar hit one of llguidance's limits (its Earley row
+                size, item count, regex size): the request's own grammar is at fault. The
+                message is llguidance's.
         """
         if not self.matcher.consume_token(token_id):
             # (llguidance appends its parser state to the message: the first line says it)
-            raise RuntimeError(f"structured output: the grammar rejected token {token_id}: "
-                               f"{_first_lines(self.matcher.get_error() or 'not allowed here', 1)}")
+            raise GrammarLimitError(f"structured output: the grammar rejected token {token_id}: "
+                                    f"{_first_lines(self.matcher.get_error() or 'not allowed here', 1)}")
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar accepts, one after another, from its current
@@ -191,6 +200,10 @@ class StructuredOutputManager:
         matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{field}: invalid {what}: {_first_lines(matcher.get_error())}")
+        probe = matcher.deep_copy()  # the first step's mask: some limits are hit there already
+        probe.compute_bitmask()
+        if probe.is_error():  # (its first line says it; a parser-state dump follows)
+            raise ValueError(f"structured_outputs.{field}: invalid {what}: {_first_lines(probe.get_error(), 1)}")
         with self._lock:
             self.num_compiled += 1
             self._cache[key] = matcher

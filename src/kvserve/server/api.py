@@ -816,7 +816,12 @@ def _in_batch(err: APIError, index: int) -> APIError:
 
 
 def _request_failed(out: RequestOutput) -> APIError:
-    """The 500 for a request that failed inside the engine (the other requests went on)."""
+    """The error of a request that failed inside the engine (the other requests went on): 400
+    naming the field when its own input was at fault (``out.error_param``: a grammar that hit a
+    limit of the structured-output backend while it ran), else 500."""
+    if out.error_param is not None:
+        return APIError(400, f"request {out.request_id}: {out.error_param} could not be followed: {out.error}",
+                        param=out.error_param, code="invalid_value")
     return APIError(500, f"request {out.request_id} failed inside the engine: {out.error}", type="server_error",
                     code="internal_error")
 
