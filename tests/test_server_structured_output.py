@@ -522,3 +522,30 @@ def test_a_grammar_that_hits_a_limit_is_the_clients_400(server, case):
     err = bad.json()["error"]
     assert err["param"] == param and "\n" not in err["message"] and len(err["message"]) < 400, err
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("history, field", [
+    ([{"role": "tool", "content": "5C"}], "messages[1].tool_call_id"),
+    ([{"role": "tool", "tool_call_id": 7, "content": "5C"}], "messages[1].tool_call_id"),
+    ([{"role": "assistant", "content": None, "tool_calls": "x"}], "messages[1].tool_calls"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}], "messages[1].tool_calls[0]"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {**_CALL, "function": {"name": "f", "arguments": {"a": 1}}}]}], "messages[1].tool_calls[0]"),
+    ([{"role": "user", "content": "x", "tool_calls": [_CALL]}], "messages[1].tool_calls"),
+])
+def test_tool_turns_in_the_wrong_shape_are_refused_naming_the_field(server, history, field):
+    """OpenAI's shapes: a tool message names its call (tool_call_id, a string); tool_calls is a
+    list, on an assistant message, of calls whose function has a name and an arguments string."""
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}] + history, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and err["message"].startswith(field), err
+    ok = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+                                      {"role": "tool", "tool_call_id": "c1", "content": "5C"}], "max_tokens": 1}, timeout=60)
+    assert ok.status_code == 200, ok.text

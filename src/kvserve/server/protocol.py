@@ -513,12 +513,32 @@ def _bad_words(words: list[str], tokenizer: Any) -> list[list[int]]:
         raise APIError(400, "bad_words must be non-empty strings", param="bad_words") from None
 
 
+def _check_tool_fields(m: dict, i: int) -> None:
+    """OpenAI's shapes of a message's tool fields: a ``tool`` message names the call it answers
+    (``tool_call_id``, a string); an assistant's ``tool_calls`` is a list of
+    ``{"id", "type": "function", "function": {"name": str, "arguments": str}}``."""
+    if m.get("role") == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise APIError(400, f"messages[{i}].tool_call_id: a tool message must name the call it answers "
+                            f"(a string), got {m.get('tool_call_id')!r}", param="messages")
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if m.get("role") != "assistant" or not isinstance(calls, list):
+        raise APIError(400, f"messages[{i}].tool_calls must be a list, on an assistant message", param="messages")
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+            raise APIError(400, f"messages[{i}].tool_calls[{j}] must be {{'id', 'type': 'function', 'function': "
+                                "{'name': str, 'arguments': str (JSON)}}", param="messages")
+
+
 def chat_messages(messages: list[Any], continue_final_message: bool = False) -> list[dict]:
     """Check chat messages and flatten content parts to text.
 
     Raises:
-        APIError: 400 for an empty list, a message that is not an object, an unknown role, or
-            a message with no content.
+        APIError: 400 for an empty list, a message that is not an object, an unknown role, a
+            message with no content, a ``tool`` message without ``tool_call_id``, or
+            ``tool_calls`` not in OpenAI's shape.
     """
     if not messages:
         raise APIError(400, "'messages' must contain at least one message", param="messages")
@@ -545,6 +565,7 @@ def chat_messages(messages: list[Any], continue_final_message: bool = False) -> 
             content = "".join(parts)
         elif not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        _check_tool_fields(m, i)
         msg = {k: v for k, v in m.items() if k not in ("role", "content")}
         msg.update(role="system" if role == "developer" else role, content=content)
         out.append(msg)
