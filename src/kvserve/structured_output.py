@@ -240,6 +240,17 @@ def _executor():
         return _EXECUTOR
 
 
+def _fill_rows(mask: torch.Tensor, rows: Sequence[tuple[Any, int]]) -> None:
+    """Fill ``mask[row]`` with the next-token bitmask of each ``(matcher, row)``; several rows
+    in parallel in llguidance's thread pool (the GIL released)."""
+    import llguidance.torch as llt
+
+    if len(rows) == 1:
+        llt.fill_next_token_bitmask(rows[0][0], mask, rows[0][1])
+    else:
+        llt.fill_next_token_bitmask_par(_executor(), list(rows), mask)
+
+
 def grammar_bitmask(grammars: Sequence[StructuredOutputGrammar]) -> torch.Tensor:
     """The token bitmasks of the next step for ``grammars`` → ``[G, W]`` int32 on the CPU.
 
@@ -253,18 +264,13 @@ def grammar_bitmask(grammars: Sequence[StructuredOutputGrammar]) -> torch.Tensor
     Raises:
         ValueError: the grammars have different vocabulary sizes.
     """
-    import llguidance.torch as llt
-
     if not grammars:
         return torch.empty(0, 0, dtype=torch.int32)
     vocab = grammars[0].vocab_size
     if any(g.vocab_size != vocab for g in grammars):
         raise ValueError("grammar_bitmask: the grammars have different vocabulary sizes")
     mask = torch.empty(len(grammars), (vocab + 31) // 32, dtype=torch.int32)
-    if len(grammars) == 1:
-        llt.fill_next_token_bitmask(grammars[0].matcher, mask, 0)
-    else:
-        llt.fill_next_token_bitmask_par(_executor(), [(g.matcher, i) for i, g in enumerate(grammars)], mask)
+    _fill_rows(mask, [(g.matcher, i) for i, g in enumerate(grammars)])
     for i, g in enumerate(grammars):
         if g.matcher.is_error():
             mask[i] = -1
@@ -296,8 +302,6 @@ def speculative_bitmask(grammars: Sequence[StructuredOutputGrammar], drafts: Seq
         RuntimeError: a matcher rejected a draft it had validated, or could not roll back
             (a bug: the matchers would no longer follow their sequences).
     """
-    import llguidance.torch as llt
-
     if len(drafts) != len(grammars) or (num_valid is not None and len(num_valid) != len(grammars)):
         raise ValueError("speculative_bitmask: drafts and num_valid need one entry per grammar")
     if not grammars:
@@ -319,11 +323,7 @@ def speculative_bitmask(grammars: Sequence[StructuredOutputGrammar], drafts: Seq
             live = [r for r in range(len(grammars)) if depth <= m[r] and not grammars[r].matcher.is_error()]
             if not live:
                 break
-            if len(live) == 1:
-                llt.fill_next_token_bitmask(grammars[live[0]].matcher, mask, offsets[live[0]] + depth)
-            else:
-                llt.fill_next_token_bitmask_par(_executor(), [(grammars[r].matcher, offsets[r] + depth) for r in live],
-                                                mask)
+            _fill_rows(mask, [(grammars[r].matcher, offsets[r] + depth) for r in live])
             for r in live:
                 if depth < m[r]:
                     if not grammars[r].matcher.consume_token(int(drafts[r][depth])):
