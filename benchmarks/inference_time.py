@@ -14,7 +14,7 @@ import time
 
 from kvserve import LLM, SamplingParams
 from kvserve.inference_time import LLMJudge, MeanLogprobVerifier, best_of_n, last_number, self_consistency
-from kvserve.tokenizer import apply_chat_template
+from kvserve.engine.tokenizer import apply_chat_template
 
 TEMPLATES = [
     ("{name} has {a} apples and buys {b} more. How many apples does {name} have now?", lambda a, b: a + b),

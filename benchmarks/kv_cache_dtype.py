@@ -20,7 +20,7 @@ import time
 import kvserve  # noqa: F401  (before torch: OpenMP spin policy)
 import torch
 
-from kvserve import kv_quant
+from kvserve.worker import kv_quant
 from kvserve.kernels import cpu_ops
 
 H, KVH, HD, BS, LAYERS = 9, 3, 64, 16, 30

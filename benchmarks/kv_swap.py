@@ -1,4 +1,4 @@
-"""Swap vs recompute preemption (``preemption_mode``, ``swap_space``; kvserve.kv_swap).
+"""Swap vs recompute preemption (``preemption_mode``, ``swap_space``; kvserve.core.kv_swap).
 
 The same memory-pressured workload runs on a fresh engine per mode, in one process (the weights
 are read once): N requests of random prompt tokens, all arriving at once, each generating a fixed
@@ -25,9 +25,9 @@ import random
 import time
 
 import kvserve  # noqa: F401  (before torch: OpenMP spin policy)
-import kvserve.engine as engine_mod
+import kvserve.engine.llm_engine as engine_mod
 from kvserve import SamplingParams
-from kvserve.engine import EngineArgs, LLMEngine
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 
 
 def run(args: argparse.Namespace, mode: str, prompts: list[list[int]]) -> dict:

@@ -42,8 +42,8 @@ from typing import Optional
 import torch
 
 from kvserve import SamplingParams
-from kvserve.engine import EngineArgs, LLMEngine
-from kvserve.tokenizer import apply_chat_template
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.tokenizer import apply_chat_template
 
 RULES = [
     "Answer the question that was asked, and only that question.",

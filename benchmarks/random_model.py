@@ -46,7 +46,7 @@ def make_random_model(out: Path, like: str, tokenizer: Path, dtype: torch.dtype 
     """
     import transformers as tf
 
-    from kvserve.tokenizer import load_tokenizer
+    from kvserve.engine.tokenizer import load_tokenizer
 
     arch, shape = PRESETS[like]
     tok = load_tokenizer(tokenizer)

@@ -15,7 +15,7 @@ tensor saved with ``torch.save`` (``--logits-file``, e.g. real SmolLM2 logits of
 decode step; rows are repeated to fill the batch).
 
 ``--impl`` takes one or more sampler module files (default: the installed
-``kvserve.sampler``) and times them interleaved, so a before/after comparison sees the
+``kvserve.sample.sampler``) and times them interleaved, so a before/after comparison sees the
 same machine load, e.g.::
 
     git show 00a02ae~1:src/kvserve/sampler.py > /tmp/sampler_before.py  # before the speed-ups
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--logits-file", default=None)
-    ap.add_argument("--impl", nargs="+", default=None, help="sampler module files (default: kvserve.sampler)")
+    ap.add_argument("--impl", nargs="+", default=None, help="sampler module files (default: kvserve.sample.sampler)")
     ap.add_argument("--extra", action="store_true", help="also time a few other common settings")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="cpu: process CPU time (all threads; not inflated when other processes "
@@ -145,9 +145,9 @@ def main() -> None:
         mods = [load_impl(p) for p in args.impl]
         names = list(args.impl)
     else:
-        import kvserve.sampler as mod
+        import kvserve.sample.sampler as mod
 
-        mods, names = [mod], ["kvserve.sampler"]
+        mods, names = [mod], ["kvserve.sample.sampler"]
     if args.logits_file:
         x = torch.load(args.logits_file).float()
         logits = x[torch.arange(args.rows) % x.shape[0]].contiguous()

@@ -52,7 +52,7 @@ build() {
 convert() {
   if [ ! -f "$BF16" ]; then
     local q41
-    q41="$("$PY" -c 'from kvserve.default_model import default_model_path; print(default_model_path())')"
+    q41="$("$PY" -c 'from kvserve.worker.default_model import default_model_path; print(default_model_path())')"
     "$BUILD/bin/llama-quantize" --allow-requantize "$q41" "$BF16" BF16
   fi
 }
@@ -71,7 +71,7 @@ wait_health() {  # url
 bench_level() {  # name base_url model concurrency
   local c=$4
   local n=$(( 2 * c > MIN_PROMPTS ? 2 * c : MIN_PROMPTS ))
-  "$PY" -m kvserve.cli bench serve --base-url "$2" --model "$3" --endpoint completions \
+  "$PY" -m kvserve.entrypoints.cli bench serve --base-url "$2" --model "$3" --endpoint completions \
     --dataset random --random-input-len 256 --random-output-len 128 \
     --num-prompts "$n" --max-concurrency "$c" --seed 0 --label "$1 c=$c" \
     --save-json "$OUT/$1_c$c.json"
@@ -83,7 +83,7 @@ bench() {
   # measured on one and then the other, so that the two numbers of a level are taken minutes
   # apart at most, under the same conditions.
   # kvserve: the same model (its Q4_1 file dequantized to bf16 on load), bfloat16.
-  "$PY" -m kvserve.cli serve --host 127.0.0.1 --port "$KV_PORT" --dtype bfloat16 \
+  "$PY" -m kvserve.entrypoints.cli serve --host 127.0.0.1 --port "$KV_PORT" --dtype bfloat16 \
     --served-model-name smollm2 --no-access-log >"$OUT/kvserve.log" 2>&1 &
   local kpid=$!
   trap 'kill $kpid 2>/dev/null || true' EXIT

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve import LLM, SamplingParams
-from kvserve.attention import CPUPagedAttentionBackend, decode_context, decode_window_mask
+from kvserve.worker.attention import CPUPagedAttentionBackend, decode_context, decode_window_mask
 from kvserve.kernels import cpu_ops
 
 MODE = {"name": "window"}
@@ -97,7 +97,7 @@ def mistral_blocks(contexts: list[int]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny_models import make_tokenizer
 
-    from kvserve.engine import EngineArgs, LLMEngine
+    from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 
     window, bs, budget = 1024, 16, 256
     folder = Path(tempfile.mkdtemp(prefix="kvserve-mistral-window-"))

@@ -27,7 +27,7 @@ from typing import Optional
 
 import kvserve  # noqa: F401  (before torch: GOMP_SPINCOUNT)
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
-from kvserve.tokenizer import apply_chat_template
+from kvserve.engine.tokenizer import apply_chat_template
 
 PROMPTS = {
     "repetitive": [{"role": "user", "content": (

@@ -4,7 +4,7 @@ Part 1 (components, no model): B sequences follow a JSON schema through a valid 
 (each sequence its own matcher, fed the document's tokens one by one, as in decoding). Every
 step times, for the whole batch,
 
-* ``fill``: :func:`kvserve.structured_output.grammar_bitmask` (llguidance computes the B
+* ``fill``: :func:`kvserve.structured_output.manager.grammar_bitmask` (llguidance computes the B
   token bitmasks, in its thread pool when B > 1);
 * ``accept``: advancing the B matchers by their sampled token;
 * ``sampler``: the sampler call on random [B, V] logits with the bitmask minus the same call
@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from kvserve import SamplingParams, StructuredOutputsParams
-from kvserve.sampler import Sampler, SamplingMetadata, SamplingRow
-from kvserve.structured_output import StructuredOutputManager, grammar_bitmask
+from kvserve.sample.sampler import Sampler, SamplingMetadata, SamplingRow
+from kvserve.structured_output.manager import StructuredOutputManager, grammar_bitmask
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -56,7 +56,7 @@ def _tokenizers():
     from tiny_models import make_tokenizer
     from transformers import AutoTokenizer
 
-    from kvserve.default_model import default_model_path
+    from kvserve.worker.default_model import default_model_path
 
     tiny = make_tokenizer(Path(tempfile.mkdtemp()))
     path = default_model_path()

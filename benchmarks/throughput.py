@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.default_model import default_model_path
+from kvserve.worker.default_model import default_model_path
 from kvserve.roofline import (attainable_seconds, measure_matmul_flops, measure_matmul_flops_sustained,
                               measure_memory_bandwidth, synchronize)
 

@@ -15,8 +15,8 @@ REFERENCE = Path(__file__).resolve().parent / "data" / "smollm2_greedy.json"
 @pytest.fixture(scope="session", autouse=True)
 def _cache_weights():
     """Load each model file once per test session (dequantizing the GGUF takes seconds)."""
-    import kvserve.engine as engine_mod
-    import kvserve.loader as loader
+    import kvserve.engine.llm_engine as engine_mod
+    import kvserve.worker.loader as loader
 
     cached = functools.lru_cache(maxsize=4)(loader.load_weights)
     orig = engine_mod.load_weights
@@ -39,7 +39,7 @@ def reference():
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from kvserve.default_model import ModelNotFoundError, default_model_path
+    from kvserve.worker.default_model import ModelNotFoundError, default_model_path
 
     try:
         return default_model_path()

@@ -8,7 +8,7 @@ import torch
 
 from kvserve import LLM
 from kvserve.capacity import plan_capacity
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 
 
 def test_plan_matches_the_engines_pool(tiny_model_dir):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.attention import AttentionMetadata, PrefillSegment
+from kvserve.worker.attention import AttentionMetadata, PrefillSegment
 
 VOCAB = 384
 CORPUS = [

@@ -1,9 +1,12 @@
-"""Drive an engine through a randomized workload (tests/test_engine_randomized.py,
-tests/test_spec_decode.py)."""
+"""Drive an engine through a randomized workload (tests/engine/test_engine_randomized.py,
+tests/spec_decode/test_spec_decode.py)."""
 
 from __future__ import annotations
 
 import pytest
+
+from kvserve import SamplingParams
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 
 
 def run_workload(engine, requests: list[dict], step_cap: int) -> tuple[dict[str, dict], dict[str, object]]:
@@ -41,3 +44,39 @@ def run_workload(engine, requests: list[dict], step_cap: int) -> tuple[dict[str,
         pytest.fail(f"requests still unfinished after {step_cap} steps")
     assert set(final) == set(ids)
     return ids, final
+
+
+# Fixtures shared by the randomized engine tests (engine/test_engine_randomized.py, core/test_kv_swap.py)
+MAX_MODEL_LEN = 64
+STEP_CAP = 2000
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_model_dir):
+    return {arch: str(tiny_model_dir(arch)[0]) for arch in ("llama", "gemma3")}
+
+
+@pytest.fixture(scope="module")
+def alone(folders):
+    """``(arch, prompt, params) -> outputs`` of the request run by itself on a roomy engine."""
+    engines, cache = {}, {}
+
+    def run(arch: str, prompt: tuple[int, ...], params: SamplingParams):
+        key = (arch, prompt, repr(params))
+        if key not in cache:
+            if arch not in engines:
+                engines[arch] = LLMEngine(EngineArgs(model=folders[arch], dtype="float32", device="cpu",
+                                                     num_blocks=256, block_size=16, max_model_len=MAX_MODEL_LEN,
+                                                     enable_prefix_caching=False))
+            engine = engines[arch]
+            engine.add_request(list(prompt), params)
+            outs = [o for _ in range(STEP_CAP) if engine.has_unfinished_requests() for o in engine.step()]
+            assert not engine.has_unfinished_requests()
+            cache[key] = _summary(outs[-1])
+        return cache[key]
+
+    return run
+
+
+def _summary(out):
+    return [(o.token_ids, o.finish_reason, o.text) for o in out.outputs]

@@ -24,19 +24,19 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # lazy: importing kvserve stays cheap
     if name == "LLM":
-        from kvserve.llm import LLM
+        from kvserve.entrypoints.llm import LLM
 
         return LLM
     if name in ("LLMEngine", "EngineArgs"):
-        from kvserve import engine
+        from kvserve.engine import llm_engine as engine
 
         return getattr(engine, name)
     if name in ("RequestOutput", "TokenLogprob"):
-        from kvserve import request
+        from kvserve.core import request
 
         return getattr(request, name)
     if name == "GenerationError":
-        from kvserve.llm import GenerationError
+        from kvserve.entrypoints.llm import GenerationError
 
         return GenerationError
     raise AttributeError(name)

@@ -6,9 +6,9 @@ a dtype, a KV-cache budget and a context length:
 - the weights' memory (parameters · dtype bytes) and the bytes a decode step reads for them
   (every matmul weight, the LM head included, but only a few rows of an untied embedding);
 - the KV cache's bytes per token, ``2 · layers · kv_heads · head_dim · dtype_bytes`` (an 8-bit
-  cache: ``head_dim + 4`` bytes per head, the float32 scale included; :mod:`kvserve.kv_quant`),
+  cache: ``head_dim + 4`` bytes per head, the float32 scale included; :mod:`kvserve.worker.kv_quant`),
   and the pool the engine would allocate: blocks, tokens, sequences of ``max_model_len`` and of the
-  given context length (the same sizing as :func:`kvserve.kv_cache.plan_kv_cache`);
+  given context length (the same sizing as :func:`kvserve.core.kv_cache_manager.plan_kv_cache`);
 - decode rooflines by batch size: a decode step of ``b`` sequences at context ``c`` reads the
   weights once and every sequence's K/V, so at memory bandwidth ``B`` it takes at least
   ``(W + b·c·kv) / B`` seconds and yields at most ``b·B / (W + b·c·kv)`` tokens/s; at matmul
@@ -25,9 +25,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvserve import kv_quant
+from kvserve.worker import kv_quant
 from kvserve.config import ModelConfig
-from kvserve.kv_cache import GiB, KVCacheSpec, plan_kv_cache
+from kvserve.core.kv_cache_manager import GiB, KVCacheSpec, plan_kv_cache
 
 #: batch sizes of the roofline table (capped at what the pool holds)
 BATCH_SIZES = (1, 4, 8, 16, 32, 64, 128, 256)
@@ -135,10 +135,10 @@ def plan_capacity(config: ModelConfig | str | Path, dtype: str | torch.dtype = "
 
     Raises:
         ValueError: a field out of range (named), or a budget that holds no block.
-        kvserve.loader.ModelLoadError / UnsupportedModelError: an unreadable or unsupported model.
+        kvserve.worker.loader.ModelLoadError / UnsupportedModelError: an unreadable or unsupported model.
     """
-    from kvserve.engine import parse_dtype
-    from kvserve.loader import load_model_config, resolve_model_path
+    from kvserve.engine.llm_engine import parse_dtype
+    from kvserve.worker.loader import load_model_config, resolve_model_path
 
     cfg = config if isinstance(config, ModelConfig) else load_model_config(resolve_model_path(config))
     tdt = parse_dtype(dtype)
@@ -156,7 +156,7 @@ def plan_capacity(config: ModelConfig | str | Path, dtype: str | torch.dtype = "
     ctx = context_len if context_len is not None else max(1, max_len // 2)
     if ctx > max_len:
         raise ValueError(f"context_len must be in [1, max_model_len={max_len}], got {ctx}")
-    from kvserve.engine import MAX_KV_CACHE_GIB
+    from kvserve.engine.llm_engine import MAX_KV_CACHE_GIB
 
     if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)) or not (
             0 < kv_cache_memory <= MAX_KV_CACHE_GIB):

@@ -292,9 +292,9 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """KV cache bytes per token: ``2 · num_layers · num_kv_heads · head_dim · dtype_bytes`` for a
         pool of ``dtype`` (the model dtype), and for an 8-bit pool (``torch.int8``,
-        ``torch.float8_e4m3fn``: :mod:`kvserve.kv_quant`) ``2 · num_layers · num_kv_heads ·
+        ``torch.float8_e4m3fn``: :mod:`kvserve.worker.kv_quant`) ``2 · num_layers · num_kv_heads ·
         (head_dim + 4)``: one byte per value plus a float32 scale per token and KV head."""
-        from kvserve.kv_quant import bytes_per_head_token
+        from kvserve.worker.kv_quant import bytes_per_head_token
 
         return 2 * self.num_layers * self.num_kv_heads * bytes_per_head_token(self.head_dim, dtype)
 

@@ -29,10 +29,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence, Union
 
-from kvserve.llm import LLM
-from kvserve.request import CompletionOutput
+from kvserve.entrypoints.llm import LLM
+from kvserve.core.request import CompletionOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.tokenizer import apply_chat_template
+from kvserve.engine.tokenizer import apply_chat_template
 
 PromptType = Union[str, Sequence[int]]
 
@@ -47,7 +47,7 @@ class Candidate:
     Attributes:
         text: generated text.
         token_ids: generated token ids.
-        finish_reason: as in :class:`kvserve.request.CompletionOutput`.
+        finish_reason: as in :class:`kvserve.core.request.CompletionOutput`.
         cumulative_logprob: sum of the raw logprobs of ``token_ids`` (nats).
         score: the verifier's score (:func:`best_of_n`), or None.
         answer: the extracted final answer (:func:`self_consistency`), or None.
@@ -299,7 +299,7 @@ def best_of_n(llm: LLM, prompts: PromptType | Sequence[PromptType], n: int,
     Raises:
         ValueError: ``n`` out of range, greedy sampling with n > 1, beam search, a
             ``verifier_prompts`` of the wrong length, or a prompt the engine refuses
-            (:class:`kvserve.llm.GenerationError`).
+            (:class:`kvserve.entrypoints.llm.GenerationError`).
         TypeError: ``verifier`` is neither a Verifier nor callable, or returns a non-number.
     """
     plist, single = _as_list(prompts)

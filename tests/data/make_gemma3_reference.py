@@ -56,7 +56,7 @@ def main() -> None:
                                      for ti, tv in zip(top.indices[:4].tolist(), top.values[:4].tolist())],
         })
         print(len(ids), repr(tok.decode(new)), file=sys.stderr)
-    from kvserve.tokenizer import GEMMA_CHAT_TEMPLATE
+    from kvserve.engine.tokenizer import GEMMA_CHAT_TEMPLATE
 
     text = tok.apply_chat_template(CHAT, chat_template=GEMMA_CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False).input_ids

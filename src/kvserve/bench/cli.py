@@ -88,8 +88,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     import httpx
 
     from kvserve.bench.serve import BenchConfig, format_table, make_prompts, run_benchmark
-    from kvserve.default_model import default_model_path
-    from kvserve.tokenizer import load_tokenizer
+    from kvserve.worker.default_model import default_model_path
+    from kvserve.engine.tokenizer import load_tokenizer
 
     _check_args(a)
     try:

@@ -2,7 +2,7 @@
 
 Two libraries are built from C sources kept next to the code that calls them:
 
-* :mod:`kvserve.layers.linear`: gemv kernels for decode-sized matmuls;
+* :mod:`kvserve.worker.layers.linear`: gemv kernels for decode-sized matmuls;
 * :mod:`kvserve.kernels.cpu_ops`: fused RMSNorm (+ residual add), SiLU-and-mul, RoPE, the
   KV-cache write (``reshape_and_cache``) and paged decode attention.
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from kvserve import kv_quant
+from kvserve.worker import kv_quant
 from kvserve.kernels import AMX_C_SOURCE, cpu_flags, load_library
 
 _C_SOURCE = r"""
@@ -1976,8 +1976,8 @@ def _kv_format(cache: torch.Tensor) -> int:
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     """Write each token's K and V into its cache slot (vLLM's ``reshape_and_cache``); into 8-bit
-    pools quantized, each token and KV head with its own scale (:mod:`kvserve.kv_quant`; bit for
-    bit as :func:`kvserve.kv_quant.quantize`).
+    pools quantized, each token and KV head with its own scale (:mod:`kvserve.worker.kv_quant`; bit for
+    bit as :func:`kvserve.worker.kv_quant.quantize`).
 
     Args:
         k, v: ``[T, num_kv_heads, head_dim]``, heads and values contiguous within a token (token
@@ -2009,9 +2009,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Args:
         q: ``[D, num_heads, head_dim]``; heads and values contiguous within a row (row stride free).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, in
-            ``q.dtype``, or 8-bit pools (``head_dim + 4`` last, :mod:`kvserve.kv_quant`): each
+            ``q.dtype``, or 8-bit pools (``head_dim + 4`` last, :mod:`kvserve.worker.kv_quant`): each
             sequence's context is then dequantized to ``q.dtype`` into a per-thread buffer (codes
-            times scale, rounded as :func:`kvserve.kv_quant.dequantize` does) that the same
+            times scale, rounded as :func:`kvserve.worker.kv_quant.dequantize` does) that the same
             kernels read.
         block_tables: ``[D, max_blocks]`` int64, unit last stride; row d lists sequence d's blocks.
         context_lens: ``[D]`` int64 contiguous, tokens to attend to (≥ 1, including the new one,
@@ -2084,7 +2084,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Args:
         q: ``[T, num_heads, head_dim]`` bf16, heads contiguous within a row (row stride free).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` bf16 contiguous,
-            already holding the chunks' own K/V; or 8-bit pools (:mod:`kvserve.kv_quant`), whose
+            already holding the chunks' own K/V; or 8-bit pools (:mod:`kvserve.worker.kv_quant`), whose
             chunks' contexts are first dequantized to bf16 into a work buffer.
         block_tables: ``[P, max_blocks]`` int64, unit last stride: row p for chunk p.
         chunks: ``[P, 3]`` int64 contiguous: (first row of the chunk in ``q``, its tokens,
@@ -2131,9 +2131,9 @@ class DecodeStep:
             ``gu_w`` ``[2·I, E]``, ``down_w`` ``[E, I]``, ``q_norm``/``k_norm`` ``[hd]`` (or None),
             ``k_cache``/``v_cache`` ``[num_blocks, block_size, KVH, hd]``; and, when ``amx`` is
             given, ``qkv_p``, ``o_p``, ``gu_p``, ``down_p``: the weights packed by
-            ``kvserve.layers.linear.amx_pack``.
+            ``kvserve.worker.layers.linear.amx_pack``.
         final_norm: ``[E]``; lm_head: ``[V, E]``; cos, sin: RoPE tables ``[max_positions, hd]``.
-        gemv: the ctypes gemv function for the dtype (``kvserve.layers.linear``), used for up to
+        gemv: the ctypes gemv function for the dtype (``kvserve.worker.layers.linear``), used for up to
             ``gemv_max_tokens`` tokens.
         num_heads, num_kv_heads, head_dim, eps: the model's attention shape and RMSNorm epsilon.
         max_tokens: largest batch (tokens) this step accepts.

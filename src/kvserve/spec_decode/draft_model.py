@@ -25,16 +25,16 @@ from typing import Optional
 
 import torch
 
-from kvserve.attention import default_backend
+from kvserve.worker.attention import default_backend
 from kvserve.config import ModelConfig
-from kvserve.kv_cache import KVCacheManager, allocate_kv_cache, plan_kv_cache
-from kvserve.loader import load_weights, resolve_model_path
-from kvserve.model_runner import ModelRunner
-from kvserve.models import model_class
-from kvserve.request import Request
-from kvserve.sampler import (SamplingMetadata, SamplingRow, _argmax, _inverse_cdf, process_logits, row_uniform,
+from kvserve.core.kv_cache_manager import KVCacheManager, allocate_kv_cache, plan_kv_cache
+from kvserve.worker.loader import load_weights, resolve_model_path
+from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.models import model_class
+from kvserve.core.request import Request
+from kvserve.sample.sampler import (SamplingMetadata, SamplingRow, _argmax, _inverse_cdf, process_logits, row_uniform,
                              sampling_probs)
-from kvserve.scheduler import SchedulerOutput
+from kvserve.core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +75,10 @@ class DraftModelProposer:
     def __init__(self, model: str, num_speculative_tokens: int, target_config: ModelConfig, target_tokenizer,
                  dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int,
                  max_model_len: int) -> None:
-        from kvserve.tokenizer import load_tokenizer
+        from kvserve.engine.tokenizer import load_tokenizer
 
         from kvserve.config import UnsupportedModelError
-        from kvserve.loader import ModelLoadError
+        from kvserve.worker.loader import ModelLoadError
 
         try:
             path = resolve_model_path(model)

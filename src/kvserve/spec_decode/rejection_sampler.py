@@ -11,10 +11,10 @@ discarded; if all k are accepted a bonus token is drawn from ``p_{k+1}``. Every 
 token is then distributed exactly as if drawn from the target alone, one at a time.
 
 ``p_i`` is the distribution kvserve's sampler would draw from at that position
-(:mod:`kvserve.sampler`: the structured-output grammar's mask, bias, allowed ids, bad
+(:mod:`kvserve.sample.sampler`: the structured-output grammar's mask, bias, allowed ids, bad
 words, min_tokens and penalties computed over the output *followed by the drafts before
 position i*, then temperature, min-p, top-k, top-p). With a grammar, ``meta`` carries one
-bitmask row per verified position (:func:`kvserve.structured_output.speculative_bitmask`):
+bitmask row per verified position (:func:`kvserve.structured_output.manager.speculative_bitmask`):
 p_i is the masked distribution, a draft the grammar forbids has p = 0 and is always
 rejected, and the correction is drawn from ``max(p_i - q_i, 0)`` under the mask. The n-gram proposer's ``q_i`` is one-hot on ``x_i``: accept with
 probability ``p_i(x_i)``, and on rejection draw from ``p_i`` with ``x_i`` removed.
@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvserve.sampler import (
+from kvserve.sample.sampler import (
     SamplingMetadata,
     _argmax,
     _inverse_cdf,

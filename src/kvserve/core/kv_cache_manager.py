@@ -1,0 +1,737 @@
+"""The paged KV cache: pool sizing from a memory budget, the K/V tensors, per-request
+block tables and the prefix cache (:class:`KVCacheManager`).
+
+Per layer there is one K pool and one V pool, each ``[num_blocks, block_size, num_kv_heads,
+head_dim]``. A request's block table lists the blocks holding its tokens in order; token at
+position ``p`` lives in slot ``block_table[p // block_size] · block_size + p % block_size``.
+
+Sliding windows (``sliding_window``, for models whose every layer is windowed: Mistral v0.1;
+Beltagy et al. 2020, Mistral 7B's rolling buffer, Jiang et al. 2023, vLLM's sliding-window KV
+manager): the query at position p attends to ``(p - W, p]`` only, so once a block lies
+entirely before the window of the first token a step computes, no later token reads it; the
+manager then drops the request's reference to it (the block returns to the pool unless a fork
+still shares it) and sets its table entry to :data:`FREED_BLOCK`. Tables stay positional (entry
+i still stands for positions ``[i·bs, (i+1)·bs)``), the freed entries form a prefix of the
+table, and the attention kernels never reach them (they start at the window's first block). A
+sequence of any length then holds at most ``ceil((W - 1 + chunk) / block_size) + 1`` blocks
+(:meth:`KVCacheManager.blocks_to_run`). Models with some full-attention layers (Gemma 3) keep
+every block: their full layers read the whole context, and per-layer-group block tables (vLLM's
+hybrid allocator) are not implemented; their windowed layers still read only the window.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from kvserve.worker import kv_quant
+from kvserve.core.block_pool import BlockPool
+from kvserve.config import ModelConfig
+from kvserve.core.radix_cache import Namespace, PartialMatch, RadixCache, RadixNode, make_namespace
+from kvserve.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+#: Block-table entry of a block freed because it lies before the sliding window (never read).
+FREED_BLOCK = -1
+
+
+def held_blocks(table: Sequence[int]) -> list[int]:
+    """The blocks a table really references (its entries other than :data:`FREED_BLOCK`)."""
+    return [b for b in table if b != FREED_BLOCK]
+
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    """The sizes derived from the budget.
+
+    Attributes:
+        bytes_per_token: ``2 · num_layers · num_kv_heads · head_dim · dtype_bytes`` (8-bit pools:
+            ``head_dim + 4`` bytes per head, :mod:`kvserve.worker.kv_quant`).
+        num_blocks, block_size: pool geometry.
+        dtype: the pools' dtype (the model dtype, ``torch.int8`` or ``torch.float8_e4m3fn``).
+        capacity_tokens: ``num_blocks · block_size``.
+        max_model_len: the longest sequence (tokens).
+    """
+
+    bytes_per_token: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    dtype: Optional[torch.dtype] = None
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrent_full_sequences(self) -> float:
+        """How many sequences of ``max_model_len`` tokens fit at once."""
+        return self.capacity_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {kv_quant.describe('auto', self.dtype)}, {self.bytes_per_token} bytes/token, {self.num_blocks} blocks x {self.block_size} "
+            f"tokens = {self.capacity_tokens} tokens ({self.num_blocks * self.block_size * self.bytes_per_token / GiB:.2f} GiB); "
+            f"{self.max_concurrent_full_sequences:.1f} sequences of max_model_len={self.max_model_len} fit"
+        )
+
+
+def plan_kv_cache(cfg: ModelConfig, dtype: torch.dtype, memory_gib: float, block_size: int,
+                  max_model_len: int, num_blocks: Optional[int] = None) -> KVCacheSpec:
+    """Size the pool: ``num_blocks = floor(budget / (bytes_per_token · block_size))``.
+
+    ``dtype`` is the pools' dtype: the model dtype, or ``torch.int8``/``torch.float8_e4m3fn`` for
+    an 8-bit cache (~1.9x the tokens of bf16 in the same budget, scales included).
+
+    Raises:
+        ValueError: if the budget holds no block, or ``memory_gib`` is not positive.
+    """
+    bpt = cfg.kv_bytes_per_token(dtype)
+    if num_blocks is None:
+        if not memory_gib > 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {memory_gib}")
+        num_blocks = int(memory_gib * GiB) // (bpt * block_size)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory={memory_gib} GiB holds no block of {block_size} tokens at {bpt} bytes/token"
+        )
+    return KVCacheSpec(bpt, num_blocks, block_size, max_model_len, dtype)
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes that can still be allocated on ``device``: ``MemAvailable`` of ``/proc/meminfo`` on
+    CPU, the free memory of a CUDA device; None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def allocate_kv_cache(cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Allocate the per-layer K and V pools once, zero-filled.
+
+    Returns:
+        ``num_layers`` pairs of ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors of
+        ``dtype`` (8-bit pools, ``dtype`` int8 or float8_e4m3fn: ``head_dim + 4`` last, the codes
+        and the scale of each token and head; :mod:`kvserve.worker.kv_quant`).
+
+    Raises:
+        ValueError: the pool (``num_blocks · block_size · bytes_per_token`` bytes) is larger than
+            the memory still available on the device, or its allocation failed.
+    """
+    need = spec.num_blocks * spec.block_size * spec.bytes_per_token
+    have = available_memory(device)
+    if have is not None and need > have:
+        raise ValueError(f"kv_cache_memory: the KV pool needs {need / GiB:.2f} GiB ({spec.num_blocks} blocks), "
+                         f"but only {have / GiB:.2f} GiB is available on {torch.device(device)}; lower "
+                         f"kv_cache_memory (--kv-cache-memory), or num_blocks if you set it")
+    shape = (spec.num_blocks, spec.block_size, cfg.num_kv_heads, kv_quant.row_elements(cfg.head_dim, dtype))
+    try:
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise ValueError(f"kv_cache_memory: could not allocate the KV pool of {need / GiB:.2f} GiB on "
+                         f"{torch.device(device)} ({e}); lower kv_cache_memory (--kv-cache-memory), "
+                         f"or num_blocks if you set it") from e
+
+
+@dataclass(slots=True)
+class PrefixCacheMetrics:
+    """Prefix-cache counters of a :class:`KVCacheManager` (all token counts are tokens).
+
+    A *query* is the admission of a request: its tokens are looked up in the cache once,
+    when it is admitted (not on every step it waits). First admissions and re-admissions
+    after a preemption are counted apart, so that recomputation after preemption does not
+    inflate the hit rate of real traffic.
+
+    Attributes:
+        requests: first admissions that queried the cache.
+        query_tokens: prompt tokens of those requests.
+        hit_tokens: of those, tokens served from the cache (full blocks plus a copied
+            partial block) instead of being computed.
+        resumed_requests, resumed_query_tokens, resumed_hit_tokens: the same for
+            re-admissions of preempted requests (prompt + output so far).
+        evicted_blocks: blocks evicted from the cache to make room.
+        window: how many recent first admissions :attr:`recent_hit_rate` covers.
+    """
+
+    window: int = 1000
+    requests: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    resumed_requests: int = 0
+    resumed_query_tokens: int = 0
+    resumed_hit_tokens: int = 0
+    evicted_blocks: int = 0
+    _recent: deque = field(default_factory=deque)
+    _recent_query: int = 0
+    _recent_hit: int = 0
+
+    def record(self, query_tokens: int, hit_tokens: int, resumed: bool) -> None:
+        """Count one admission."""
+        if resumed:
+            self.resumed_requests += 1
+            self.resumed_query_tokens += query_tokens
+            self.resumed_hit_tokens += hit_tokens
+            return
+        self.requests += 1
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
+        self._recent.append((query_tokens, hit_tokens))
+        self._recent_query += query_tokens
+        self._recent_hit += hit_tokens
+        while len(self._recent) > self.window:
+            q, h = self._recent.popleft()
+            self._recent_query -= q
+            self._recent_hit -= h
+
+    @property
+    def hit_rate(self) -> float:
+        """``hit_tokens / query_tokens`` since start (0 before any query)."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def recent_hit_rate(self) -> float:
+        """Hit rate in tokens over the last :attr:`window` first admissions."""
+        return self._recent_hit / self._recent_query if self._recent_query else 0.0
+
+
+def _tokens(req: Request, n: int) -> list[int]:
+    """The first ``n`` tokens of prompt + output."""
+    p = req.prompt_token_ids
+    return p[:n] if n <= len(p) else p + req.output_token_ids[: n - len(p)]
+
+
+class KVCacheManager:
+    """Owns the block pool, every request's block table and (optionally) the prefix cache.
+
+    With ``enable_prefix_caching`` the KV of every computed full block is kept in a
+    :class:`~kvserve.core.radix_cache.RadixCache` and reused by later requests that start with
+    the same tokens in the same namespace (model, adapter, ``cache_salt``). The rules:
+
+    * **Admission** (:meth:`admit`): the request's tokens are matched against the tree,
+      capped at ``num_tokens - 1`` so the last token is always computed (a fully cached
+      prompt still gets a one-token prefill and its first logits). Full matched blocks
+      are shared (one more reference each) and the matched node is locked; where the match
+      continues into a cached block for ``1..block_size-1`` tokens, those tokens' K/V are
+      copied into the request's first new block (token-granular reuse).
+    * **After each step** (:meth:`cache_computed`): the request's newly *computed* full
+      blocks are inserted into the tree and its lock moves down to the new node.
+    * **Finish / preemption** (:meth:`free`): the same insert, then unlock and drop the
+      request's references; the blocks stay cached (evictable) until memory is needed.
+    * **Memory pressure** (:meth:`allocate_slots`, :meth:`admit`): unlocked cached blocks
+      are evicted (LRU leaves first) before an allocation fails; the scheduler preempts
+      only when eviction cannot free enough.
+
+    Every cached block a request references lies on the path of the node it has locked,
+    so the cached blocks of unlocked nodes are referenced by the tree alone and
+    ``num_empty_blocks + num_cached_blocks + num_used_blocks == num_blocks``
+    (``num_free_blocks`` is empty + cached: what requests can get).
+
+    Requests that ask for ``prompt_logprobs`` never take hits for prompt positions whose
+    logprobs they do not have yet (they still insert their blocks).
+
+    Args:
+        num_blocks, block_size: pool geometry.
+        enable_prefix_caching: keep and reuse computed KV blocks.
+        kv_caches: the per-layer ``(K, V)`` pools, each ``[num_blocks, block_size,
+            num_kv_heads, head_dim]``; needed to copy partial blocks (without them only
+            full blocks are reused) and to fork prompts.
+        namespace_model: the model part of the cache namespace (model path or name; the
+            tokenizer comes from the same path).
+        hit_rate_window: requests covered by the recent hit rate.
+        partial_block_reuse: copy a partially matching block (token-granular reuse);
+            False reuses full blocks only.
+        sliding_window: the window (tokens) of a model whose every layer is windowed: blocks
+            before the window of a request's next token are freed (module docstring); None
+            keeps every block.
+
+    Raises:
+        ValueError: ``hit_rate_window`` < 1, ``sliding_window`` < 1, or ``sliding_window`` with
+            prefix caching (the radix cache keeps whole prefixes locked while a request runs,
+            so its early blocks could not be freed).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        kv_caches: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None,
+        *,
+        namespace_model: str = "model",
+        hit_rate_window: int = 1000,
+        partial_block_reuse: bool = True,
+        sliding_window: Optional[int] = None,
+    ) -> None:
+        if hit_rate_window < 1:
+            raise ValueError(f"hit_rate_window must be ≥ 1, got {hit_rate_window}")
+        if sliding_window is not None and (sliding_window < 1 or enable_prefix_caching):
+            raise ValueError(f"sliding_window must be ≥ 1 tokens and needs prefix caching off, got "
+                             f"{sliding_window} with enable_prefix_caching={enable_prefix_caching}")
+        self.sliding_window = sliding_window
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_tables: dict[str, list[int]] = {}
+        self.kv_caches = kv_caches
+        self.namespace_model = namespace_model
+        self.partial_block_reuse = partial_block_reuse
+        self.cache: Optional[RadixCache] = RadixCache(self.pool) if enable_prefix_caching else None
+        self.metrics = PrefixCacheMetrics(window=hit_rate_window)
+        self._nodes: dict[str, RadixNode] = {}  # request id → the tree node it has locked
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.cache is not None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds: empty ones plus cached ones that can be evicted (what an
+        allocation can get)."""
+        return self.pool.num_free + self.num_cached_blocks
+
+    @property
+    def num_empty_blocks(self) -> int:
+        """Blocks nobody references, not even the prefix cache."""
+        return self.pool.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Cached blocks no request uses: evictable on demand."""
+        return self.cache.evictable_blocks if self.cache is not None else 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by requests (cached or not)."""
+        return self.pool.num_blocks - self.pool.num_free - self.num_cached_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def blocks_to_run(self, num_tokens: int, max_chunk: int) -> int:
+        """Most blocks a request of ``num_tokens`` tokens holds at once when it computes at most
+        ``max_chunk`` tokens a step: all of them, or with a sliding window W the blocks of
+        positions ``(first - W, first + max_chunk)`` of a step computing from ``first``, at most
+        ``ceil((W - 1 + max_chunk) / block_size) + 1``."""
+        need = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return need
+        return min(need, self.blocks_needed(self.sliding_window - 1 + max_chunk) + 1)
+
+    def num_held_blocks(self, request: Request) -> int:
+        """Blocks the request references (freed entries of its table not counted)."""
+        return len(held_blocks(self.block_tables.get(request.request_id, [])))
+
+    def _free_outside_window(self, table: list[int], num_computed: int) -> None:
+        """Free the blocks of ``table`` that lie entirely before the window of position
+        ``num_computed`` (the first token the next step computes): blocks ``[0, n)`` with
+        ``n = max(0, num_computed - W + 1) // block_size``. Amortized O(1) per freed block (the
+        freed entries are a prefix)."""
+        n = min(max(0, num_computed - self.sliding_window + 1) // self.block_size, len(table))
+        i = n
+        while i > 0 and table[i - 1] != FREED_BLOCK:
+            i -= 1
+        if i < n:
+            self.pool.decref(table[i:n])
+            table[i:n] = [FREED_BLOCK] * (n - i)
+
+    def namespace(self, request: Request) -> Namespace:
+        """Cache namespace of a request: model, adapter (``request.adapter_id`` if the
+        request has one) and ``cache_salt``, each in its own tagged slot."""
+        return make_namespace(self.namespace_model, getattr(request, "adapter_id", None), request.cache_salt)
+
+    def has_blocks(self, request: Request) -> bool:
+        """Whether the request holds a block table (running, or forked and waiting)."""
+        return request.request_id in self.block_tables
+
+    # ------------------------------------------------------------------ allocation
+    def _make_room(self, need: int, headroom: int = 0) -> bool:
+        """Make ``need`` blocks free, evicting cached blocks if needed, provided that
+        ``need + headroom`` blocks are available (free or evictable); evicts nothing if not."""
+        free = self.pool.num_free
+        if need + headroom <= free:
+            return True
+        if need + headroom > free + self.num_cached_blocks:
+            return False
+        if need > free:
+            assert self.cache is not None
+            self.metrics.evicted_blocks += self.cache.evict(need - free)
+        return self.pool.num_free >= need
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, headroom: int = 0) -> bool:
+        """Grow the block table of an admitted request to hold ``num_computed_tokens +
+        num_new_tokens`` tokens, evicting unused cached blocks if the free ones are short.
+
+        Args:
+            headroom: blocks that must stay available (free or evictable) afterwards.
+
+        Returns:
+            False (and allocates and evicts nothing) when even eviction cannot make room.
+        """
+        table = self.block_tables.get(request.request_id, [])
+        if self.sliding_window is not None and table:  # first give back what the window left behind
+            self._free_outside_window(table, request.num_computed_tokens)
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table)
+        if need <= 0:
+            return True
+        if not self._make_room(need, headroom):
+            return False
+        table.extend(self.pool.allocate(need))
+        self.block_tables[request.request_id] = table  # a new table holds no cached block
+        return True
+
+    def admit_swapped(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
+                      headroom: int = 0) -> Optional[list[int]]:
+        """Give a request that holds no blocks (a swapped-out request coming back,
+        :mod:`kvserve.core.kv_swap`) a fresh block table for ``num_computed_tokens + num_new_tokens``
+        tokens and set its ``num_computed_tokens``; the caller copies its K/V into the first
+        blocks. No cache lookup: with prefix caching it locks its namespace's root, and its
+        blocks enter the cache after the step as any request's do (where the tree already holds
+        them, it switches to the tree's blocks).
+
+        Returns:
+            The new block table, or None (nothing taken or evicted) when the blocks do not fit
+            with ``headroom`` blocks left available.
+        """
+        rid = request.request_id
+        if rid in self.block_tables:
+            raise RuntimeError(f"request {rid} already holds blocks")
+        need = self.blocks_needed(num_computed_tokens + num_new_tokens)
+        if not self._make_room(need, headroom):
+            return None
+        table = self.pool.allocate(need)
+        self.block_tables[rid] = table
+        if self.cache is not None:
+            node = self.cache.match_prefix(self.namespace(request), [], max_tokens=0, update_stats=False).node
+            self.cache.lock(node)
+            self._nodes[rid] = node
+        request.num_computed_tokens = num_computed_tokens
+        return table
+
+    def _hit_cap(self, request: Request) -> int:
+        """Most tokens the request may take from the cache."""
+        cap = request.num_tokens - 1  # the last token is always computed
+        if request.sampling_params.prompt_logprobs is not None:
+            scored = len(request.prompt_logprobs) - 1  # prompt positions already scored
+            if scored < request.num_prompt_tokens - 1:
+                cap = min(cap, max(scored, 0))
+        return cap
+
+    def admit(self, request: Request, token_budget: int, headroom: int = 0) -> int:
+        """Give a waiting request its cached prefix and blocks for its first chunk.
+
+        A request that already holds blocks (a forked sample) only grows its table.
+        Otherwise its tokens (prompt + output so far) are matched against the cache, and
+        ``num_computed_tokens`` is set to the tokens served from it.
+
+        Args:
+            token_budget: most tokens the request may compute this step (≥ 1).
+            headroom: blocks that must stay available afterwards (the admission watermark).
+
+        Returns:
+            Tokens scheduled (``min(num_tokens - num_computed_tokens, token_budget)``), or 0
+            when the blocks do not fit; then nothing changed (no lock, reference or
+            allocation is kept, nothing is evicted).
+        """
+        rid = request.request_id
+        if rid in self.block_tables:
+            n = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            return n if self.allocate_slots(request, n, headroom) else 0
+        cache = self.cache
+        blocks: list[int] = []
+        node: Optional[RadixNode] = None
+        partial: Optional[PartialMatch] = None
+        cap = 0
+        if cache is not None:
+            cap = self._hit_cap(request)
+            ns = self.namespace(request)
+            m = cache.match_prefix(ns, request.all_token_ids, max_tokens=cap, update_stats=False)
+            node, blocks = m.node, m.blocks
+            cache.lock(node)
+            self.pool.incref(blocks)
+            if m.partial is not None and self.partial_block_reuse and self.kv_caches is not None:
+                partial = m.partial
+                cache.lock(partial.node)  # the copy source must outlive the eviction below
+        computed = len(blocks) * self.block_size + (partial.num_tokens if partial else 0)
+        num_new = min(request.num_tokens - computed, token_budget)
+        need = self.blocks_needed(computed + num_new) - len(blocks)
+        room = num_new > 0 and self._make_room(need, headroom)
+        if not room and partial is not None and num_new > 0:
+            # the locked copy source may be the very block that eviction needs (a pool of a
+            # few blocks): recompute that part instead of waiting for room that never comes
+            cache.unlock(partial.node)
+            partial = None
+            computed = len(blocks) * self.block_size
+            num_new = min(request.num_tokens - computed, token_budget)
+            need = self.blocks_needed(computed + num_new) - len(blocks)
+            room = num_new > 0 and self._make_room(need, headroom)
+        if not room:
+            if cache is not None:
+                if partial is not None:
+                    cache.unlock(partial.node)
+                cache.unlock(node)
+                self.pool.decref(blocks)
+            return 0
+        new = self.pool.allocate(need)
+        if partial is not None:
+            self._copy_block_prefix(partial.block_id, new[0], partial.num_tokens)
+            cache.unlock(partial.node)
+        self.block_tables[rid] = blocks + new
+        if node is not None:
+            self._nodes[rid] = node
+        request.num_computed_tokens = computed
+        if cache is not None:
+            resumed = request.num_preemptions > 0
+            if not resumed:
+                request.num_cached_tokens = computed
+            if resumed or cap > 0 or request.sampling_params.prompt_logprobs is None:
+                self.metrics.record(request.num_tokens, computed, resumed)
+        return num_new
+
+    def _copy_block_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the K/V of slots ``0..num_tokens-1`` of block ``src`` into block ``dst``."""
+        assert self.kv_caches is not None
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst, :num_tokens] = k_cache[src, :num_tokens]
+            v_cache[dst, :num_tokens] = v_cache[src, :num_tokens]
+
+    # ------------------------------------------------------------------ caching
+    def cache_computed(self, request: Request) -> None:
+        """Insert the request's computed full blocks into the cache (call after each step,
+        once ``num_computed_tokens`` counts only tokens whose K/V are final)."""
+        node = self._nodes.get(request.request_id)
+        if node is None:
+            return
+        assert self.cache is not None
+        bs = self.block_size
+        full = request.num_computed_tokens // bs
+        if full * bs <= node.depth:
+            return
+        table = self.block_tables[request.request_id]
+        new = self.cache.insert(self.namespace(request), _tokens(request, full * bs), table[:full], start=node)
+        # Where the tree already held these tokens in other blocks (a forked sample's copied
+        # block, or two requests computing the same prompt at once), the request switches to
+        # the tree's blocks and frees its duplicates: its lock must pin exactly the blocks it
+        # reads, or a locked block that no request reads could never be evicted (a pool of a
+        # few blocks then stalls) and the duplicates would hold memory for nothing.
+        cached: list[int] = []
+        n: Optional[RadixNode] = new
+        while n is not None and n is not node:
+            cached[:0] = n.blocks
+            n = n.parent
+        if n is None:  # (cannot happen: insert walks down from node)
+            cached = []
+        first = full - len(cached)
+        for i, b in enumerate(cached):
+            if table[first + i] != b:
+                self.pool.incref([b])
+                self.pool.decref([table[first + i]])
+                table[first + i] = b
+        self.cache.move_lock(node, new)
+        self._nodes[request.request_id] = new
+
+    def free(self, request: Request, cache: bool = True) -> None:
+        """Release the request's blocks. With ``cache`` its computed full blocks are first
+        inserted into the prefix cache, where they stay (evictable) for later requests."""
+        rid = request.request_id
+        if cache:
+            self.cache_computed(request)
+        node = self._nodes.pop(rid, None)
+        if node is not None:
+            assert self.cache is not None
+            self.cache.unlock(node)
+        table = self.block_tables.pop(rid, None)
+        if table:
+            self.pool.decref(held_blocks(table))
+
+    def fork(self, src: Request, dst: Request) -> bool:
+        """Give ``dst`` (same prompt, no blocks yet) the K/V of ``src``'s prompt except its
+        last token, so that ``dst`` computes one token before sampling.
+
+        The full blocks are shared: with prefix caching through the tree (``src``'s computed
+        blocks are inserted first and ``dst`` locks the matched node), without it by reference
+        count. The block holding the last prompt position is copied up to that position.
+
+        Returns:
+            False when ``src`` has not computed its prompt, ``dst`` already has blocks, or no
+            block is free for the copy; then ``dst`` is left untouched and is admitted like any
+            other request.
+        """
+        n = src.num_prompt_tokens - 1
+        src_table = self.block_tables.get(src.request_id)
+        if (src_table is None or src.num_computed_tokens < n or dst.request_id in self.block_tables
+                or dst.prompt_token_ids != src.prompt_token_ids):
+            return False
+        num_full, rem = divmod(n, self.block_size)
+        if self.sliding_window is not None:  # dst's first token (position n) needs its window's blocks
+            first = max(0, n - self.sliding_window + 1) // self.block_size
+            if FREED_BLOCK in src_table[first : num_full + (1 if rem else 0)]:
+                return False
+        node: Optional[RadixNode] = None
+        if self.cache is not None:
+            self.cache_computed(src)
+            m = self.cache.match_prefix(self.namespace(dst), dst.prompt_token_ids,
+                                        max_tokens=num_full * self.block_size, update_stats=False)
+            if m.num_blocks != num_full:  # cannot happen while src holds its path; be safe
+                return False
+            node, shared = m.node, m.blocks
+            self.cache.lock(node)
+        else:
+            shared = src_table[:num_full]
+        self.pool.incref(held_blocks(shared))
+        table = list(shared)
+        if rem:
+            if self.kv_caches is None or not self._make_room(1):
+                self.pool.decref(held_blocks(shared))
+                if node is not None:
+                    self.cache.unlock(node)  # type: ignore[union-attr]
+                return False
+            new = self.pool.allocate(1)
+            self._copy_block_prefix(src_table[num_full], new[0], rem)
+            table.extend(new)
+        self.block_tables[dst.request_id] = table
+        if node is not None:
+            self._nodes[dst.request_id] = node
+        dst.num_computed_tokens = n
+        dst.num_cached_tokens = n
+        return True
+
+    # ------------------------------------------------------------------ metrics
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (0..1); evictable cached blocks count as
+        available."""
+        return self.num_used_blocks / self.pool.num_blocks
+
+    def stats(self) -> dict:
+        """KV block and prefix-cache counters (token counts in tokens)."""
+        m = self.metrics
+        return {
+            "prefix_caching": self.enable_prefix_caching,
+            "prefix_cache_requests": m.requests,
+            "prefix_cache_queries": m.query_tokens,
+            "prefix_cache_hits": m.hit_tokens,
+            "prefix_cache_hit_rate": m.hit_rate,
+            "prefix_cache_hit_rate_recent": m.recent_hit_rate,
+            "prefix_cache_hit_rate_window": m.window,
+            "prefix_cache_resumed_queries": m.resumed_query_tokens,
+            "prefix_cache_resumed_hits": m.resumed_hit_tokens,
+            "prefix_cache_evicted_blocks": m.evicted_blocks,
+            "kv_blocks_free": self.num_empty_blocks,  # unreferenced, holding no cached KV
+            "kv_blocks_cached": self.num_cached_blocks,  # cached, unused, evictable
+            "kv_blocks_in_use": self.num_used_blocks,
+        }
+
+    # ------------------------------------------------------------------ beam search
+    def detach(self, request: Request) -> tuple[list[int], Optional[RadixNode]]:
+        """Take the request's KV (block table and locked cache node) away from it without
+        releasing anything; hand it to :meth:`attach`, :meth:`clone` or :meth:`release`."""
+        return self.block_tables.pop(request.request_id, []), self._nodes.pop(request.request_id, None)
+
+    def attach(self, request: Request, handle: tuple[list[int], Optional[RadixNode]]) -> None:
+        """Give a detached (or cloned) KV handle to ``request`` (which must hold none)."""
+        table, node = handle
+        if table:
+            self.block_tables[request.request_id] = table
+        if node is not None:
+            self._nodes[request.request_id] = node
+
+    def clone(self, handle: tuple[list[int], Optional[RadixNode]], num_tokens: int
+              ) -> Optional[tuple[list[int], Optional[RadixNode]]]:
+        """A second handle on the first ``num_tokens`` tokens of ``handle`` (copy-on-write):
+        full blocks are shared (one more reference each, and one more lock on the cache node,
+        whose path holds every cached block among them); the block holding position
+        ``num_tokens`` is copied up to it, so the clone can append its own next token.
+
+        Returns:
+            None when no block is free for the copy (nothing is taken).
+        """
+        table, node = handle
+        num_full, rem = divmod(num_tokens, self.block_size)
+        shared = table[:num_full]  # (freed entries stay freed in the clone)
+        new: list[int] = []
+        if rem:
+            if self.kv_caches is None or table[num_full] == FREED_BLOCK or not self._make_room(1):
+                return None
+            new = self.pool.allocate(1)
+            self._copy_block_prefix(table[num_full], new[0], rem)
+        self.pool.incref(held_blocks(shared))
+        if node is not None:
+            assert self.cache is not None
+            if node.depth > num_full * self.block_size:  # keep only the path the clone shares
+                node = self.cache.ancestor_at(node, num_full * self.block_size)
+            self.cache.lock(node)
+        return list(shared) + new, node
+
+    def release(self, handle: tuple[list[int], Optional[RadixNode]]) -> None:
+        """Drop a detached handle: unlock its node and its block references."""
+        table, node = handle
+        if node is not None:
+            assert self.cache is not None
+            self.cache.unlock(node)
+        if table:
+            self.pool.decref(held_blocks(table))
+
+    def check_invariants(self) -> None:
+        """Recount references and locks from the block tables; O(everything), for tests.
+
+        Raises:
+            RuntimeError: naming the first broken invariant.
+        """
+        pool, cache = self.pool, self.cache
+        expected = [0] * pool.num_blocks
+        for rid, table in self.block_tables.items():
+            held = held_blocks(table)
+            if len(held) != len(table) and (self.sliding_window is None or FREED_BLOCK in table[len(table) - len(held):]):
+                raise RuntimeError(f"request {rid}: freed table entries without a window, or not a prefix")
+            for b in held:
+                expected[b] += 1
+        locks: dict[int, int] = {}
+        if cache is not None:
+            cache.check_invariants()
+            for node in cache.iter_nodes():
+                for b in node.blocks:
+                    expected[b] += 1
+            for rid, node in self._nodes.items():
+                if node.parent is None and node is not cache.root:
+                    raise RuntimeError(f"request {rid} holds a lock on an evicted node")
+                path: set[int] = set()
+                cur: Optional[RadixNode] = node
+                while cur is not None:
+                    path.update(cur.blocks)
+                    locks[id(cur)] = locks.get(id(cur), 0) + 1
+                    cur = cur.parent
+                stray = [b for b in self.block_tables.get(rid, []) if cache.is_cached(b) and b not in path]
+                if stray:
+                    raise RuntimeError(f"request {rid} uses cached blocks {stray} off its locked path")
+            for node in cache.iter_nodes():
+                if node.lock_ref != locks.get(id(node), 0):
+                    raise RuntimeError("a node's lock count differs from the requests locking it")
+        if pool.ref_counts != expected:
+            raise RuntimeError("pool reference counts differ from block tables + cache")
+        if self.num_empty_blocks + self.num_cached_blocks + self.num_used_blocks != pool.num_blocks:
+            raise RuntimeError("empty + cached + in use != num_blocks")
+        if pool.num_free != sum(1 for c in pool.ref_counts if c == 0):
+            raise RuntimeError("free queue length differs from unreferenced blocks")

@@ -1,0 +1,329 @@
+"""The CPU swap tier for preempted requests' KV (vLLM's ``swap_space`` / ``preemption_mode="swap"``).
+
+When the block pool runs out, the scheduler preempts a running request. With
+``preemption_mode="recompute"`` it frees the request's blocks and later recomputes prompt + output
+so far (a prefill). With ``preemption_mode="swap"`` it first copies the request's computed blocks
+(every layer, K and V) into a host-memory pool (:class:`KVSwapSpace`), then frees the device
+blocks; when the request is resumed, it gets new device blocks, the host copy is written back and
+it goes on decoding where it was (no prefill).
+
+The host pool has the device pool's row format: per layer one K and one V tensor
+``[num_host_blocks, block_size, num_kv_heads, row]`` of the device pools' dtype (``row`` is
+``head_dim``, or ``head_dim + 4`` for the 8-bit caches, whose rows carry their float32 scale:
+:mod:`kvserve.worker.kv_quant`), so a block moves as raw bytes. On CUDA it is pinned CPU memory and the
+copies are ``non_blocking``; on CPU it is one more tensor in RAM (the device pool is RAM too:
+swapping then trades recomputation for two memory copies and lets a small pool serve more
+requests at once). Each move is one ``index_select`` and one ``index_copy_`` per layer and K/V.
+
+Host blocks are owned by one swapped request each (no sharing, no prefix cache): a request whose
+prompt blocks were shared swaps out its own copy of them, and gets its own device copy back.
+Invariant after every operation: ``num_free + num_used == num_blocks``, and the blocks the swapped
+requests hold are exactly the used ones (:meth:`KVSwapSpace.check_invariants`).
+
+Data flows one way: the scheduler decides (swap out a victim, swap in a resumed request, fall back
+on recompute) and calls into this module, which moves bytes between the pools it is given; it never
+calls back into the scheduler or the KV cache manager.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+GiB = 1 << 30
+#: ``preemption_mode`` values (vLLM's names).
+PREEMPTION_MODES = ("recompute", "swap")
+#: The largest ``swap_space`` accepted (GiB), as ``kv_cache_memory``'s limit: no machine has more.
+MAX_SWAP_SPACE_GIB = 1 << 20
+
+
+def check_swap_options(swap_space, preemption_mode, name=lambda field: field) -> str:
+    """Validate ``swap_space`` (GiB) and ``preemption_mode``; return the effective mode.
+
+    ``preemption_mode=None`` means ``"swap"`` when ``swap_space > 0``, else ``"recompute"``.
+
+    Args:
+        name: maps a field name to the name the error uses (``--swap-space`` for the CLI).
+
+    Raises:
+        ValueError: naming the option and the allowed range: ``swap_space`` not a finite number in
+            ``[0, 1048576]`` GiB, ``preemption_mode`` not one of :data:`PREEMPTION_MODES` (or None),
+            or ``preemption_mode="swap"`` with ``swap_space == 0``.
+    """
+    if not isinstance(swap_space, numbers.Real) or isinstance(swap_space, bool):
+        raise ValueError(f"{name('swap_space')} must be a number of GiB, got {swap_space!r}")
+    if not 0 <= swap_space <= MAX_SWAP_SPACE_GIB:  # (NaN fails both comparisons)
+        raise ValueError(f"{name('swap_space')} must be in [0, {MAX_SWAP_SPACE_GIB}] GiB (0: no swap space), "
+                         f"got {swap_space}")
+    if preemption_mode is not None and preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"{name('preemption_mode')} must be one of {list(PREEMPTION_MODES)} (or None: swap when "
+                         f"swap_space > 0), got {preemption_mode!r}")
+    mode = preemption_mode or ("swap" if swap_space > 0 else "recompute")
+    if mode == "swap" and swap_space == 0:
+        raise ValueError(f"{name('preemption_mode')}='swap' needs {name('swap_space')} > 0 GiB of host memory for "
+                         f"the swapped-out KV blocks, got {name('swap_space')}=0")
+    return mode
+
+
+def num_host_blocks(swap_space: float, bytes_per_token: int, block_size: int) -> int:
+    """Host blocks in ``swap_space`` GiB: ``floor(swap_space · 2^30 / (bytes_per_token · block_size))``.
+
+    Raises:
+        ValueError: the budget holds no block.
+    """
+    n = int(swap_space * GiB) // (bytes_per_token * block_size)
+    if n < 1:
+        raise ValueError(f"swap_space={swap_space} GiB holds no KV block of {block_size} tokens at "
+                         f"{bytes_per_token} bytes/token ({bytes_per_token * block_size} bytes); raise swap_space")
+    return n
+
+
+class HostBlockAllocator:
+    """The host pool's blocks: a free queue and the set of used blocks (each owned by one request).
+
+    Args:
+        num_blocks: host blocks (≥ 1).
+
+    Raises:
+        ValueError: ``num_blocks`` below 1.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be ≥ 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def allocate(self, n: int) -> Optional[list[int]]:
+        """Take ``n`` free blocks; None (taking nothing) when fewer are free."""
+        if n > len(self._free):
+            return None
+        out = [self._free.popleft() for _ in range(n)]
+        self._used.update(out)
+        return out
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Return used blocks to the free queue.
+
+        Raises:
+            RuntimeError: a block that is not in use (a double free).
+        """
+        for b in blocks:
+            if b not in self._used:
+                raise RuntimeError(f"free of host block {b}, which is not in use")
+            self._used.remove(b)
+            self._free.append(b)
+
+    def check_invariants(self) -> None:
+        """Raises RuntimeError unless free and used blocks partition ``range(num_blocks)``."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise RuntimeError("a host block is twice in the free queue")
+        if free & self._used:
+            raise RuntimeError("a host block is both free and used")
+        if self.num_free + self.num_used != self.num_blocks or free | self._used != set(range(self.num_blocks)):
+            raise RuntimeError("host blocks: free + used != num_blocks")
+
+
+@dataclass(slots=True)
+class SwappedKV:
+    """What a swapped-out request keeps: its host block table and its ``num_computed_tokens``
+    (tokens whose K/V are in those blocks, in order: token ``p`` is in slot ``p % block_size`` of
+    ``host_blocks[p // block_size]``)."""
+
+    host_blocks: list[int]
+    num_computed_tokens: int
+
+
+class KVSwapSpace:
+    """The host pool and the copies between it and the device pools.
+
+    Args:
+        kv_caches: the device pools, per layer ``(K, V)``, each ``[num_blocks, block_size,
+            num_kv_heads, row]`` (any dtype, 8-bit rows with their scales included).
+        num_blocks: host blocks (see :func:`num_host_blocks`).
+
+    Raises:
+        ValueError: ``num_blocks`` below 1, or the host pool (``num_blocks · block bytes``) is larger
+            than the memory available (``MemAvailable``), or cannot be allocated; the message names
+            ``swap_space``.
+    """
+
+    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], num_blocks: int) -> None:
+        from kvserve.core.kv_cache_manager import available_memory
+
+        self.kv_caches = kv_caches
+        k0 = kv_caches[0][0]
+        self.device = k0.device
+        self.pin = self.device.type == "cuda"
+        block_shape = tuple(k0.shape[1:])
+        self.block_bytes = math.prod(block_shape) * k0.element_size() * 2 * len(kv_caches)  # K and V, all layers
+        need = num_blocks * self.block_bytes
+        have = available_memory(torch.device("cpu"))
+        if have is not None and need > have:
+            raise ValueError(f"swap_space: the host pool needs {need / GiB:.2f} GiB ({num_blocks} blocks), but only "
+                             f"{have / GiB:.2f} GiB of host memory is available; lower swap_space (--swap-space)")
+        self.allocator = HostBlockAllocator(num_blocks)  # (after the check: its queue has num_blocks entries)
+        try:
+            self.host_caches = [
+                tuple(torch.zeros((num_blocks, *block_shape), dtype=c.dtype, device="cpu", pin_memory=self.pin)
+                      for c in pair)
+                for pair in kv_caches
+            ]
+        except (RuntimeError, MemoryError) as e:
+            raise ValueError(f"swap_space: could not allocate the host pool of {need / GiB:.2f} GiB ({e}); lower "
+                             f"swap_space (--swap-space)") from e
+        self.swapped: dict[str, SwappedKV] = {}
+        # counters (blocks are KV blocks of all layers, K and V)
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.num_swap_fallbacks = 0  # preemptions that recomputed because the host pool was full
+        self.num_swap_drops = 0  # swapped requests brought back by recompute instead
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self.swapped
+
+    def num_blocks_of(self, request_id: str) -> int:
+        """Host blocks a swapped request holds (0 if it holds none)."""
+        s = self.swapped.get(request_id)
+        return len(s.host_blocks) if s is not None else 0
+
+    def usage(self) -> float:
+        """Fraction of host blocks in use (0..1)."""
+        return self.allocator.num_used / self.allocator.num_blocks
+
+    # ------------------------------------------------------------------ moves
+    def swap_out(self, request_id: str, device_blocks: Sequence[int], num_computed_tokens: int) -> bool:
+        """Copy ``device_blocks`` (the request's block table up to its computed tokens) into new
+        host blocks and remember them with ``num_computed_tokens``. The caller frees the device
+        blocks afterwards (on CUDA the copies are queued on the current stream before anything
+        that could overwrite them).
+
+        Returns:
+            False, copying nothing, when the host pool has too few free blocks (the caller then
+            recomputes the request) or there is nothing to copy.
+
+        Raises:
+            RuntimeError: the request is already swapped out.
+        """
+        if request_id in self.swapped:
+            raise RuntimeError(f"request {request_id} is already swapped out")
+        n = len(device_blocks)
+        host = self.allocator.allocate(n) if n else None
+        if host is None:
+            if n:
+                self.num_swap_fallbacks += 1
+            return False
+        src = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
+        dst = torch.tensor(host, dtype=torch.long)
+        if self.pin:
+            # device gather → pinned staging (asynchronous), one wait, then the host scatter
+            staged = []
+            for pair in self.kv_caches:
+                for c in pair:
+                    buf = torch.empty((n, *c.shape[1:]), dtype=c.dtype, pin_memory=True)
+                    buf.copy_(c.index_select(0, src), non_blocking=True)
+                    staged.append(buf)
+            torch.cuda.current_stream(self.device).synchronize()
+            for host_c, buf in zip((h for pair in self.host_caches for h in pair), staged):
+                host_c.index_copy_(0, dst, buf)
+        else:
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+                hk.index_copy_(0, dst, k.index_select(0, src))
+                hv.index_copy_(0, dst, v.index_select(0, src))
+        self.swapped[request_id] = SwappedKV(host, num_computed_tokens)
+        self.num_swap_outs += 1
+        self.num_swapped_out_blocks += n
+        return True
+
+    def swap_in(self, request_id: str, device_blocks: Sequence[int]) -> int:
+        """Copy a swapped request's host blocks into ``device_blocks`` (at least as many, freshly
+        allocated by the caller; the first ones get the copies), free its host blocks and return
+        its ``num_computed_tokens``.
+
+        Raises:
+            KeyError: the request is not swapped out.
+            ValueError: fewer device blocks than host blocks.
+        """
+        s = self.swapped[request_id]
+        n = len(s.host_blocks)
+        if len(device_blocks) < n:
+            raise ValueError(f"swap_in of {n} blocks into {len(device_blocks)} device blocks")
+        src = torch.tensor(s.host_blocks, dtype=torch.long)
+        dst = torch.tensor(list(device_blocks[:n]), dtype=torch.long, device=self.device)
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+            for c, h in ((k, hk), (v, hv)):
+                if self.pin:  # gather into pinned memory, copy asynchronously (PyTorch's caching
+                    # host allocator keeps the buffer until the copy is done)
+                    buf = torch.empty((n, *h.shape[1:]), dtype=h.dtype, pin_memory=True)
+                    rows = torch.index_select(h, 0, src, out=buf).to(self.device, non_blocking=True)
+                else:
+                    rows = h.index_select(0, src)
+                c.index_copy_(0, dst, rows)
+        self.discard(request_id)
+        self.num_swap_ins += 1
+        self.num_swapped_in_blocks += n
+        return s.num_computed_tokens
+
+    def discard(self, request_id: str) -> bool:
+        """Forget a swapped request's host copy (swapped in, aborted, finished, or brought back by
+        recompute instead) and free its host blocks; returns whether it had one."""
+        s = self.swapped.pop(request_id, None)
+        if s is None:
+            return False
+        self.allocator.free(s.host_blocks)
+        return True
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> dict:
+        """Swap counters: swap-outs and swap-ins (requests), blocks moved each way, preemptions that
+        recomputed because the host pool was full, swapped requests brought back by recompute
+        instead (``swap_num_dropped``), and the host pool's blocks and usage (0..1)."""
+        a = self.allocator
+        return {
+            "swap_num_swap_outs": self.num_swap_outs,
+            "swap_num_swap_ins": self.num_swap_ins,
+            "swap_num_swapped_out_blocks": self.num_swapped_out_blocks,
+            "swap_num_swapped_in_blocks": self.num_swapped_in_blocks,
+            "swap_num_recompute_fallbacks": self.num_swap_fallbacks,
+            "swap_num_dropped": self.num_swap_drops,
+            "swap_blocks_total": a.num_blocks,
+            "swap_blocks_used": a.num_used,
+            "swap_usage": self.usage(),
+            "num_swapped": len(self.swapped),
+        }
+
+    def check_invariants(self) -> None:
+        """The allocator's invariant, and the swapped requests' host blocks are exactly the used
+        ones, each held once. O(blocks), for tests.
+
+        Raises:
+            RuntimeError: naming the broken invariant.
+        """
+        self.allocator.check_invariants()
+        held = [b for s in self.swapped.values() for b in s.host_blocks]
+        if len(held) != len(set(held)):
+            raise RuntimeError("a host block is held by two swapped requests")
+        if set(held) != self.allocator._used:
+            raise RuntimeError("host blocks in use differ from the swapped requests' host block tables")

@@ -1,0 +1,232 @@
+"""Request state and outputs.
+
+A :class:`Request` is one sequence being generated. Its ``num_tokens`` (prompt + output)
+and ``num_computed_tokens`` (tokens whose K/V are in the cache) are all the scheduler looks
+at: a prefill chunk, a decode step and a resumed preempted request are the same thing —
+compute ``num_tokens - num_computed_tokens`` more tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one chosen token plus the top alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (seconds, ``time.perf_counter`` clock) and derived latencies."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_generated_tokens: int = 0
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Time to first token (s), from arrival."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        """Time spent waiting before the first schedule (s)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> Optional[float]:
+        """Output tokens after the first, per second of decoding."""
+        if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        dt = self.finished_time - self.first_token_time
+        return (self.num_generated_tokens - 1) / dt if dt > 0 else None
+
+    @property
+    def tpot(self) -> Optional[float]:
+        """Mean time per output token after the first (s)."""
+        r = self.decode_tokens_per_s
+        return None if r is None else 1.0 / r
+
+
+@dataclass
+class Request:
+    """One sequence in the engine.
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: the prompt (≥ 1 token).
+        sampling_params: validated parameters.
+        seed: effective seed for the sampler (drawn at random when the params have none).
+        eos_token_ids: tokens that end the sequence unless ``ignore_eos``.
+        output_token_ids: generated tokens so far.
+        num_computed_tokens: tokens (prompt + output) whose K/V are in the cache.
+        priority: lower runs first; FCFS within a level.
+        cache_salt: isolates prefix-cache entries per tenant.
+        token_history: the sampler's incremental record of this sequence's tokens
+            (:class:`kvserve.sample.sampler.TokenHistory`, created on first use), which makes the
+            repetition/frequency/presence penalties cheap to build every step.
+        grammar: the sequence's structured-output grammar state
+            (:class:`kvserve.structured_output.manager.StructuredOutputGrammar`), None when unconstrained;
+            it has consumed exactly ``output_token_ids``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...] = ()
+    prompt: Optional[str] = None
+    priority: int = 0
+    cache_salt: Optional[str] = None
+    arrival_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: Any = None
+    error: Optional[str] = None
+    num_preemptions: int = 0
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[Optional[TokenLogprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    output_text: str = ""
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    detokenizer: Any = None
+    parent_id: Optional[str] = None
+    sample_index: int = 0
+    last_delta: str = ""  # text of the latest token, until an output reports it
+    token_history: Any = field(default=None, repr=False, compare=False)  # sampler.TokenHistory, for penalties
+    grammar: Any = field(default=None, repr=False, compare=False)  # structured_output.StructuredOutputGrammar
+    # speculative decoding: draft tokens proposed after the last output token (not output yet;
+    # the scheduler computes them with it and the rejection sampler verifies them), and the
+    # draft model's distributions q for them ([len(spec_token_ids), V]; None for n-gram drafts)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Prompt plus generated plus draft tokens: what the scheduler may compute."""
+        return self.num_tokens + len(self.spec_token_ids)
+
+    def clear_spec(self) -> None:
+        """Drop the drafts (after verification, or when the request is preempted)."""
+        self.spec_token_ids = []
+        self.spec_draft_probs = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens  # resolved to an int by the engine
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request.
+
+    Attributes:
+        index: sample index (0..n-1).
+        text: generated text (after stop-string truncation).
+        token_ids: generated token ids.
+        finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"`` (max_tokens
+            or max_model_len), ``"abort"``, ``"error"``, or None while running.
+        stop_reason: the matched stop string or stop token id, None for EOS/length.
+        cumulative_logprob: sum of the raw logprobs of the generated tokens.
+        logprobs: per generated token, when asked.
+        delta_text: text added since the request's previous output (for streaming); empty
+            for a sequence of an n > 1 request that did not move (it finished earlier).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+    cumulative_logprob: float = 0.0
+    logprobs: Optional[list[TokenLogprob]] = None
+    delta_text: str = ""
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request after a step (or at the end).
+
+    Attributes:
+        request_id: the request's id.
+        prompt: the prompt text when given as text.
+        prompt_token_ids: the prompt ids.
+        outputs: one :class:`CompletionOutput` per returned sample.
+        finished: True once every sample finished.
+        metrics: timing (TTFT, decode tokens/s, queue time).
+        prompt_logprobs: per prompt position (the first is None), when asked.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        error: the error message of a request that failed.
+        error_param: for a failure caused by the request's own input (its grammar hit one of
+            the structured-output backend's limits), the request field at fault
+            (``"structured_outputs"``); None when the engine is at fault.
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+    error_param: Optional[str] = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.outputs[0].finish_reason

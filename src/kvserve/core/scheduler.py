@@ -1,0 +1,327 @@
+"""Continuous-batching scheduler with one token-budget rule (vLLM v1's design).
+
+There are no prefill and decode phases. Each step, every request is owed
+``num_tokens - num_computed_tokens`` tokens of computation; the scheduler hands out new
+tokens under a budget of ``max_num_batched_tokens`` per step and at most ``max_num_seqs``
+running requests. Requests are ordered by ``(priority, arrival)``: a lower priority value
+runs first, first come first served within a level.
+
+1. Running requests first — decodes (one token owed) before prefill chunks, each in
+   priority order, so decodes keep flowing while a long prompt is chunked. When the pool is
+   short of blocks the KV manager first evicts unused prefix-cache blocks (LRU); only if
+   that is not enough does the scheduler free the blocks of forked samples still waiting,
+   then preempt the running request that comes last in ``(priority, arrival)`` order (its
+   computed full blocks go to the prefix cache, its blocks are released and its
+   ``num_computed_tokens`` reset; when it comes back it is recomputed from prompt + output
+   so far — hitting the cache it left behind where that is still there — which leaves its
+   output unchanged).
+2. Then waiting requests in ``(priority, arrival)`` order, as long as budget, sequence
+   slots and blocks allow; admission looks up the prefix cache (a hit simply advances
+   ``num_computed_tokens``). None is admitted in a step whose running requests had to be
+   preempted. A waiting request that does not fit may preempt running requests of strictly
+   lower priority (higher value), never requests of its own level.
+
+Beam search: the beams of a group extend together (each step waits for all of them), so
+they are preempted together, and a beam whose group is running is admitted without the
+watermark below. If every running request waits for beams that do not fit, the last group
+is preempted, so that one group at a time gathers its beams.
+
+Admission watermark: while any request is running, a new request is admitted only if
+``watermark_blocks = ceil(watermark · num_blocks)`` blocks (default 1 %) stay available
+(free or evictable) after its first chunk's blocks are taken, so that a flood of long
+prompts cannot take the last blocks that running decodes need to grow (which would turn
+into preemption thrash). With nothing running the watermark does not apply, so a request
+as large as the whole pool can still run.
+
+A prompt longer than the budget is simply chunked over several steps.
+
+Swap (``preemption_mode="swap"``, :mod:`kvserve.core.kv_swap`): a preempted request's computed
+blocks are first copied to the host pool (then freed as above), and when it is admitted again
+it gets fresh blocks, its K/V copied back and its ``num_computed_tokens`` restored: it decodes
+on with no prefill. A swap-in is an admission (a sequence slot, its owed tokens from the
+budget, the watermark); a step swaps in at most ``max_num_batched_tokens // block_size``
+blocks (the blocks a prefill of the whole budget would write) but always at least one request,
+so a long context still comes back (the requests behind it wait for the next step: FCFS).
+Beam-search groups are recomputed (their beams share blocks copy-on-write: swapped apart, each
+beam would need its own copy of the shared ones), and so is a victim the host pool cannot hold
+or one that has freed blocks before its sliding window; a swapped request that cannot be
+swapped in while nothing else runs drops its host copy and is recomputed: none waits forever.
+
+Speculative decoding: a decoding request may carry draft tokens (``spec_token_ids``); it
+is then owed its last token plus the drafts, verified in one multi-token chunk. Drafts
+are trimmed to the budget left and to the slots its block table and the empty blocks
+hold: they never evict cached blocks or preempt another request.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.kv_cache_manager import FREED_BLOCK, KVCacheManager
+from kvserve.core.kv_swap import KVSwapSpace
+from kvserve.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    Attributes:
+        scheduled: (request, number of new tokens to compute) in batch order.
+        preempted: requests preempted in this step.
+        num_batched_tokens: sum of the new tokens.
+    """
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Args:
+        config: budget and limits.
+        kv: the KV cache manager (block tables, pool and prefix cache).
+        watermark: fraction of the pool's blocks kept available when admitting new
+            requests while others run (see the module docstring); 0 disables it.
+        swap: the host pool to swap preempted requests' KV to (``preemption_mode="swap"``);
+            None recomputes them.
+
+    Raises:
+        ValueError: if ``watermark`` is not in ``[0, 1)``.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, watermark: float = 0.01,
+                 swap: KVSwapSpace | None = None) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.config = config
+        self.kv = kv
+        self.watermark = watermark
+        self.watermark_blocks = math.ceil(watermark * kv.num_blocks)
+        self.waiting: list[Request] = []  # sorted by (priority, arrival_index)
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0  # all preemptions (out of blocks or by priority)
+        self.num_priority_preemptions = 0  # of those, to admit a higher-priority request
+        self.num_chunked_prefills = 0
+        self.swap = swap
+        self.max_swap_in_blocks = max(1, config.max_num_batched_tokens // kv.block_size)  # per step
+
+    # ------------------------------------------------------------------ queue
+    @staticmethod
+    def _order(req: Request) -> tuple[int, int]:
+        return (req.priority, req.arrival_index)
+
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        keys = [self._order(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._order(req)), req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Retire a request (finished, aborted or failed) and free its blocks.
+
+        Its computed full blocks stay in the prefix cache, except after an error.
+        """
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req, cache=status is not RequestStatus.FINISHED_ERROR)
+        if self.swap is not None:
+            self.swap.discard(req.request_id)  # (an aborted request swapped out)
+
+    def _running_beams(self, req: Request) -> list[Request]:
+        """The running beams of ``req``'s beam-search group (``req`` included if it runs);
+        for another request, ``[req]`` if it runs."""
+        if not req.sampling_params.use_beam_search:
+            return [req] if req in self.running else []
+        return [r for r in self.running if r.parent_id == req.parent_id]
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempt a running request, and with a beam its whole group (beams extend together:
+        one left running would wait for the others while holding their room); returns the
+        tokens they had been given in this step."""
+        return sum(self._preempt_one(r, out) for r in self._running_beams(victim))
+
+    def _preempt_one(self, victim: Request, out: SchedulerOutput) -> int:
+        self.running.remove(victim)
+        taken = 0
+        for j, (r, n) in enumerate(out.scheduled):
+            if r is victim:  # already planned this step: take its tokens back
+                taken = n
+                del out.scheduled[j]
+                break
+        self._swap_out(victim)
+        self.kv.free(victim)  # computed full blocks are cached first: resumption may hit them
+        victim.num_computed_tokens = 0
+        victim.clear_spec()  # (drafts are proposed again once it decodes)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        self.add_request(victim)
+        victim.status = RequestStatus.PREEMPTED
+        return taken
+
+    def _swap_out(self, victim: Request) -> None:
+        """With a swap space, copy the victim's computed blocks to the host pool (it keeps its
+        ``num_computed_tokens`` there); a beam, a victim the pool cannot hold, or one that has freed
+        blocks before its sliding window (their K/V is gone), is recomputed."""
+        if self.swap is None or victim.sampling_params.use_beam_search or victim.num_computed_tokens == 0:
+            return
+        table = self.kv.block_tables.get(victim.request_id, [])
+        blocks = table[: self.kv.blocks_needed(victim.num_computed_tokens)]  # (not this step's new slots)
+        if FREED_BLOCK in blocks:
+            self.swap.num_swap_fallbacks += 1
+            return
+        self.swap.swap_out(victim.request_id, blocks, victim.num_computed_tokens)
+
+    def _swap_in(self, req: Request, budget: int, headroom: int) -> int:
+        """Bring a swapped request back: fresh blocks for its computed tokens plus its next
+        chunk, its K/V copied in, ``num_computed_tokens`` restored. Returns the tokens scheduled,
+        0 when the blocks do not fit (nothing changed)."""
+        assert self.swap is not None
+        s = self.swap.swapped[req.request_id]
+        num_new = min(req.num_tokens - s.num_computed_tokens, budget)
+        table = self.kv.admit_swapped(req, s.num_computed_tokens, num_new, headroom)
+        if table is None:
+            return 0
+        req.num_computed_tokens = self.swap.swap_in(req.request_id, table)
+        return num_new
+
+    def _release_waiting_blocks(self, keep: Request | None = None) -> bool:
+        """Free the blocks of waiting requests that hold some (forked samples); they will be
+        admitted again through the prefix cache. Returns whether any were freed."""
+        freed = False
+        for r in self.waiting:
+            if r is not keep and self.kv.has_blocks(r):
+                self.kv.free(r)
+                r.num_computed_tokens = 0
+                freed = True
+        return freed
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        ordered = sorted(self.running, key=self._order)
+        decodes = [r for r in ordered if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in ordered if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            owed = req.num_tokens - req.num_computed_tokens
+            num_new = min(owed, budget)
+            if req.spec_token_ids:
+                num_new += self._schedule_drafts(req, budget - 1 if owed == 1 else 0)
+            while not self.kv.allocate_slots(req, num_new):  # (evicts cached blocks first)
+                if self._release_waiting_blocks():
+                    continue
+                victim = max(self.running, key=self._order)
+                budget += self._preempt(victim, out)
+                if req.status is not RequestStatus.RUNNING:  # req itself, or its beam group
+                    num_new = 0
+                    break
+            if num_new == 0:
+                continue
+            self._plan(req, num_new, out)
+            budget -= num_new
+        if out.preempted:
+            return out
+        self._admit(out, budget)
+        if out.is_empty and self.running and self.waiting:
+            # Every running request waits for beams still waiting, which do not fit: preempt
+            # the last group so that one group at a time can gather its beams (validation
+            # ensures that any one group fits the pool alone).
+            self._preempt(max(self.running, key=self._order), out)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while budget, sequence slots and blocks allow."""
+        swapped_in = 0  # blocks swapped in this step
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            swap_blocks = self.swap.num_blocks_of(req.request_id) if self.swap is not None else 0
+            if swap_blocks and swapped_in and swapped_in + swap_blocks > self.max_swap_in_blocks:
+                break  # this step's swap-in allowance is spent: it comes back next step
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_lower_priority(req, out):
+                    budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+                    continue
+                break
+            # (no watermark for a beam whose group runs: the group cannot move without it)
+            headroom = self.watermark_blocks if self.running and not self._running_beams(req) else 0
+            if swap_blocks:
+                num_new = self._swap_in(req, budget, headroom)
+                swapped_in += swap_blocks if num_new else 0
+            else:
+                num_new = self.kv.admit(req, budget, headroom)
+            if num_new == 0:
+                if self._preempt_lower_priority(req, out):
+                    budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+                    continue
+                if not self.running and self._release_waiting_blocks(keep=req):
+                    continue
+                if swap_blocks and not self.running:
+                    # its blocks cannot come back even with nothing else running: recompute it
+                    self.swap.discard(req.request_id)  # type: ignore[union-attr]
+                    self.swap.num_swap_drops += 1  # type: ignore[union-attr]
+                    continue
+                break
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if req.sampling_params.prompt_logprobs is not None and req.prompt_logprobs:
+                # keep the logprobs of positions < num_computed_tokens (the first entry is
+                # None); a resumed request recomputes the rest and must not repeat them
+                del req.prompt_logprobs[req.num_computed_tokens + 1 :]
+            self._plan(req, num_new, out)
+            budget -= num_new
+
+    def _schedule_drafts(self, req: Request, room: int) -> int:
+        """Keep as many of a decoding request's draft tokens as fit in ``room`` budget tokens
+        and in its block table plus the empty blocks (drafts never evict cached blocks nor
+        preempt anything), allocate their slots, and drop the rest; returns the number kept."""
+        bs = self.kv.block_size
+        table = self.kv.block_tables.get(req.request_id, [])
+        slots = (len(table) + self.kv.num_empty_blocks) * bs - (req.num_computed_tokens + 1)
+        d = max(0, min(len(req.spec_token_ids), room, slots))
+        if d and not self.kv.allocate_slots(req, 1 + d):  # (cannot fail: only empty blocks are taken)
+            d = 0
+        if d < len(req.spec_token_ids):
+            req.spec_token_ids = req.spec_token_ids[:d]
+            if req.spec_draft_probs is not None:
+                req.spec_draft_probs = req.spec_draft_probs[:d] if d else None
+        return d
+
+    def _plan(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        if num_new < req.num_tokens - req.num_computed_tokens:
+            self.num_chunked_prefills += 1
+        out.scheduled.append((req, num_new))
+
+    def _preempt_lower_priority(self, req: Request, out: SchedulerOutput) -> bool:
+        """Preempt the last running request if its priority is strictly lower than ``req``'s."""
+        if not self.running:
+            return False
+        victim = max(self.running, key=self._order)
+        if victim.priority <= req.priority:
+            return False
+        self._preempt(victim, out)
+        self.num_priority_preemptions += 1
+        return True

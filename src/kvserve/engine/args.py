@@ -1,0 +1,165 @@
+"""Engine arguments: :class:`EngineArgs` (what builds an engine) and the device/dtype parsers.
+
+Every range check that needs no model runs in :meth:`EngineArgs.check`, before any weight is
+read, so a bad option fails in milliseconds with an error naming the field.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from kvserve.core.kv_swap import check_swap_options
+from kvserve.spec_decode import SpeculativeConfig
+from kvserve.worker import kv_quant
+from kvserve.worker.layers.linear import QUANTIZATIONS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_device(device: Optional[str]) -> torch.device:
+    """``None`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` → device.
+
+    Raises:
+        ValueError: an unknown device string, or CUDA asked for where it is not available.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} is not available: this PyTorch build or machine has no CUDA GPU")
+    if dev.type == "cuda" and dev.index is not None and not dev.index < torch.cuda.device_count():
+        raise ValueError(f"device {device!r} is not available: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s), cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    return dev
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` or a torch dtype → torch dtype.
+
+    Raises:
+        ValueError: for any other value.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+@dataclass
+class EngineArgs:
+    """Everything needed to build an engine.
+
+    Attributes:
+        model: GGUF file or Hugging Face folder; None for the default SmolLM2.
+        dtype: weights, activations and (with ``kv_cache_dtype="auto"``) KV cache dtype.
+        kv_cache_dtype: ``"auto"`` (the model dtype), ``"int8"``, or ``"fp8"``/``"fp8_e4m3"``: 8-bit
+            K/V with a float32 scale per token and KV head (:mod:`kvserve.worker.kv_quant`), ~1.9x the
+            tokens in the same ``kv_cache_memory``.
+        device: "cpu", "cuda" or None (CUDA when available).
+        kv_cache_memory: KV pool budget in GiB.
+        num_gpu_blocks / num_blocks: explicit pool size (overrides the budget).
+        block_size: tokens per KV block.
+        max_model_len: longest sequence in tokens (default: min(model's context, 4096)).
+        max_num_batched_tokens: per-step token budget.
+        max_num_seqs: most running sequences.
+        enable_prefix_caching: reuse cached prompt KV (off for models whose every layer has a
+            sliding window, whose blocks before the window are freed instead).
+        quantization: None, or "int8" for weight-only int8 linears.
+        seed: seed for the random seeds of unseeded requests.
+        speculative_config: None, or speculative decoding as a dict (or its JSON text):
+            ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 1}`` or ``{"method": "draft_model", "model": PATH,
+            "num_speculative_tokens": k}`` (see :class:`kvserve.spec_decode.SpeculativeConfig`).
+        swap_space: GiB of host memory for the KV blocks of preempted requests
+            (:mod:`kvserve.core.kv_swap`), in [0, 1048576]; 0 (default): none.
+        preemption_mode: what preemption does with a victim's KV: ``"recompute"`` (free it,
+            recompute prompt + output when resumed) or ``"swap"`` (copy it to the host pool and
+            back; needs ``swap_space > 0``). None (default): ``"swap"`` when ``swap_space > 0``,
+            else ``"recompute"``. Recompute is the default because it costs no memory up front,
+            prefix caching often serves most of a resumed request's context anyway, and on a CPU
+            the "device" pool is host RAM too (memory given to swap_space could as well enlarge
+            ``kv_cache_memory``); swap pays where recomputing long contexts is slow next to
+            copying them (vLLM v0: 4 GiB of swap space, recompute unless a group needed swap).
+    """
+
+    model: Optional[str] = None
+    dtype: str | torch.dtype = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    device: Optional[str] = None
+    kv_cache_memory: float = 2.0
+    num_blocks: Optional[int] = None
+    block_size: int = 16
+    max_model_len: Optional[int] = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_waiting: int = 0
+    enable_prefix_caching: bool = True
+    quantization: Optional[str] = None
+    seed: Optional[int] = None
+    speculative_config: Optional[Union[dict, str, SpeculativeConfig]] = None
+    swap_space: float = 0.0
+    preemption_mode: Optional[str] = None
+
+    def check(self, option_names: bool = False) -> None:
+        """The range checks that need no model; :class:`LLMEngine` runs them before it loads one.
+
+        Args:
+            option_names: name the fields as command-line options (``--max-model-len``).
+
+        Raises:
+            ValueError: naming the first field out of range and its allowed range.
+        """
+        def name(field: str) -> str:
+            return "--" + field.replace("_", "-") if option_names else field
+
+        def is_int(v) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        for field, optional in (("block_size", False), ("max_num_batched_tokens", False), ("max_num_seqs", False),
+                                ("max_waiting", False), ("max_model_len", True), ("num_blocks", True),
+                                ("seed", True)):
+            v = getattr(self, field)
+            if not (is_int(v) or (optional and v is None)):
+                raise ValueError(f"{name(field)} must be an integer{' or None' if optional else ''}, got {v!r}")
+            if v is not None:
+                setattr(self, field, int(v))  # (a numpy integer would reach random.Random)
+        if not isinstance(self.kv_cache_memory, numbers.Real) or isinstance(self.kv_cache_memory, bool):
+            raise ValueError(f"{name('kv_cache_memory')} must be a number of GiB, got {self.kv_cache_memory!r}")
+        if not isinstance(self.enable_prefix_caching, (bool, np.bool_)):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path (str or os.PathLike) or None, got {type(self.model).__name__}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"{name('max_model_len')} must be in [2, the model's context length], "
+                             f"got {self.max_model_len}")
+        for field in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{name(field)} must be ≥ 1, got {getattr(self, field)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"{name('num_blocks')} must be ≥ 1, got {self.num_blocks}")
+        if self.num_blocks is None and not 0 < self.kv_cache_memory <= MAX_KV_CACHE_GIB:
+            raise ValueError(f"{name('kv_cache_memory')} must be in (0, {MAX_KV_CACHE_GIB}] GiB, got {self.kv_cache_memory}")
+        if self.max_waiting < 0:
+            raise ValueError(f"{name('max_waiting')} must be ≥ 0 (0: unbounded), got {self.max_waiting}")
+        kv_quant.check_kv_cache_dtype(self.kv_cache_dtype, name("kv_cache_dtype"))
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)
+        check_swap_options(self.swap_space, self.preemption_mode, name)
+
+
+#: the largest KV budget accepted (GiB): beyond it the block count overflows, and no machine has it
+MAX_KV_CACHE_GIB = 1 << 20

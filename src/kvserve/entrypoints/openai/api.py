@@ -1,0 +1,873 @@
+"""The OpenAI-compatible HTTP API on FastAPI.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+
+A handler parses and checks the request (strict types, value ranges, prompt size) on the
+event loop, tokenizes in a worker thread, hands the token ids to the :class:`AsyncEngine`
+and turns the engine's :class:`RequestOutput` updates into OpenAI's JSON shapes, or into
+server-sent events ending in ``data: [DONE]``. A client that disconnects has its request
+aborted at once (its KV blocks are freed before the engine's next step).
+
+Tool calls (chat): ``tool_choice`` ``"required"`` or a named function is generated under the
+tools' schemas; ``"auto"`` (the default when ``tools`` are given) lets the model write freely,
+and the server's tool-call parser (``--tool-call-parser``, :mod:`kvserve.entrypoints.openai.tool_parsers`)
+reads its calls into ``message.tool_calls``; all three stream as OpenAI's ``delta.tool_calls``.
+A chat template that ignores ``tools`` gets them under "auto" as a system message in the
+parser's format.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for an
+invalid parameter (``param`` names it: an invalid JSON schema, regex or grammar names
+``response_format``, ``structured_outputs`` or ``tools``), a prompt beyond the context window or
+a request for what is not supported (OpenAI's deprecated ``functions``, tools on
+/v1/completions, vLLM's removed ``guided_*`` fields; code ``unsupported_parameter``), 401
+for a missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 503
+when the waiting queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import re
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from kvserve.engine.llm_engine import LLMEngine, QueueFullError
+from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.core.request import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.entrypoints.openai.async_engine import AsyncEngine, EngineStoppedError
+from kvserve.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    ToolCallSpec,
+    chat_messages,
+    parse_request,
+    structured_output_error,
+    to_sampling_params,
+    tool_call_spec,
+)
+from kvserve.entrypoints.openai.tokens import TokenTexts, safe_logprob
+from kvserve.entrypoints.openai.tool_parsers import (
+    DEFAULT_TOOL_PARSER,
+    NamedToolCallStream,
+    RequiredToolCallStream,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+    get_tool_parser,
+    new_tool_call_id,
+)
+from kvserve.engine.tokenizer import apply_chat_template, chat_template_renders_tools
+
+logger = logging.getLogger("kvserve.entrypoints.openai")
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+MAX_BATCH_PROMPTS = 256
+_DISCONNECTED = object()
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {_dumps(obj)}\n\n"
+
+
+class _AbortOnClose(StreamingResponse):
+    """A streaming response that always runs ``on_close`` when it ends, however it ends
+    (finished, client disconnected, cancelled)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+@dataclasses.dataclass
+class _Submitted:
+    """The engine requests of one HTTP request (one per prompt) and their shared queue."""
+
+    request_ids: list[str]
+    prompt_ids: list[list[int]]
+    queue: asyncio.Queue
+    engine: AsyncEngine
+    finished: set = dataclasses.field(default_factory=set)
+
+    def abort_unfinished(self) -> None:
+        for i, rid in enumerate(self.request_ids):
+            if i not in self.finished:
+                self.engine.abort(rid)
+                self.finished.add(i)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.request_ids)
+
+
+class OpenAIServer:
+    """The API's state and handlers around one engine.
+
+    Args:
+        engine: the engine (from :meth:`start` on owned by the engine thread).
+        served_model_names: names clients may use in ``model``; the first is reported.
+        api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``.
+        max_body_bytes: larger request bodies get 413 before they are read.
+        tool_call_parser: the :data:`~kvserve.entrypoints.openai.tool_parsers.TOOL_PARSERS` name of the
+            parser that reads the model's tool calls under ``tool_choice: "auto"``.
+
+    Raises:
+        ValueError: no served model name, or an unknown ``tool_call_parser``.
+    """
+
+    def __init__(self, engine: LLMEngine, served_model_names: Sequence[str], api_key: Optional[str] = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER) -> None:
+        if not served_model_names:
+            raise ValueError("served_model_names must not be empty")
+        self.tool_parser_cls = get_tool_parser(tool_call_parser)
+        self.engine = engine
+        self.model_names = list(served_model_names)
+        self.model_name = self.model_names[0]
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.metrics = ServerMetrics(self.model_name)
+        self.async_engine = AsyncEngine(engine, self.metrics)
+        self.texts = TokenTexts(self.tokenizer)
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=16)
+        # No prompt longer than this many characters can fit in max_model_len tokens.
+        self.max_prompt_chars = self.max_model_len * max(longest, 16)
+        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+        self.created = int(time.time())
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------ app
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI):
+            self.async_engine.start(asyncio.get_running_loop())
+            try:
+                yield
+            finally:
+                await asyncio.to_thread(self.async_engine.shutdown)
+                self._tok_pool.shutdown(wait=False)
+
+        app = FastAPI(title="kvserve", version=_version(), lifespan=lifespan)
+
+        @app.exception_handler(APIError)
+        async def api_error(_: Request, e: APIError):
+            return JSONResponse(e.to_dict(), status_code=e.status)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_: Request, e: StarletteHTTPException):
+            err = APIError(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500 else "server_error")
+            return JSONResponse(err.to_dict(), status_code=e.status_code)
+
+        @app.exception_handler(Exception)
+        async def internal_error(_: Request, e: Exception):
+            logger.exception("internal error")
+            err = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error", code="internal_error")
+            return JSONResponse(err.to_dict(), status_code=500)
+
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.get("/v1/models")(self.models)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.metrics_endpoint)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        app.get("/version")(self.version)
+        return app
+
+    # -------------------------------------------------------------- helpers
+    def _auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != self.api_key:
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves {self.model_names}",
+                           param="model", code="model_not_found")
+
+    async def _body(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise APIError(413, f"the request body is {length} bytes; the limit is {self.max_body_bytes}",
+                           code="request_too_large")
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise APIError(413, f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+                                   code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # nobody to answer: no traceback, nothing submitted
+            logger.debug("client disconnected while sending the request body (%d bytes received)", size)
+            raise APIError(499, "client disconnected while sending the request body") from None
+        return b"".join(chunks)
+
+    async def _parse(self, cls, request: Request):
+        self._auth(request)
+        body = await self._body(request)
+        if len(body) > (1 << 20):  # big bodies are parsed off the event loop
+            return await asyncio.to_thread(parse_request, cls, body)
+        return parse_request(cls, body)
+
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        if n_chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"the prompt is {n_chars} characters long, but the model's context window is "
+                f"max_model_len = {self.max_model_len} tokens, which no prompt of more than "
+                f"{self.max_prompt_chars} characters fits; shorten the prompt",
+                param=param, code="context_length_exceeded",
+            )
+
+    def _check_length(self, ids: Sequence[int], param: str) -> None:
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise APIError(
+                400,
+                f"the prompt is {n} tokens, but the model's context window is max_model_len = "
+                f"{self.max_model_len} tokens (a prompt may have at most {self.max_model_len - 1} tokens, "
+                "to leave room for one generated token)",
+                param=param, code="context_length_exceeded",
+            )
+
+    def _truncate(self, ids: list[int], text: Optional[str], params: SamplingParams) -> tuple[list[int], Optional[str]]:
+        """``truncate_prompt_tokens`` applied to one prompt (see :meth:`LLMEngine.truncate_prompt`)."""
+        try:
+            return self.engine.truncate_prompt(ids, text, params.truncate_prompt_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens", code="invalid_value") from None
+
+    def _encode_prompts(self, prompts: list, truncate: Optional[int]) -> list[list[int]]:
+        """Token ids of a batch's prompts (in the tokenizer thread). Without truncation a
+        prompt too long for the context stops the batch at once, before the rest is
+        tokenized (the thread is shared by every request)."""
+        out = []
+        for i, p in enumerate(prompts):
+            out.append(self.engine.encode(p) if isinstance(p, str) else list(p))
+            if truncate is None:
+                try:
+                    self._check_length(out[-1], "prompt")
+                except APIError as e:
+                    raise (_in_batch(e, i) if len(prompts) > 1 else e) from None
+        return out
+
+    def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: Optional[int],
+                         logprobs: Optional[int], renames: Optional[dict[str, str]] = None) -> SamplingParams:
+        """The request's :class:`SamplingParams`, its structured-output grammar compiled (into the
+        engine's cache, off the engine thread), in the tokenizer thread.
+
+        Under ``tool_choice`` "auto" each tool's ``parameters`` is compiled too (checked as a
+        schema, though nothing constrains the reply).
+
+        Raises:
+            APIError: 400 naming the field (an invalid schema, regex or grammar: the field that
+                set it, ``response_format``, ``structured_outputs`` or ``tools``, with
+                llguidance's message).
+        """
+        params = to_sampling_params(req, max_tokens, logprobs, self.tokenizer, renames)
+        tool = tool_call_spec(req) if isinstance(req, ChatCompletionRequest) else None
+        if tool is not None and not tool.forced:  # auto: the parameters are not compiled to a grammar, but checked
+            for i, t in enumerate(tool.tools):
+                schema = t["function"].get("parameters") or {"type": "object", "properties": {}}
+                try:
+                    self.engine.structured_output.compile(StructuredOutputsParams(json=schema,
+                                                                                  disable_any_whitespace=True))
+                except ValueError as e:
+                    err = structured_output_error(e, "tools")
+                    err.message = f"tools[{i}] ({t['function']['name']}): {err.message}"
+                    raise err from None
+        if params.structured_outputs is not None:
+            rf = req.response_format
+            field = "response_format" if isinstance(rf, dict) and rf.get("type") != "text" else "structured_outputs"
+            if tool is not None and tool.forced:
+                field = "tools"
+            try:
+                self.engine.structured_output.compile(params.structured_outputs)
+            except ValueError as e:
+                raise structured_output_error(e, field) from None
+        return params
+
+    async def _in_tokenizer_thread(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
+
+    def _engine_error(self, e: Exception, prompt_param: str) -> APIError:
+        if isinstance(e, QueueFullError):
+            return APIError(503, f"the server is overloaded: {e}; retry later", type="server_error",
+                            code="queue_full")
+        if isinstance(e, EngineStoppedError):
+            return APIError(503, str(e), type="server_error", code="engine_unavailable")
+        msg = str(e)
+        if "max_tokens" in msg and msg.startswith("prompt ("):
+            return APIError(400, msg, param="max_tokens", code="context_length_exceeded")
+        if "max_model_len" in msg or "KV" in msg:
+            return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
+        field = re.match(r"[a-z_]+", msg)
+        if field and field.group() in SamplingParams.__dataclass_fields__:  # "min_tokens (...) exceeds ..."
+            return APIError(400, msg, param=field.group(), code="invalid_value")
+        if msg.startswith("prompt"):
+            return APIError(400, msg, param=prompt_param, code="invalid_value")
+        return APIError(400, msg, code="invalid_value")
+
+    async def _submit(self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+                      cache_salt: Optional[str], arrival: float, prompt_param: str,
+                      prompt_only: bool = False) -> _Submitted:
+        """Hand every prompt to the engine, all or nothing: if one is rejected, none runs."""
+        q: asyncio.Queue = asyncio.Queue()
+        rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        sub = _Submitted(rids, prompts, q, self.async_engine)
+        try:
+            await self.async_engine.add_requests([(rid, ids, i) for i, (rid, ids) in enumerate(zip(rids, prompts))],
+                                                 params, q, priority=priority, cache_salt=cache_salt, arrival=arrival,
+                                                 prompt_only=prompt_only)
+        except (ValueError, TypeError, QueueFullError, EngineStoppedError) as e:
+            err = self._engine_error(e, prompt_param)
+            index = getattr(e, "request_index", None)
+            if len(prompts) > 1 and index is not None and err.status == 400:
+                raise _in_batch(err, index) from None
+            raise err from None
+        return sub
+
+    async def _collect(self, sub: _Submitted, request: Request) -> list[RequestOutput]:
+        """Wait for every prompt's final output; abort all if the client goes away."""
+        watcher = asyncio.create_task(_watch_disconnect(request, sub.queue))
+        finals: list[Optional[RequestOutput]] = [None] * len(sub.request_ids)
+        try:
+            while not sub.done:
+                tag, out = await sub.queue.get()
+                if out is _DISCONNECTED:
+                    sub.abort_unfinished()
+                    raise APIError(499, "client disconnected")
+                if isinstance(out, Exception):
+                    raise self._engine_error(out, "prompt")
+                if out.error is not None:
+                    raise _request_failed(out)
+                if out.finished:
+                    finals[tag] = out
+                    sub.finished.add(tag)
+        finally:
+            watcher.cancel()
+            sub.abort_unfinished()
+        return finals  # type: ignore[return-value]
+
+    def _usage(self, sub: _Submitted, finals: Sequence[Optional[RequestOutput]]) -> dict:
+        prompt = sum(len(p) for p in sub.prompt_ids)
+        completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
+        cached = sum(f.num_cached_tokens for f in finals if f is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    @staticmethod
+    def _running_usage(sub: _Submitted, counts: dict, continuous: bool) -> dict:
+        """``{"usage": ...}`` so far for ``stream_options.continuous_usage_stats``, else ``{}``."""
+        if not continuous:
+            return {}
+        prompt = sum(len(p) for p in sub.prompt_ids)
+        completion = sum(counts.values())
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}
+
+    def _prompt_logprobs_field(self, out: RequestOutput) -> Optional[list]:
+        """vLLM's ``prompt_logprobs``: per prompt position, {token_id: {logprob, rank, decoded_token}}."""
+        if out.prompt_logprobs is None:
+            return None
+        res: list = []
+        for tid, e in zip(out.prompt_token_ids, out.prompt_logprobs):
+            if e is None:
+                res.append(None)
+                continue
+            d = {str(tid): {"logprob": safe_logprob(e.logprob), "rank": e.rank, "decoded_token": self.texts.token_str(tid)}}
+            for rank, (t, lp) in enumerate(e.top, start=1):
+                d.setdefault(str(t), {"logprob": safe_logprob(lp), "rank": rank, "decoded_token": self.texts.token_str(t)})
+            res.append(d)
+        return res
+
+    async def _stream(self, sub: _Submitted, req: CompletionRequest | ChatCompletionRequest, base: str, obj: str,
+                      created: int, opening: list[dict], choice: Callable[[int, CompletionOutput], dict],
+                      prompt_param: str) -> AsyncIterator[str]:
+        """The server-sent events of a streamed completion or chat completion.
+
+        One chunk per choice in ``opening``; then, as the engine's updates arrive, one chunk
+        per sequence with new text or a finish reason (``choice(tag, output, request_output)``
+        builds its choice; a choice's finish reason is sent once, in its last chunk), or an error event if
+        the engine or this request fails inside it; the usage chunk when
+        ``stream_options.include_usage``; ``data: [DONE]``. Unfinished requests are aborted
+        however the stream ends.
+        """
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = {"id": base, "object": obj, "created": created, "model": self.model_name}
+        if include_usage:
+            head["usage"] = None
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+        counts: dict[tuple[int, int], int] = {}
+        ended: set[tuple[int, int]] = set()  # choices whose finish_reason was sent
+        finals: list[Optional[RequestOutput]] = [None] * len(sub.request_ids)
+        try:
+            for c in opening:
+                yield _sse({**head, "choices": [c]})
+            while not sub.done:
+                tag, out = await sub.queue.get()
+                if isinstance(out, Exception):
+                    yield _sse(self._engine_error(out, prompt_param).to_dict())
+                    break
+                if out.error is not None:
+                    yield _sse(_request_failed(out).to_dict())
+                    break
+                if out.finished:
+                    finals[tag] = out
+                    sub.finished.add(tag)
+                for o in out.outputs:
+                    counts[(tag, o.index)] = len(o.token_ids)
+                    if (tag, o.index) in ended or (not o.delta_text and o.finish_reason is None):
+                        continue
+                    cs = choice(tag, o, out)
+                    cs = cs if isinstance(cs, list) else [cs]
+                    if o.finish_reason is not None:
+                        cs[-1]["stop_reason"] = o.stop_reason
+                        ended.add((tag, o.index))
+                    for c in cs:
+                        yield _sse({**head, "choices": [c], **self._running_usage(sub, counts, continuous)})
+            if include_usage and sub.done:
+                yield _sse({**head, "choices": [], "usage": self._usage(sub, finals)})
+            yield "data: [DONE]\n\n"
+        finally:
+            sub.abort_unfinished()
+
+    # ------------------------------------------------------------ endpoints
+    async def models(self, request: Request):
+        self._auth(request)
+        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "kvserve",
+                 "root": str(self.engine.model_path), "max_model_len": self.max_model_len}
+                for name in self.model_names]
+        return {"object": "list", "data": data}
+
+    async def health(self):
+        if not self.async_engine.is_running:
+            err = APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+            return JSONResponse(err.to_dict(), status_code=503)
+        return Response(status_code=200)
+
+    async def metrics_endpoint(self):
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def version(self):
+        return {"version": _version()}
+
+    async def tokenize(self, request: Request):
+        req: TokenizeRequest = await self._parse(TokenizeRequest, request)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.prompt is not None:
+            self._check_chars(len(req.prompt), "prompt")
+            add = req.add_special_tokens
+            ids = await self._in_tokenizer_thread(lambda: list(self.tokenizer.encode(req.prompt, add_special_tokens=add)))
+        else:
+            msgs = chat_messages(req.messages)
+            self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
+            ids = await self._in_tokenizer_thread(self._render_chat, msgs, req.add_generation_prompt, False)
+        res = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            res["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return res
+
+    async def detokenize(self, request: Request):
+        req: DetokenizeRequest = await self._parse(DetokenizeRequest, request)
+        self._check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="tokens")
+        text = await self._in_tokenizer_thread(self.tokenizer.decode, req.tokens)
+        return {"prompt": text}
+
+    # -------------------------------------------------------- completions
+    async def completions(self, request: Request):
+        arrival = time.perf_counter()
+        req: CompletionRequest = await self._parse(CompletionRequest, request)
+        self._check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompts = _prompt_list(req.prompt)
+        for p in prompts:
+            if isinstance(p, str):
+                self._check_chars(len(p), "prompt")
+        # echo with max_tokens = 0 returns only the prompt (and its logprobs: how lm-eval scores
+        # loglikelihoods); the engine samples one token, which is dropped
+        echo_only = bool(req.echo and req.max_tokens == 0)
+        if echo_only and req.stream:
+            raise APIError(400, "max_tokens=0 (echo the prompt only) is not supported with stream", param="max_tokens")
+        # (off the event loop: bad_words are tokenized)
+        params = await self._in_tokenizer_thread(self._sampling_params, req, 1 if echo_only else req.max_tokens,
+                                                 req.logprobs)
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        if any(t is not None for t in texts):
+            ids_list = await self._in_tokenizer_thread(self._encode_prompts, prompts, params.truncate_prompt_tokens)
+        else:
+            ids_list = [list(p) for p in prompts]
+        if params.truncate_prompt_tokens is not None:  # (left truncation, before the length check)
+            cut = [self._truncate(ids, t, params) for ids, t in zip(ids_list, texts)]
+            ids_list, texts = [c[0] for c in cut], [c[1] for c in cut]
+        for i, ids in enumerate(ids_list):
+            try:
+                self._check_length(ids, "prompt")
+            except APIError as e:
+                raise (_in_batch(e, i) if len(ids_list) > 1 else e) from None
+        base = f"cmpl-{uuid.uuid4().hex}"
+        sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt", echo_only)
+        created = int(time.time())
+        if req.echo:
+            texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list)]
+        if req.stream:
+            gen = self._stream_completion(sub, req, params, base, created, texts)
+            return _AbortOnClose(gen, sub.abort_unfinished)
+        finals = await self._collect(sub, request)
+        if echo_only:
+            finals = [dataclasses.replace(out, outputs=[
+                dataclasses.replace(o, text="", token_ids=[], logprobs=[] if o.logprobs is not None else None,
+                                    cumulative_logprob=0.0, finish_reason="length", stop_reason=None)
+                for o in out.outputs]) for out in finals]
+        choices = []
+        for p, out in enumerate(finals):
+            for o in out.outputs:
+                text = o.text
+                logprobs = None
+                if req.logprobs is not None:
+                    entries, token_ids = list(o.logprobs or []), list(o.token_ids)
+                    if req.echo:
+                        entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+                        token_ids = list(out.prompt_token_ids) + token_ids
+                    logprobs = self.texts.completion_logprobs(entries, token_ids, req.logprobs)
+                if req.echo:
+                    text = texts[p] + text
+                choice = {"index": p * params.n + o.index, "text": text, "logprobs": logprobs,
+                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs_field(out)
+                choices.append(choice)
+        return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": self.model_name,
+                             "choices": choices, "usage": self._usage(sub, finals)})
+
+    def _stream_completion(self, sub: _Submitted, req: CompletionRequest, params: SamplingParams,
+                           base: str, created: int, texts: list) -> AsyncIterator[str]:
+        n = params.n
+        sent_lp: dict[tuple[int, int], int] = {}
+        offsets: dict[tuple[int, int], int] = {}
+        opening = []
+        # echo: the prompt's text opens each choice; with logprobs it comes with the first
+        # generated text instead, since the prompt's logprobs are known only after prefill
+        echo_later = set()
+        if req.echo:
+            for p, text in enumerate(texts):
+                for i in range(n):
+                    if req.logprobs is None:
+                        opening.append({"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None})
+                    else:
+                        echo_later.add((p, i))
+
+        def choice(tag: int, o: CompletionOutput, out: RequestOutput) -> dict:
+            key = (tag, o.index)
+            logprobs, text = None, o.delta_text
+            if req.logprobs is not None:
+                start = sent_lp.get(key, 0)
+                entries = (o.logprobs or [])[start:]
+                sent_lp[key] = start + len(entries)
+                token_ids = [e.token_id for e in entries]
+                if key in echo_later:
+                    echo_later.discard(key)
+                    entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+                    token_ids = list(out.prompt_token_ids) + token_ids
+                    text = texts[tag] + text
+                start_offset = offsets.get(key, 0)  # from the tokens' strings, as without streaming
+                logprobs = self.texts.completion_logprobs(entries, token_ids, req.logprobs, start_offset)
+                offsets[key] = start_offset + sum(len(t) for t in logprobs["tokens"])
+            return {"index": tag * n + o.index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
+
+        return self._stream(sub, req, base, "text_completion", created, opening, choice, "prompt")
+
+    # --------------------------------------------------------------- chat
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, continue_final: bool,
+                     tools: Optional[list[dict]] = None, history_as_text: bool = True) -> list[int]:
+        """The prompt's token ids. A template that refuses tool turns (Gemma 3's: roles must
+        alternate user/assistant) gets them as text: the calls as the tool parser's blocks
+        (:meth:`ToolParser.history_as_text`, unless ``history_as_text`` is False: the caller has
+        written them so already), the results as user turns (:meth:`ToolParser.alternating`).
+
+        Raises:
+            APIError: 400 (``messages``) when the template refuses the messages.
+        """
+        try:
+            return self._apply_template(messages, add_generation_prompt, continue_final, tools)
+        except APIError:
+            raise
+        except Exception as e:  # template errors (jinja raise_exception, unknown roles...) are the client's
+            error = e
+        if any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            as_text = self.tool_parser_cls.history_as_text(messages) if history_as_text else messages
+            as_text = self.tool_parser_cls.alternating(as_text)
+            try:
+                return self._apply_template(as_text, add_generation_prompt, continue_final, tools)
+            except APIError:
+                raise
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+        raise APIError(400, f"cannot apply the chat template to these messages: {error}", param="messages")
+
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, continue_final: bool,
+                        tools: Optional[list[dict]]) -> list[int]:
+        if continue_final:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                      continue_final_message=True, tools=tools)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                   tools=tools)
+
+    async def chat_completions(self, request: Request):
+        arrival = time.perf_counter()
+        req: ChatCompletionRequest = await self._parse(ChatCompletionRequest, request)
+        self._check_model(req.model)
+        msgs = chat_messages(req.messages, req.continue_final_message)
+        self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        renames = {"logprobs": "top_logprobs" if req.top_logprobs is not None else "logprobs"}
+        if req.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        tool = tool_call_spec(req)  # (400 for bad tools / tool_choice)
+        parser, history_written = None, False
+        if tool is not None and not tool.forced:
+            parser = self.tool_parser_cls(tool.tools, tool.max_calls)
+            if not chat_template_renders_tools(self.tokenizer):  # the model would never see the tools
+                msgs = _with_system_prompt(parser.history_as_text(msgs), parser.system_prompt(tool.tools))
+                history_written = True
+        params = await self._in_tokenizer_thread(self._sampling_params, req, max_tokens, k, renames)
+        if parser is not None:
+            params = keep_tool_tags(params, parser, self.tokenizer)
+        add_gen = req.add_generation_prompt and not req.continue_final_message
+        ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message,
+                                              tool.tools if tool is not None else None, not history_written)
+        ids, _ = self._truncate(ids, None, params)
+        self._check_length(ids, "messages")
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages")
+        created = int(time.time())
+        echo = ""
+        if req.echo and msgs[-1]["role"] == ("assistant" if add_gen else msgs[-1]["role"]):
+            echo = msgs[-1]["content"]
+        if req.stream:
+            gen = self._stream_chat(sub, req, params, base, created, echo, tool, parser)
+            return _AbortOnClose(gen, sub.abort_unfinished)
+        finals = await self._collect(sub, request)
+        out = finals[0]
+        choices = []
+        for o in out.outputs:
+            logprobs = None
+            if req.logprobs:
+                logprobs = {"content": self.texts.chat_logprobs(o.logprobs or [], k or 0)}
+            message = {"role": "assistant", "content": echo + o.text}
+            finish = o.finish_reason
+            if parser is not None:  # auto: the model's own tool-call format
+                found = parser.extract(o.text)
+                if found.calls:
+                    content = None if found.content is None and not echo else echo + (found.content or "")
+                    message = {"role": "assistant", "content": content, "tool_calls": [
+                        {"id": new_tool_call_id(), "type": "function",
+                         "function": {"name": c.name, "arguments": c.arguments}} for c in found.calls]}
+                    if finish == "stop":
+                        finish = "tool_calls"
+            elif tool is not None and finish == "stop" and o.stop_reason is None:  # the grammar completed the call
+                try:
+                    calls = tool.tool_calls(o.text, new_tool_call_id)
+                except (ValueError, KeyError, TypeError):  # (cannot happen under the grammar: kept as text)
+                    calls = None
+                if calls:
+                    message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            choices.append({"index": o.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                            "stop_reason": o.stop_reason})
+        body = {"id": base, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": self._usage(sub, finals)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs_field(out)
+        return JSONResponse(body)
+
+    def _stream_chat(self, sub: _Submitted, req: ChatCompletionRequest, params: SamplingParams,
+                     base: str, created: int, echo: str, tool: Optional[ToolCallSpec] = None,
+                     parser: Optional[ToolParser] = None) -> AsyncIterator[str]:
+        """Chat chunks; with tools, each choice's text goes through a :class:`ToolCallStream`
+        (auto: ``parser``'s; required/named: the grammar-forced JSON's), whose events become
+        ``delta.content`` and ``delta.tool_calls`` chunks (OpenAI's shapes: a call's first
+        chunk has its ``id``, ``type``, ``function.name`` and ``arguments: ""``, the next
+        ones pieces of ``function.arguments``)."""
+        k = req.top_logprobs or 0
+        sent_lp: dict[int, int] = {}
+        streams: dict[int, ToolCallStream] = {}
+        opening = []
+        for i in range(params.n):
+            opening.append({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+            if echo:
+                opening.append({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None})
+
+        def choice(tag: int, o: CompletionOutput, out: RequestOutput) -> dict:
+            logprobs = None
+            if req.logprobs:
+                start = sent_lp.get(o.index, 0)
+                entries = (o.logprobs or [])[start:]
+                sent_lp[o.index] = start + len(entries)
+                logprobs = {"content": self.texts.chat_logprobs(entries, k)}
+            if tool is None:
+                delta = {"content": o.delta_text} if o.delta_text else {}
+                return {"index": o.index, "delta": delta, "logprobs": logprobs, "finish_reason": o.finish_reason}
+            stream = streams.get(o.index)
+            if stream is None:
+                stream = streams[o.index] = (parser.stream() if parser is not None else
+                                             NamedToolCallStream(tool.name) if tool.name is not None else
+                                             RequiredToolCallStream())
+            events = stream.feed(o.delta_text) if o.delta_text else []
+            finish = o.finish_reason
+            if finish is not None:
+                events += stream.finish()
+                if stream.calls and finish == "stop" and (parser is not None or o.stop_reason is None):
+                    finish = "tool_calls"
+            deltas = [_tool_delta(e) for e in events]
+            if not deltas and (finish is not None or (logprobs and logprobs["content"])):
+                deltas = [{}]
+            chunks = [{"index": o.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+            if chunks:
+                chunks[0]["logprobs"] = logprobs
+                chunks[-1]["finish_reason"] = finish
+            return chunks
+
+        return self._stream(sub, req, base, "chat.completion.chunk", created, opening, choice, "messages")
+
+
+def keep_tool_tags(params: SamplingParams, parser: ToolParser, tokenizer: Any) -> SamplingParams:
+    """``params`` with ``skip_special_tokens`` off when the parser's tags are special tokens of
+    ``tokenizer`` (else the text would lose them and no call could be read; as vLLM's hermes
+    parser does). The EOS or stop token that ends a reply still adds no text.
+
+    Returns:
+        ``params`` itself when nothing changes, else a copy.
+    """
+    special = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    if params.skip_special_tokens and special.intersection(parser.tags):
+        return dataclasses.replace(params, skip_special_tokens=False)
+    return params
+
+
+def _tool_delta(event) -> dict:
+    """A chat chunk's ``delta`` for one :class:`ToolCallStream` event."""
+    if isinstance(event, str):
+        return {"content": event}
+    assert isinstance(event, ToolCallDelta)
+    if event.name is not None:
+        return {"tool_calls": [{"index": event.index, "id": new_tool_call_id(), "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
+
+
+def _with_system_prompt(msgs: list[dict], text: str) -> list[dict]:
+    """``msgs`` with ``text`` opening the system message (one is added if there is none)."""
+    if msgs and msgs[0]["role"] == "system":
+        first = msgs[0]["content"]
+        return [{**msgs[0], "content": f"{text}\n\n{first}" if first else text}] + msgs[1:]
+    return [{"role": "system", "content": text}] + msgs
+
+
+def _in_batch(err: APIError, index: int) -> APIError:
+    """``err`` about prompt ``index`` of a batch, saying which prompt it is."""
+    return APIError(err.status, f"{err.message} (prompt {index} of the batch)", type=err.type, param=err.param,
+                    code=err.code)
+
+
+def _request_failed(out: RequestOutput) -> APIError:
+    """The error of a request that failed inside the engine (the other requests went on): 400
+    naming the field when its own input was at fault (``out.error_param``: a grammar that hit a
+    limit of the structured-output backend while it ran), else 500."""
+    if out.error_param is not None:
+        return APIError(400, f"request {out.request_id}: {out.error_param} could not be followed: {out.error}",
+                        param=out.error_param, code="invalid_value")
+    return APIError(500, f"request {out.request_id} failed inside the engine: {out.error}", type="server_error",
+                    code="internal_error")
+
+
+def _prompt_list(prompt) -> list:
+    """Normalize OpenAI's prompt forms (str, [str], [int], [[int]]) into a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise APIError(400, f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+    return list(prompt)
+
+
+async def _watch_disconnect(request: Request, q: asyncio.Queue) -> None:
+    """Put ``_DISCONNECTED`` on ``q`` when the client closes the connection."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            q.put_nowait((None, _DISCONNECTED))
+            return
+
+
+def _version() -> str:
+    from kvserve import __version__
+
+    return __version__
+
+
+def build_app(engine: LLMEngine, served_model_names: Sequence[str] | str | None = None,
+              api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:
+    """The FastAPI app serving ``engine`` (the engine thread starts with the app's lifespan).
+
+    The :class:`OpenAIServer` is at ``app.state.server``.
+
+    Raises:
+        ValueError: an unknown ``tool_call_parser``.
+    """
+    if served_model_names is None:
+        served_model_names = [engine.model_config.name]
+    elif isinstance(served_model_names, str):
+        served_model_names = [served_model_names]
+    server = OpenAIServer(engine, served_model_names, api_key, max_body_bytes, tool_call_parser)
+    server.app.state.server = server
+    return server.app

@@ -1,0 +1,441 @@
+"""AsyncEngine: one background thread owns the (not thread-safe) :class:`LLMEngine`.
+
+Threads and queues::
+
+    HTTP handlers (asyncio)  ──commands──►  SimpleQueue  ──►  engine thread
+         ▲                                                      │ drain commands, step()
+         └──── per-request asyncio.Queue ◄── call_soon_threadsafe ┘
+
+* Handlers never touch the engine: ``add_request`` / ``abort`` / ``call`` put a command on a
+  thread-safe queue. The engine thread drains every pending command before each step (so an
+  abort frees its KV blocks before the next step runs) and blocks on the queue when it has
+  nothing to do (it never spins).
+* Outputs of one step are handed to the event loop in one ``call_soon_threadsafe`` call and
+  put on each request's own ``asyncio.Queue`` as ``(tag, RequestOutput)``; an error for a
+  request arrives as ``(tag, exception)``.
+* The engine thread also records the request metrics (TTFT, ITL, TPOT, end-to-end, queue
+  time, token counters) as outputs appear, and refreshes the gauges after every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.openai.metrics import ServerMetrics
+from kvserve.core.request import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.entrypoints.openai")
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop stopped (shutdown) or failed; the request cannot complete."""
+
+
+@dataclass
+class _Track:
+    """What the engine thread knows about a live request (for delivery and metrics)."""
+
+    queue: asyncio.Queue
+    tag: Any
+    arrival: float  # time.perf_counter() when the server received the request
+    num_samples: int
+    beam: bool = False  # beam search: the returned beams are final only at the end
+    prompt_only: bool = False  # echo with max_tokens 0: the token sampled is dropped, not counted
+    first_token: Optional[float] = None
+    last_output: Optional[float] = None
+    prompt_counted: bool = False
+    queue_time_seen: bool = False
+    num_tokens: int = 0  # returned tokens counted so far, over all samples
+    finished_indices: set = field(default_factory=set)
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a background thread and feeds per-request queues.
+
+    Args:
+        engine: the engine; from :meth:`start` on only the engine thread touches it.
+        metrics: where to record request metrics (optional).
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: Optional[ServerMetrics] = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracks: dict[str, _Track] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._paused = False
+        self._stopped = False
+        self.fatal_error: Optional[BaseException] = None
+        self._last_preemptions = 0
+        self._last_spec: dict[str, int] = {}  # spec-decode and swap counters already added to the metrics
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._last_q = 0
+        self._last_h = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Start the engine thread; outputs are delivered on ``loop`` (default: the running loop)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread; live requests get :class:`EngineStoppedError`."""
+        if self._thread is None:
+            return
+        self._cmds.put(("stop",))
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.fatal_error is None
+
+    # -------------------------------------------------------------- commands
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        out_queue: asyncio.Queue,
+        tag: Any = None,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+        arrival: Optional[float] = None,
+    ) -> None:
+        """Queue a request; returns once the engine accepted it.
+
+        Its outputs then arrive on ``out_queue`` as ``(tag, RequestOutput)``.
+
+        Raises:
+            ValueError: the engine rejected the request (prompt too long, bad token ids...).
+            QueueFullError: the waiting queue is full.
+            EngineStoppedError: the engine is not running.
+        """
+        await self.add_requests([(request_id, prompt_token_ids, tag)], params, out_queue, priority=priority,
+                                cache_salt=cache_salt, arrival=arrival)
+
+    async def add_requests(
+        self,
+        requests: Sequence[tuple[str, Sequence[int], Any]],
+        params: SamplingParams,
+        out_queue: asyncio.Queue,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+        arrival: Optional[float] = None,
+        prompt_only: bool = False,
+    ) -> None:
+        """Queue several requests ``(request_id, prompt_token_ids, tag)`` all or nothing.
+
+        ``prompt_only``: the caller keeps only the prompt's results (echo with max_tokens 0,
+        run as one sampled token that it drops): the metrics count no generated token and no
+        TTFT/TPOT for these requests.
+
+        The engine thread checks every request before it adds any (and takes back the ones it
+        added if a later one still fails, before any step), so a rejected batch leaves no
+        trace: nothing runs and no metric moves. Outputs then arrive on ``out_queue`` as
+        ``(tag, RequestOutput)``.
+
+        Raises:
+            ValueError: the engine rejected a request (prompt too long, bad token ids...), or
+                the batch is larger than the engine's whole waiting queue (``max_waiting``).
+            QueueFullError: the waiting queue is full.
+            EngineStoppedError: the engine is not running.
+            The exception's ``request_index`` attribute is the position in ``requests`` of the
+            request it is about.
+        """
+        if not self.is_running:
+            raise EngineStoppedError("the engine is not running")
+        limit = self.engine.args.max_waiting
+        if limit and len(requests) > limit:  # could never be queued, however long the client waits
+            raise ValueError(f"prompt: a batch of {len(requests)} prompts exceeds the waiting-queue limit of this "
+                             f"server ({limit} requests, --max-waiting); send at most {limit} at a time")
+        fut = asyncio.get_running_loop().create_future()
+        arrival = time.perf_counter() if arrival is None else arrival
+        items = [(rid, list(ids), tag) for rid, ids, tag in requests]
+        self._cmds.put(("add", items, params, out_queue, priority, cache_salt, arrival, prompt_only, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            for rid, _, _ in items:
+                self.abort(rid)  # commands run in order: these aborts follow the add
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe, returns at once); its KV blocks are freed before the next step."""
+        self._cmds.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        fut = asyncio.get_running_loop().create_future()
+        self._cmds.put(("call", fn, fut))
+        return await fut
+
+    def call_sync(self, fn: Callable[[LLMEngine], Any], timeout: float = 30.0) -> Any:
+        """Like :meth:`call`, from a thread that is not the event loop's."""
+        box: dict = {}
+        done = threading.Event()
+
+        def run(engine):
+            try:
+                box["value"] = fn(engine)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                box["error"] = e
+            done.set()
+
+        self._cmds.put(("call_sync", run))
+        if not done.wait(timeout):
+            raise TimeoutError("the engine thread did not answer")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def pause(self) -> None:
+        """Stop stepping (commands are still handled): requests queue up. For tests and drains."""
+        self._cmds.put(("pause",))
+
+    def resume(self) -> None:
+        self._cmds.put(("resume",))
+
+    # ----------------------------------------------------------- the thread
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            idle = self._paused or not engine.has_unfinished_requests()
+            try:
+                cmds = [self._cmds.get()] if idle else []
+                while True:
+                    cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                pass
+            for cmd in cmds:
+                if cmd[0] == "stop":
+                    self._stop_all()
+                    return
+                self._handle(cmd)
+            if self._paused or not engine.has_unfinished_requests():
+                self._update_gauges()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug: fail the live requests, keep serving new ones
+                logger.exception("engine step failed; failing %d live request(s)", len(self._tracks))
+                self._fail_all(e)
+                continue
+            self._dispatch(outputs)
+            self._update_gauges()
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            self._add(*cmd[1:])
+        elif kind == "abort":
+            rid = cmd[1]
+            self.engine.abort_request(rid)
+            track = self._tracks.pop(rid, None)
+            if track is not None and self.metrics is not None:
+                unfinished = track.num_samples - len(track.finished_indices)
+                if unfinished > 0:
+                    self.metrics.finished("abort", unfinished)
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                value = fn(self.engine)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                self._resolve(fut, error=e)
+            else:
+                self._resolve(fut, value=value)
+        elif kind == "call_sync":
+            cmd[1](self.engine)
+        elif kind == "pause":
+            self._paused = True
+        elif kind == "resume":
+            self._paused = False
+
+    def _add(self, items: list[tuple[str, list[int], Any]], params: SamplingParams, out_queue: asyncio.Queue,
+             priority: int, salt: Optional[str], arrival: float, prompt_only: bool, fut: asyncio.Future) -> None:
+        """Add every request of ``items`` or none (see :meth:`add_requests`)."""
+        engine = self.engine
+        added: list[str] = []
+        index: Optional[int] = None
+        try:
+            if len(items) > 1:  # check them all first: a bad one must not start the others
+                for index, (rid, ids, _) in enumerate(items):
+                    engine.validate_request(ids, params)
+            for index, (rid, ids, _) in enumerate(items):
+                engine.add_request(ids, params, request_id=rid, priority=priority, cache_salt=salt)
+                added.append(rid)
+        except Exception as e:  # noqa: BLE001 - handed to the handler
+            for rid in added:  # e.g. the batch overfilled the waiting queue: no step ran yet
+                engine.abort_request(rid)
+            e.request_index = index
+            self._resolve(fut, error=e)
+            return
+        for rid, _, tag in items:
+            self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, beam=params.use_beam_search,
+                                       prompt_only=prompt_only)
+        self._resolve(fut)
+
+    def _resolve(self, fut: asyncio.Future, value: Any = None, error: Optional[BaseException] = None) -> None:
+        def set_it():
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
+
+        self._call_soon(set_it)
+
+    def _call_soon(self, fn: Callable, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    @staticmethod
+    def _deliver(batch: list[tuple[asyncio.Queue, tuple]]) -> None:
+        for q, item in batch:
+            q.put_nowait(item)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        batch = []
+        for out in outputs:
+            track = self._tracks.get(out.request_id)
+            if track is None:
+                continue
+            if self.metrics is not None:
+                self._record(track, out, now)
+            batch.append((track.queue, (track.tag, out)))
+            if out.finished:
+                del self._tracks[out.request_id]
+        if batch:
+            self._call_soon(self._deliver, batch)
+
+    def _record(self, t: _Track, out: RequestOutput, now: float) -> None:
+        m = self.metrics
+        if not t.prompt_counted:
+            t.prompt_counted = True
+            n = len(out.prompt_token_ids)
+            m.prompt_tokens.inc(n)
+            self._prefix_queries += n
+            self._prefix_hits += out.num_cached_tokens
+        if not t.queue_time_seen and out.metrics.first_scheduled_time is not None:
+            t.queue_time_seen = True
+            m.queue_time.observe(max(0.0, out.metrics.first_scheduled_time - t.arrival))
+        total = sum(len(o.token_ids) for o in out.outputs)
+        if t.prompt_only:
+            progressed = False
+        elif t.beam:  # the best beams change until the end: counted once, at the end, with the
+            progressed = False  # time of the search's first token as TTFT (no ITL: no token stream)
+            if out.finished:
+                m.generation_tokens.inc(total)
+                if total:
+                    first = out.metrics.first_token_time
+                    t.first_token = now if first is None else min(first, now)
+                    m.ttft.observe(max(0.0, t.first_token - t.arrival))
+        else:
+            progressed = total > t.num_tokens
+            if progressed:
+                m.generation_tokens.inc(total - t.num_tokens)
+                t.num_tokens = total
+        if progressed:
+            if t.first_token is None:
+                t.first_token = now
+                m.ttft.observe(now - t.arrival)
+            else:
+                m.itl.observe(now - t.last_output)
+            t.last_output = now
+        for o in out.outputs if not t.beam or out.finished else ():
+            if o.finish_reason is not None and o.index not in t.finished_indices:
+                t.finished_indices.add(o.index)
+                m.finished(o.finish_reason)
+        if out.finished:
+            m.e2e.observe(now - t.arrival)
+            longest = max((len(o.token_ids) for o in out.outputs), default=0)
+            if longest >= 2 and t.first_token is not None:
+                m.tpot.observe((now - t.first_token) / (longest - 1))
+
+    def _update_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        s = self.engine.stats()
+        m = self.metrics
+        m.running.set(s.get("num_running", 0))
+        m.waiting.set(s.get("num_waiting", 0))
+        m.kv_usage.set(s.get("kv_usage", 0.0))
+        m.cpu_cache_usage.set(s.get("swap_usage", 0.0))
+        m.swapped.set(s.get("num_swapped", 0))
+        pre = s.get("num_preemptions", 0)
+        if pre > self._last_preemptions:
+            m.preemptions.inc(pre - self._last_preemptions)
+        self._last_preemptions = pre
+        for key, counter in (("spec_decode_num_drafts", m.spec_drafts),
+                             ("spec_decode_num_draft_tokens", m.spec_draft_tokens),
+                             ("spec_decode_num_accepted_tokens", m.spec_accepted_tokens),
+                             ("spec_decode_num_grammar_cut_tokens", m.spec_grammar_cut_tokens),
+                             ("swap_num_swap_outs", m.swap_outs), ("swap_num_swap_ins", m.swap_ins),
+                             ("swap_num_swapped_out_blocks", m.swap_out_blocks),
+                             ("swap_num_swapped_in_blocks", m.swap_in_blocks),
+                             ("swap_num_recompute_fallbacks", m.swap_fallbacks)):
+            v = s.get(key, 0)
+            if v > self._last_spec.get(key, 0):
+                counter.inc(v - self._last_spec.get(key, 0))
+            self._last_spec[key] = v
+        # Prefix-cache counters: the KV manager's own when it reports them, else the cached
+        # prompt tokens of the requests' outputs.
+        q = s.get("prefix_cache_queries", self._prefix_queries)
+        h = s.get("prefix_cache_hits", self._prefix_hits)
+        if q > self._last_q:
+            m.prefix_queries.inc(q - self._last_q)
+        if h > self._last_h:
+            m.prefix_hits.inc(h - self._last_h)
+        self._last_q, self._last_h = q, h
+        rate = s.get("prefix_cache_hit_rate")
+        m.prefix_hit_rate.set(rate if rate is not None else (h / q if q else 0.0))
+
+    def _fail_all(self, error: BaseException) -> None:
+        batch = []
+        for rid, track in list(self._tracks.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - the engine is already broken
+                logger.exception("abort of %s failed", rid)
+            if self.metrics is not None:
+                self.metrics.finished("error", track.num_samples - len(track.finished_indices))
+            batch.append((track.queue, (track.tag, EngineStoppedError(f"the engine failed: {error}"))))
+        self._tracks.clear()
+        if batch:
+            self._call_soon(self._deliver, batch)
+
+    def _stop_all(self) -> None:
+        self._stopped = True
+        while True:  # commands that arrived after "stop": refuse the adds, answer the calls
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                self._resolve(cmd[-1], error=EngineStoppedError("the server is shutting down"))
+            elif cmd[0] == "call":
+                self._resolve(cmd[2], error=EngineStoppedError("the server is shutting down"))
+        batch = []
+        for rid, track in list(self._tracks.items()):
+            self.engine.abort_request(rid)
+            batch.append((track.queue, (track.tag, EngineStoppedError("the server is shutting down"))))
+        self._tracks.clear()
+        if batch:
+            self._call_soon(self._deliver, batch)

@@ -1,0 +1,109 @@
+"""``kvserve serve``: the OpenAI-compatible server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Callable
+
+
+def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None],
+                engine_kwargs: Callable[[argparse.Namespace], dict]) -> None:
+    """Register ``serve`` on the ``kvserve`` command's subparsers."""
+    p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat, metrics) over HTTP")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the model file's name); the first is reported")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    p.add_argument("--max-waiting", type=int, default=0,
+                   help="most requests waiting for a slot before new ones get 503 (default 0: unbounded)")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (default 32 MiB)")
+    from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+
+    p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
+                   help="how to read the model's tool calls under tool_choice 'auto' (default hermes: "
+                        "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen2.5/Qwen3 and SmolLM3 write them)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level (uvicorn and kvserve.entrypoints.openai)")
+    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    p.set_defaults(func=lambda a: run_server(a, engine_kwargs))
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Fail fast, before the model loads, if the server could not listen on ``host:port``.
+
+    Binds (and closes at once) a socket on every address ``host`` resolves to, as uvicorn's
+    server will (``SO_REUSEADDR`` on, IPv6 sockets IPv6-only).
+
+    Raises:
+        ValueError: the port is out of range or already in use, or the host cannot be
+            resolved or is not an address of this machine.
+    """
+    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port} is not a valid TCP port (0 to 65535)")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"cannot listen on {where}: --host {host!r} is not a valid address or known host name "
+                         f"({e}); use e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (all interfaces)") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(f"cannot listen on {where}: port {port} is already in use (is another server "
+                                     f"running?); stop it or choose another --port") from None
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise ValueError(f"cannot listen on {where}: {addr[0]} is not an address of this machine; "
+                                     "use e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (all interfaces)") from None
+                if e.errno == errno.EACCES:
+                    raise ValueError(f"cannot listen on {where}: no permission to use port {port} "
+                                     "(ports below 1024 need privileges); choose another --port") from None
+                raise ValueError(f"cannot listen on {where} (port {port}): {e.strerror or e}") from None
+
+
+def default_served_name(model: str | None, engine) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return Path(model).name.removesuffix(".gguf") or engine.model_config.name
+
+
+def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict]) -> int:
+    from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+
+    # before loading the model, which can take a while
+    args = EngineArgs(model=a.model, dtype=a.dtype, max_waiting=a.max_waiting, **engine_kwargs(a))
+    args.check(option_names=True)
+    if a.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be ≥ 1, got {a.max_body_bytes}")
+    check_listen_address(a.host, a.port)
+    import uvicorn
+
+    from kvserve.entrypoints.openai.api import build_app
+
+    level = getattr(logging, a.log_level.upper())
+    logging.getLogger("kvserve").setLevel(logging.INFO if a.verbose else level)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvserve.entrypoints.openai").setLevel(level)
+    engine = LLMEngine(args)
+    names = a.served_model_name or [default_served_name(a.model, engine)]
+    app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+                    tool_call_parser=a.tool_call_parser)
+    print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}) "
+          f"on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+    print(f"kvserve: {engine.kv_spec.describe()}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
+                timeout_graceful_shutdown=5)
+    return 0

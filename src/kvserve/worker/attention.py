@@ -1,0 +1,350 @@
+"""Paged attention: write new K/V into their slots, attend over each request's context.
+
+The backend interface is small on purpose (:class:`AttentionBackend`): the model calls
+``forward(q, k, v, k_cache, v_cache, meta)`` once per layer. The PyTorch backend here runs
+anywhere (CPU or CUDA) on ``torch.nn.functional.scaled_dot_product_attention``; a GPU kernel
+(FlashAttention, FlashInfer) can replace it behind the same interface.
+
+Batch layout (built once per step by the model runner, shared by all layers): the step's
+tokens are flattened into one batch of ``T`` tokens. Decode rows (one new token each) come
+first and are attended together, padded to the longest context with a mask; each prefill
+chunk (several new tokens of one request) is attended on its own, causally, over its
+already-computed context plus the chunk.
+
+8-bit KV caches (``kv_cache_dtype``, :mod:`kvserve.worker.kv_quant`): K/V are quantized as they are
+written and every read dequantizes them (codes · scale, rounded to the model dtype); prefill
+chunks then attend to their own K/V as read back from the cache, like later chunks would.
+
+GQA: K/V keep ``num_kv_heads`` heads; SDPA's ``enable_gqa`` maps each group of query heads
+to its KV head, so repeated KV is never materialised.
+
+Sliding windows (Beltagy et al. 2020; Mistral 7B, Jiang et al. 2023; Gemma 3's local layers):
+``forward(..., window=W)`` lets the query at position p see only the keys in ``(p - W, p]``,
+and no path reads a key before that: the C decode kernel starts its block-table walk at the
+window's first block (:func:`kvserve.kernels.cpu_ops.paged_attention_decode`), SDPA decode
+gathers only the last ``W`` positions of each row (:func:`decode_window_context`), and SDPA
+prefill only the context from ``num_past - W + 1`` on. So a model whose every layer is windowed
+can have the blocks before the window freed (their table entries are then -1,
+:data:`kvserve.core.kv_cache_manager.FREED_BLOCK`; :class:`kvserve.core.kv_cache_manager.KVCacheManager`), and a windowed
+layer reads ``W`` tokens of K/V per decode row whatever the context length. Windowed prefill
+runs on SDPA with a banded mask (built once per step, window and chunk, shared by the layers)
+also where the AMX prefill kernel exists: that kernel has no window (it could take one by the
+decode kernel's start-offset logic, but it cannot be tested on a machine without AMX), and
+prefill is bound by compute, not by reading the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kvserve.worker import kv_quant
+from kvserve.kernels import cpu_ops
+
+
+@dataclass
+class PrefillSegment:
+    """One request's chunk of new tokens in the flattened batch.
+
+    Attributes:
+        start, end: token range ``[start, end)`` of the chunk in the batch.
+        num_past: tokens of this request already in the KV cache before the chunk.
+        context_slots: ``[num_past + (end - start)]`` int64, the cache slot of every context
+            token (None when ``num_past == 0``: the chunk's own K/V are used directly).
+        causal_mask: ``[end - start, num_past + (end - start)]`` bool, True where attention
+            is allowed (None when ``num_past == 0``).
+    """
+
+    start: int
+    end: int
+    num_past: int
+    context_slots: Optional[torch.Tensor] = None
+    causal_mask: Optional[torch.Tensor] = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs shared by every layer.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64; token i's K/V go to flat slot ``slot_mapping[i]``
+            (``block_id · block_size + offset``).
+        num_decode_tokens: the first ``num_decode_tokens`` tokens are decodes, one per request.
+        decode_context_slots: ``[num_decode_tokens, max_context]`` int64 slots of each decode
+            request's context (padding points at slot 0 and is masked).
+        decode_mask: ``[num_decode_tokens, 1, 1, max_context]`` bool, True for real context.
+        decode_block_tables: ``[num_decode_tokens, max_blocks]`` int64 block table of each
+            decode request (padded with block 0).
+        decode_context_lens: ``[num_decode_tokens]`` int64 context length of each decode
+            request, including its new token.
+        decode_max_context_len: ``max(decode_context_lens)``.
+        prefills: the prefill chunks, in batch order after the decodes.
+        prefill_block_tables: ``[P, max_blocks]`` int64 block table of each prefill chunk's
+            request (padded with block 0); built when the backend reads block tables.
+        prefill_chunks: ``[P, 3]`` int64 (first row in the batch, tokens, ``num_past``) per chunk;
+            built with ``prefill_block_tables``.
+        derived: per-step values the backends build lazily and share across layers (window
+            masks, gathered decode slots); keyed by the backend.
+
+    A backend says which decode inputs it reads (:attr:`AttentionBackend.uses_context_slots`);
+    the model runner builds only those.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int = 0
+    decode_context_slots: Optional[torch.Tensor] = None
+    decode_mask: Optional[torch.Tensor] = None
+    decode_block_tables: Optional[torch.Tensor] = None
+    decode_context_lens: Optional[torch.Tensor] = None
+    decode_max_context_len: int = 0
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    prefill_block_tables: Optional[torch.Tensor] = None
+    prefill_chunks: Optional[torch.Tensor] = None
+    derived: dict = field(default_factory=dict)
+
+
+class AttentionBackend:
+    """Interface of an attention implementation over the paged KV cache.
+
+    Attributes:
+        uses_context_slots: True if decode reads ``decode_context_slots``/``decode_mask``
+            (gathered slots); False if it reads ``decode_block_tables``/``decode_context_lens``.
+    """
+
+    uses_context_slots: bool = True
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` in the cache and attend.
+
+        Args:
+            q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (model dtype).
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model
+                dtype, or 8-bit pools (``torch.int8``/``torch.float8_e4m3fn``, ``head_dim + 4``
+                last: :mod:`kvserve.worker.kv_quant`), which the backend quantizes into and reads
+                dequantized (both backends do).
+            meta: the step's :class:`AttentionMetadata`.
+            scale: softmax scale (usually ``head_dim ** -0.5``).
+            window: sliding window in tokens (the query at position p sees keys in
+                ``(p - window, p]``), or None for full causal attention.
+
+        Returns:
+            ``[T, num_heads, head_dim]`` attention output.
+        """
+        raise NotImplementedError
+
+
+#: SDPA kernels the PyTorch backend may use on CUDA: all but cuDNN's. PyTorch 2.11 sends a
+#: masked bf16 SDPA on an H200 to cuDNN, which builds a new cuDNN graph for every new context
+#: length, i.e. at every decode step (measured: single-stream decode of SmolLM2's shapes at
+#: 14 tokens/s in bf16 against 35 in float32, which does not use cuDNN).
+CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Pure-PyTorch paged attention on ``F.scaled_dot_product_attention`` (CPU and CUDA; on CUDA
+    restricted to :data:`CUDA_SDPA_BACKENDS`)."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
+        if q.is_cuda:
+            with sdpa_kernel(list(CUDA_SDPA_BACKENDS)):
+                return self._forward(q, k, v, k_cache, v_cache, meta, scale, window)
+        return self._forward(q, k, v, k_cache, v_cache, meta, scale, window)
+
+    def _forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.num_decode_tokens:
+            self.decode(q, k_cache, v_cache, meta, scale, out, window)
+        self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
+        return out
+
+    @staticmethod
+    def decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+               window: Optional[int] = None) -> None:
+        """SDPA of the decode rows over their gathered context, written into ``out[:num_decode_tokens]``.
+
+        Reads ``decode_context_slots``/``decode_mask``, or builds them from the block tables
+        (:func:`decode_context`) when the model runner built only those. 8-bit pools are
+        dequantized to ``q.dtype`` as they are gathered.
+        """
+        nd = meta.num_decode_tokens
+        if window is not None and meta.decode_block_tables is not None:
+            slots, mask = decode_window_context(meta, k_cache.shape[1], window)
+        else:
+            slots, mask = decode_context(meta, k_cache.shape[1])
+            if window is not None:
+                mask = decode_window_mask(meta, mask, window)
+        # [D, L, KVH, hd] -> [D, KVH, L, hd]; index_select is much cheaper than
+        # advanced indexing for these small gathers.
+        kc = kv_quant.gather(k_cache, slots, q.dtype).transpose(1, 2)
+        vc = kv_quant.gather(v_cache, slots, q.dtype).transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)  # [D, H, 1, hd]
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+
+    @staticmethod
+    def prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                window: Optional[int] = None) -> None:
+        """Causal SDPA for each prefill chunk of ``meta``, written into ``out`` (K/V already cached).
+
+        A chunk without cached context attends to its own ``k``/``v`` as computed; with an
+        8-bit pool it reads them back from the cache instead (dequantized), so that a prompt
+        sees the same K/V whether it is prefilled in one chunk or several. With ``window``, a
+        chunk whose context spans more than the window gets a banded mask
+        (:func:`prefill_window_mask`) and gathers only the context its first token's window
+        starts at (positions from ``num_past - window + 1``: earlier blocks may be freed).
+        """
+        quantized = kv_quant.is_quantized(k_cache)
+        for i, seg in enumerate(meta.prefills):
+            qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+            windowed = window is not None and seg.num_past + (seg.end - seg.start) > window
+            lo = max(0, seg.num_past - window + 1) if windowed else 0  # first context position any query sees
+            if seg.num_past == 0 and not quantized:
+                ks = k[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
+                vs = v[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
+            else:
+                slots = seg.context_slots[lo:] if seg.num_past else meta.slot_mapping[seg.start : seg.end]
+                ks = kv_quant.gather(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+                vs = kv_quant.gather(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            if windowed:
+                mask = prefill_window_mask(meta, i, window, q.device)[:, lo:]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            elif seg.num_past == 0:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=seg.causal_mask, scale=scale, enable_gqa=True
+                )
+            out[seg.start : seg.end] = o.squeeze(0).transpose(0, 1)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]`` (non-negative
+    flat slots) in PyTorch ops: copied as they are, or quantized into an 8-bit pool
+    (:func:`kvserve.worker.kv_quant.write`)."""
+    if kv_quant.is_quantized(k_cache):
+        kv_quant.write(k_cache, k, slot_mapping)
+        kv_quant.write(v_cache, v, slot_mapping)
+        return
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def decode_context(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(decode_context_slots [D, L] int64, decode_mask [D, 1, 1, L] bool)`` of the step: the
+    runner's, or (once per step) built from ``decode_block_tables``/``decode_context_lens``.
+    """
+    if meta.decode_context_slots is not None:
+        return meta.decode_context_slots, meta.decode_mask
+    key = ("decode_context",)
+    if key not in meta.derived:
+        bt, ctx_len = meta.decode_block_tables, meta.decode_context_lens
+        D, L = bt.shape[0], meta.decode_max_context_len
+        bs = block_size
+        grid = torch.arange(L, dtype=torch.long, device=bt.device)
+        slots = bt.gather(1, (grid // bs).expand(D, -1)) * bs + grid % bs
+        valid = grid.unsqueeze(0) < ctx_len.unsqueeze(1)
+        meta.derived[key] = (torch.where(valid, slots, 0), valid.view(D, 1, 1, L))
+    return meta.derived[key]
+
+
+def decode_window_context(meta: AttentionMetadata, block_size: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slots [D, Wm] int64, mask [D, 1, 1, Wm] bool)`` of the decode rows' windows, built once
+    per step and window from ``decode_block_tables``/``decode_context_lens``: row d (context
+    ``c_d`` tokens) gets positions ``max(c_d - window, 0) + i`` for ``i < Wm = min(window,
+    decode_max_context_len)``, valid where below ``c_d``. No table entry before a row's window is
+    read (those blocks may be freed, entry -1); invalid positions point at slot 0 and are masked.
+    """
+    key = ("decode_window_context", window)
+    if key not in meta.derived:
+        bt, ctx_len = meta.decode_block_tables, meta.decode_context_lens
+        D, Wm = bt.shape[0], min(window, meta.decode_max_context_len)
+        pos = (ctx_len - window).clamp(min=0).unsqueeze(1) + torch.arange(Wm, dtype=torch.long, device=bt.device)
+        valid = pos < ctx_len.unsqueeze(1)
+        pos = torch.where(valid, pos, 0)
+        slots = bt.gather(1, pos // block_size) * block_size + pos % block_size
+        meta.derived[key] = (torch.where(valid, slots, 0), valid.view(D, 1, 1, Wm))
+    return meta.derived[key]
+
+
+def decode_window_mask(meta: AttentionMetadata, mask: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask [D, 1, 1, L]`` narrowed to the last ``window`` context positions of each row (the
+    new token is at ``context_len - 1``; it sees positions ``>= context_len - window``)."""
+    key = ("decode_window", window)
+    if key not in meta.derived:
+        grid = torch.arange(mask.shape[-1], device=mask.device)
+        ctx_len = mask.sum(-1, keepdim=True)  # [D, 1, 1, 1]
+        meta.derived[key] = mask & (grid >= ctx_len - window)
+    return meta.derived[key]
+
+
+def prefill_window_mask(meta: AttentionMetadata, index: int, window: int, device) -> torch.Tensor:
+    """``[n, num_past + n]`` bool mask of prefill chunk ``index``: causal and within the window
+    (query position p sees key positions j with ``p - window < j <= p``; Hugging Face's
+    ``sliding_window_overlay``)."""
+    key = ("prefill_window", window, index)
+    if key not in meta.derived:
+        seg = meta.prefills[index]
+        n = seg.end - seg.start
+        ctx = torch.arange(seg.num_past + n, device=device).unsqueeze(0)
+        qpos = torch.arange(seg.num_past, seg.num_past + n, device=device).unsqueeze(1)
+        meta.derived[key] = (ctx <= qpos) & (ctx > qpos - window)
+    return meta.derived[key]
+
+
+class CPUPagedAttentionBackend(TorchSDPABackend):
+    """CPU backend: the KV write and decode attention run on the fused C kernels of
+    :mod:`kvserve.kernels.cpu_ops` (reading K/V through the block tables, no gather, GQA
+    without repeating KV; windowed layers read only their window). Prefill chunks run on the AMX prefill kernel where it applies
+    (bf16, AMX CPUs: :func:`kvserve.kernels.cpu_ops.amx_prefill_supported`; ~2x SDPA on
+    SmolLM2's prompts in its first version, 1.3x that since) and on SDPA as in :class:`TorchSDPABackend` otherwise.
+
+    Requires float32/bfloat16 CPU tensors and :func:`kvserve.kernels.cpu_ops.available`.
+    """
+
+    uses_context_slots = False
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
+        cpu_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        nd = meta.num_decode_tokens
+        num_kv_heads, head_dim = k_cache.shape[2], kv_quant.head_dim_of(k_cache)
+        if nd:
+            cpu_ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                           meta.decode_context_lens, scale, out=out[:nd],
+                                           max_context_len=meta.decode_max_context_len, window=window)
+        if meta.prefills:
+            if window is None and meta.prefill_chunks is not None and cpu_ops.amx_prefill_supported(
+                    q.dtype, q.shape[1], num_kv_heads, head_dim, k_cache.shape[1]):
+                cpu_ops.paged_attention_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_chunks,
+                                                scale, out)
+            else:
+                self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
+        return out
+
+
+def default_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                    head_dim: int) -> AttentionBackend:
+    """The fastest backend that runs here: :class:`CPUPagedAttentionBackend` on CPU in float32 or
+    bfloat16 when the kernels are available and support the shape (``head_dim`` <= 256, at most
+    64 query heads per KV head), else :class:`TorchSDPABackend`."""
+    if (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and cpu_ops.supports_attention_shape(num_heads, num_kv_heads, head_dim) and cpu_ops.available()):
+        return CPUPagedAttentionBackend()
+    return TorchSDPABackend()

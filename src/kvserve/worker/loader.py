@@ -1,0 +1,349 @@
+"""Weight loading: GGUF files (via the ``gguf`` package) and Hugging Face folders
+(``config.json`` + ``*.safetensors``).
+
+Both paths yield a :class:`ModelConfig` and a state dict in Hugging Face parameter
+names (``model.layers.0.self_attn.q_proj.weight`` ...), dequantized to float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from kvserve.config import GGUF_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from kvserve.worker.default_model import ModelNotFoundError, default_model_path
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(ValueError):
+    """The model file exists but cannot be read (corrupt, truncated, wrong format)."""
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The model file or folder to load: ``model``, or the default SmolLM2 GGUF when None.
+
+    Raises:
+        ModelNotFoundError: if the path does not exist (or the default model is not installed).
+    """
+    if model is None:
+        return default_model_path()
+    if str(model).strip() == "":
+        raise ModelNotFoundError("model path is empty: give a .gguf file or a Hugging Face folder, or leave it "
+                                 "out for the default model")
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+    return path
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    """Read only a model's config (GGUF metadata or ``config.json``), no weights.
+
+    Raises:
+        ModelLoadError: corrupt or unreadable file.
+        UnsupportedModelError: an architecture or setting kvserve does not implement.
+    """
+    if path.is_dir():
+        return _hf_config(path)
+    if path.suffix == ".gguf":
+        return gguf_model_config(_gguf_reader(path), path)
+    raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a folder with config.json")
+
+
+def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a model's config and float32 weights.
+
+    Args:
+        path: a ``.gguf`` file or a folder with ``config.json`` and ``*.safetensors``.
+
+    Returns:
+        (config, state dict in Hugging Face names, every tensor float32 on CPU).
+
+    Raises:
+        ModelLoadError: corrupt or unreadable file, missing tensors.
+        UnsupportedModelError: architecture outside the Llama family.
+    """
+    if path.is_dir():
+        return _load_hf_folder(path)
+    if path.suffix == ".gguf":
+        return _load_gguf(path)
+    raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a folder with config.json")
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+#: Gemma 3's sandwich norms (gguf-py's tensor map for MODEL_ARCH.GEMMA3): ``ffn_norm`` is the
+#: norm *before* the MLP there, where Llama's ``ffn_norm`` is ``post_attention_layernorm``.
+_GGUF_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+def _gguf_reader(path: Path):
+    """The parsed GGUF file (a memory map); parsed once per file version, since the config
+    check and the weight loading of one start both read it (parsing SmolLM2's takes seconds)."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {e.strerror or e}") from e
+    return _parsed_gguf(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed_gguf(path: str, mtime_ns: int, size: int):
+    from gguf import GGUFReader
+
+    path = Path(path)
+    try:
+        return GGUFReader(str(path))
+    except OSError as e:
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {e.strerror or e}") from e
+    except Exception as e:  # numpy's ValueError/IndexError (reshape, out of bounds...) on bad files
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {_bad_gguf_reason(path)}") from e
+
+
+def _bad_gguf_reason(path: Path) -> str:
+    """Why the gguf package could not parse ``path``, in words (its own errors are numpy's)."""
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        return f"{e.strerror or e}"
+    if size == 0:
+        return "the file is empty (0 bytes), not a valid GGUF file"
+    if len(head) >= 4 and head[:4] != b"GGUF":
+        return "the file is not a GGUF file (it does not start with the 'GGUF' magic bytes)"
+    if len(head) == 8:
+        version = int.from_bytes(head[4:], "little")
+        if version & 0xFFFF == 0:  # a big-endian file
+            version = int.from_bytes(head[4:], "big")
+        if version not in READER_SUPPORTED_VERSIONS:
+            supported = " and ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
+            return f"the file is GGUF version {version}; only versions {supported} can be read"
+    return (f"the file is truncated or is not a valid GGUF file ({size} bytes; its header or tensor data "
+            "is incomplete or corrupt); download or convert it again")
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_model_config(reader, path: Path) -> ModelConfig:
+    """ModelConfig from a GGUF header (``general.architecture`` and ``{arch}.*`` keys)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; kvserve supports {sorted(GGUF_ARCHITECTURES)}"
+        )
+    a = arch
+    hidden = int(_field(reader, f"{a}.embedding_length"))
+    num_heads = int(_field(reader, f"{a}.attention.head_count"))
+    vocab = _field(reader, f"{a}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    rope_scaling = None
+    if _field(reader, f"{a}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
+    head_dim = _field(reader, f"{a}.attention.key_length") or hidden // num_heads
+    extra = _gguf_gemma3_fields(reader, hidden, num_heads, int(head_dim)) if arch == "gemma3" else {}
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{a}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", num_heads)),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(_field(reader, f"{a}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+        name=path.name.removesuffix(".gguf"),
+        **extra,
+    )
+
+
+def _gguf_gemma3_fields(reader, hidden: int, num_heads: int, head_dim: int) -> dict:
+    """The Gemma 3 fields a GGUF header holds or implies.
+
+    llama.cpp's converter writes ``gemma3.attention.sliding_window`` and the global
+    ``rope.freq_base`` only; what it leaves out is fixed by llama.cpp's gemma3 model and by
+    ``transformers.Gemma3TextConfig``'s defaults alike: every 6th layer global (the others
+    sliding), local RoPE base 10000, ``query_pre_attn_scalar = head_dim`` (256; llama.cpp uses
+    ``hidden / heads`` for the 62-layer 27B, done here too), gelu-tanh, ``sqrt(hidden)``
+    embedding scale. A ``sliding_window_pattern`` key (an int, or one bool per layer, True =
+    sliding) is honoured when present; linear RoPE scaling applies to the global layers.
+
+    Raises:
+        UnsupportedModelError: the header sets logit softcapping.
+    """
+    a = "gemma3"
+    n_layers = int(_field(reader, f"{a}.block_count"))
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if _field(reader, f"{a}.{key}") is not None:
+            raise UnsupportedModelError(f"GGUF {a}.{key} is set: softcapping is not supported for Gemma 3")
+    pattern = _field(reader, f"{a}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ModelLoadError(f"GGUF {a}.attention.sliding_window_pattern has {len(pattern)} entries, "
+                                 f"expected {n_layers}")
+        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n_layers)]
+    return dict(
+        sliding_window=int(_field(reader, f"{a}.attention.sliding_window", 4096)),
+        layer_types=layer_types,
+        rope_local_theta=10_000.0,
+        query_pre_attn_scalar=float(hidden // num_heads if n_layers == 62 else head_dim),
+        hidden_act="gelu_pytorch_tanh",
+        norm_style="gemma",
+        embedding_multiplier=float(hidden) ** 0.5,
+    )
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time row permutation of ``attn_q``/``attn_k``.
+
+    llama.cpp stores the rotary pairs interleaved (GPT-J style) while Hugging Face Llama
+    rotates the two halves of each head (NeoX style); the converter reorders rows per head
+    as ``reshape(n_head, 2, d/2, ...).swapaxes(1, 2)``. This applies the inverse.
+    """
+    d = w.shape[0] // n_head
+    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    cfg = gguf_model_config(reader, path)
+    gemma = cfg.architecture == "Gemma3ForCausalLM"
+    layer_names = _GGUF_GEMMA3_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"cannot dequantize tensor {t.name!r} of {str(path)!r}: {e}") from e
+        arr = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest not in layer_names:
+                logger.warning("ignoring unknown GGUF tensor %s", name)
+                continue
+            hf = f"model.layers.{idx}.{layer_names[rest]}"
+            if cfg.architecture == "LlamaForCausalLM" and rest in ("attn_q.weight", "attn_q.bias"):
+                arr = _unpermute_rope(arr, cfg.num_heads)
+            elif cfg.architecture == "LlamaForCausalLM" and rest in ("attn_k.weight", "attn_k.bias"):
+                arr = _unpermute_rope(arr, cfg.num_kv_heads)
+        else:
+            logger.warning("ignoring unknown GGUF tensor %s", name)
+            continue
+        if gemma and "norm.weight" in name:
+            # llama.cpp stores Gemma's RMSNorm weights as 1 + w; transformers' GGUF loader
+            # (Gemma2TensorProcessor, also used for gemma3) subtracts 1 in float32, and the
+            # model adds it back: the same two roundings here.
+            arr = arr - np.float32(1.0)
+        state[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+    return cfg, state
+
+
+# ------------------------------------------------------------------ Hugging Face folder
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{str(path)!r} has no config.json")
+    try:
+        cfg_dict = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{str(cfg_path)!r} is not valid JSON: {e}") from e
+    return ModelConfig.from_hf_dict(cfg_dict, name=path.name)
+
+
+def _load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg = _hf_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{str(path)!r} has no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            for k, v in load_file(str(f)).items():
+                state[k] = v.float()
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read {str(f)!r}: {e}") from e
+    return cfg, state
+
+
+def iter_layer_names(cfg: ModelConfig) -> Iterator[str]:
+    """Every parameter name the model needs (for completeness checks): the Llama family's,
+    plus Gemma's pre/post feed-forward norms."""
+    yield "model.embed_tokens.weight"
+    yield "model.norm.weight"
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight"
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                  "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.o_proj.weight"):
+            yield p + n
+        for n in ("q", "k", "v"):
+            yield p + f"self_attn.{n}_proj.weight"
+            if cfg.attention_bias:
+                yield p + f"self_attn.{n}_proj.bias"
+        if cfg.qk_norm:
+            yield p + "self_attn.q_norm.weight"
+            yield p + "self_attn.k_norm.weight"
+        if cfg.norm_style == "gemma":
+            yield p + "pre_feedforward_layernorm.weight"
+            yield p + "post_feedforward_layernorm.weight"

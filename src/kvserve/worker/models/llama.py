@@ -1,0 +1,414 @@
+"""The Llama family in plain PyTorch: Llama 2/3, SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3 (QK-norm).
+
+Reads like the paper (Touvron et al. 2023, "LLaMA"): RMSNorm → attention with RoPE (Su et al.
+2021) → residual → RMSNorm → SwiGLU MLP → residual. Differences from a textbook model are
+only for serving: the batch is a flat list of tokens from many requests (no padding), K/V go
+to a paged cache through the attention backend, q/k/v and gate/up projections are fused into
+one matmul each, and logits are computed only for the positions that need them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.worker.attention import AttentionBackend, AttentionMetadata, CPUPagedAttentionBackend
+from kvserve.config import ModelConfig
+from kvserve.kernels import cpu_ops
+from kvserve.worker.layers import linear
+from kvserve.worker.layers.linear import Linear, cpu_kernels
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 as Hugging Face does.
+
+    ``y = weight · (x / sqrt(mean(x², -1) + eps))``; input and output ``[..., dim]`` in the
+    model dtype. With ``residual`` (vLLM's fused add + norm) it returns ``(norm(x + residual),
+    x + residual)``; the fused CPU kernel updates ``residual`` in place.
+
+    Args:
+        fused: use the fused CPU kernel (:func:`kvserve.kernels.cpu_ops.rms_norm`) (any input
+            without ``residual``, 2-D input with it).
+    """
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None, fused: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.fused and (x.dim() == 2 or residual is None):
+            if x.dim() != 2:  # e.g. per-head q/k norm over [T, heads, head_dim]
+                return cpu_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            out = cpu_ops.rms_norm(x, self.weight, self.eps, residual=residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim / 2]`` float32, with the config's scaling.
+
+    Supports no scaling, ``linear`` (positions divided by ``factor``) and ``llama3``
+    (Meta's frequency-dependent interpolation used by Llama 3.1+). ``local``: the
+    sliding-window layers' RoPE (Gemma 3: base ``rope_local_theta``, never scaled).
+
+    Raises:
+        ValueError: for any other ``rope_type``.
+    """
+    dim = cfg.head_dim
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = None if local else cfg.rope_scaling
+    if not rs:
+        return inv
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(rs["factor"])
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        lo, hi = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_len = float(rs["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / lo, old_len / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling.rope_type {kind!r} is not supported (default, linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (Su et al. 2021) in Hugging Face's ``rotate_half`` layout, shared by all layers.
+
+    ``prepare(positions)`` runs once per step; ``forward(qkv, rope_inputs)`` rotates the q and k
+    heads of a fused QKV output: in place with the fused CPU kernel, else as
+    ``x·cos + rotate_half(x)·sin`` on new tensors.
+
+    Args:
+        inv_freq: ``[head_dim / 2]`` float32 inverse frequencies (see :func:`rope_inv_freq`).
+        max_positions: rows of the cos/sin tables (tokens).
+        fused: use :func:`kvserve.kernels.cpu_ops.rope_`.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype, device, fused: bool) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_table", emb.cos().to(dtype).to(device), persistent=False)
+        self.register_buffer("sin_table", emb.sin().to(dtype).to(device), persistent=False)
+        self.head_dim = emb.shape[-1]
+        self.fused = fused
+
+    def prepare(self, positions: torch.Tensor):
+        """Per-step inputs: ``positions [T]`` (fused) or the gathered ``(cos, sin)``, ``[T, 1, head_dim]``."""
+        if self.fused:
+            return positions
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+    def forward(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, rope_inputs):
+        """Rotate q and k of ``qkv [T, (num_heads + 2·num_kv_heads)·head_dim]``.
+
+        Returns:
+            ``(q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads, head_dim])``
+            (views into ``qkv`` when fused).
+        """
+        T, hd = qkv.shape[0], self.head_dim
+        q_size, kv_size = num_heads * hd, num_kv_heads * hd
+        if self.fused:
+            cpu_ops.rope_(qkv, num_heads + num_kv_heads, hd, rope_inputs, self.cos_table, self.sin_table)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = q.view(T, num_heads, hd), k.view(T, num_kv_heads, hd), v.view(T, num_kv_heads, hd)
+        if not self.fused:
+            q, k = self.rotate(q, rope_inputs), self.rotate(k, rope_inputs)
+        return q, k, v
+
+    @staticmethod
+    def rotate(x: torch.Tensor, rope_inputs) -> torch.Tensor:
+        """``x·cos + rotate_half(x)·sin`` for ``x [T, heads, head_dim]`` and unfused ``rope_inputs``
+        (Hugging Face's ``apply_rotary_pos_emb``); a new tensor."""
+        cos, sin = rope_inputs
+        return x * cos + rotate_half(x) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding, dtype, device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.window = cfg.uniform_window  # Mistral: every layer attends over (p - window, p]
+        self.backend = backend
+        self.rotary = [rotary]  # shared by all layers; a list keeps it out of this module's children
+        self.qkv_proj: Optional[Linear] = None  # set by load_weights (fused q, k, v)
+        self.o_proj: Optional[Linear] = None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, rotary.fused) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, rotary.fused) if cfg.qk_norm else None
+
+    def forward(self, x, rope_inputs, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            qk = qkv[:, : self.q_size + self.kv_size]
+            q = self.q_norm(qk[:, : self.q_size].reshape(T, self.num_heads, self.head_dim))
+            k = self.k_norm(qk[:, self.q_size :].reshape(T, self.num_kv_heads, self.head_dim))
+            qk.copy_(torch.cat([q.reshape(T, -1), k.reshape(T, -1)], dim=-1))
+        q, k, v = self.rotary[0](qkv, self.num_heads, self.num_kv_heads, rope_inputs)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)  # [T, H, hd]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))`` with gate/up fused."""
+
+    def __init__(self, cfg: ModelConfig, fused: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj: Optional[Linear] = None
+        self.down_proj: Optional[Linear] = None
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder layer; the residual stream is carried separately (vLLM style) so that
+    each residual add fuses into the following RMSNorm."""
+
+    def __init__(self, cfg: ModelConfig, backend, rotary, dtype, device, fused: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.self_attn = LlamaAttention(cfg, backend, rotary, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.mlp = LlamaMLP(cfg, fused)
+
+    def forward(self, h, residual, rope_inputs, kv_cache, meta):
+        """``(h, residual) -> (h', residual')`` with the layer's output ``= h' + residual'``."""
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, rope_inputs, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family decoder over a paged KV cache.
+
+    Args:
+        cfg: the model's :class:`ModelConfig`.
+        backend: attention implementation (see :mod:`kvserve.worker.attention`).
+        dtype: compute and weight dtype (``torch.float32`` or ``torch.bfloat16``).
+        device: where weights live.
+        max_positions: length of the precomputed RoPE table (tokens).
+        fused_cpu_ops: on CPU in float32/bfloat16, run RMSNorm (+ residual add), RoPE and
+            SiLU-and-mul on the fused kernels of :mod:`kvserve.kernels.cpu_ops` when they are
+            available (``self.fused_cpu_ops`` says whether they are used).
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
+                 device: torch.device, max_positions: int, fused_cpu_ops: bool = True) -> None:
+        super().__init__()
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.attn_backend = backend
+        fused = fused_cpu_ops and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
+            and cpu_ops.available()
+        self.fused_cpu_ops = fused
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rotary_emb = RotaryEmbedding(rope_inv_freq(cfg), max_positions, dtype, device, fused)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, self.rotary_emb, dtype, device, fused)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
+        self.lm_head: Optional[Linear] = None
+        self._decode_step: Optional[cpu_ops.DecodeStep] = None  # built on first use, per KV pool
+        self._decode_step_caches = None
+
+    @torch.inference_mode()
+    def load_weights(self, state: dict[str, torch.Tensor], quantization: Optional[str] = None) -> None:
+        """Copy a Hugging Face-named float32 state dict in, fusing q/k/v and gate/up
+        (:func:`load_decoder_weights`).
+
+        Raises:
+            ModelLoadError: when a tensor is missing or has the wrong shape.
+        """
+        self._decode_step, self._decode_step_caches = None, None
+        load_decoder_weights(self, state, quantization)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the decoder over a flat batch.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids of every scheduled token of every request.
+            positions: ``[T]`` int64 absolute position of each token in its sequence.
+            kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            meta: attention metadata for the step.
+            logits_indices: ``[S]`` int64 batch positions whose logits are needed.
+
+        Returns:
+            ``[S, vocab_size]`` logits in the model dtype (the sampler upcasts what it needs to
+            float32; a greedy step reads bf16 logits as they are).
+        """
+        h = self.embed_tokens(input_ids)
+        T = h.shape[0]
+        if (not meta.prefills and 0 < T == meta.num_decode_tokens == logits_indices.shape[0]
+                and meta.decode_block_tables is not None):
+            # Decode-only step where every token samples (logits_indices is then 0..T-1).
+            step = self._get_decode_step(kv_caches, T)
+            if step is not None:
+                return step(h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                            meta.decode_max_context_len)
+        residual = None
+        rope_inputs = self.rotary_emb.prepare(positions)
+        for layer, kv in zip(self.layers, kv_caches):
+            h, residual = layer(h, residual, rope_inputs, kv, meta)
+        h, _ = self.norm(h[logits_indices], residual[logits_indices])
+        return self.lm_head(h)
+
+    def _get_decode_step(self, kv_caches, num_tokens: int) -> Optional[cpu_ops.DecodeStep]:
+        """The one-call C decode step, when it computes exactly what the modules would: fused CPU
+        ops and C attention, and every linear layer on the gemv kernel (or, above its limit, the
+        AMX kernel) for ``num_tokens`` rows."""
+        if not self.fused_cpu_ops or not isinstance(self.attn_backend, CPUPagedAttentionBackend):
+            return None
+        if self._decode_step_caches is not kv_caches:  # first use, new KV pool or new weights
+            self._decode_step, self._decode_step_caches = None, kv_caches
+            lins = [self.lm_head] + [m for layer in self.layers for m in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            k = cpu_kernels()
+            gemv_max = min(lin._gemv_max_m for lin in lins)
+            if k is None or gemv_max == 0 or any(lin.quantization is not None for lin in lins):
+                return None
+            # Above the gemv limit the linears run on AMX (when every one of them has it), as
+            # Linear.forward would for up to AMX_MAX_M_BF16 tokens.
+            use_amx = all(lin._amx is not None for lin in lins)
+            gemv = k.bf16 if self.dtype == torch.bfloat16 else k.f32
+            layers = []
+            for layer, (kc, vc) in zip(self.layers, kv_caches):
+                a, m = layer.self_attn, layer.mlp
+                layers.append(dict(
+                    ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                    qkv_w=a.qkv_proj.weight, qkv_b=a.qkv_proj.bias, o_w=a.o_proj.weight,
+                    q_norm=None if a.q_norm is None else a.q_norm.weight,
+                    k_norm=None if a.k_norm is None else a.k_norm.weight,
+                    gu_w=m.gate_up_proj.weight, down_w=m.down_proj.weight, k_cache=kc, v_cache=vc,
+                    qkv_p=a.qkv_proj._amx, o_p=a.o_proj._amx, gu_p=m.gate_up_proj._amx, down_p=m.down_proj._amx))
+            self._decode_step = cpu_ops.DecodeStep(
+                layers, self.norm.weight, self.lm_head.weight, self.rotary_emb.cos_table, self.rotary_emb.sin_table,
+                gemv, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps,
+                max_tokens=linear.AMX_MAX_M_BF16 if use_amx else gemv_max, gemv_max_tokens=gemv_max,
+                amx=k.amx_linear if use_amx else None, lm_head_packed=self.lm_head._amx,
+                window=self.cfg.uniform_window)
+        step = self._decode_step
+        return step if step is not None and num_tokens <= step.max_tokens else None
+
+
+@torch.inference_mode()
+def load_decoder_weights(model: nn.Module, state: dict[str, torch.Tensor], quantization: Optional[str] = None):
+    """Load the weights every Llama-style decoder shares: embeddings, final norm, LM head (tied
+    or not), and per layer the input and post-attention norms, q/k/v fused into ``qkv_proj``
+    (with biases when ``attention_bias``), ``o_proj``, q/k norms (``qk_norm``), gate/up fused
+    into ``gate_up_proj`` and ``down_proj``.
+
+    Args:
+        model: has ``cfg``, ``dtype``, ``device``, ``embed_tokens``, ``norm``, ``lm_head`` and
+            ``layers`` (each with ``input_layernorm``, ``post_attention_layernorm``,
+            ``self_attn`` and ``mlp`` as in :class:`LlamaDecoderLayer`).
+        state: Hugging Face names -> float32 tensors.
+
+    Returns:
+        ``put(param, name)``: copies ``state[name]`` into ``param`` after a shape check, for
+        the tensors a model has beyond these.
+
+    Raises:
+        ModelLoadError: a tensor is missing (:func:`kvserve.worker.loader.iter_layer_names`), has the
+            wrong shape, or belongs to a layer beyond ``num_layers``.
+    """
+    from kvserve.worker.loader import ModelLoadError, iter_layer_names
+
+    cfg = model.cfg
+    missing = [n for n in iter_layer_names(cfg) if n not in state]
+    if missing:
+        raise ModelLoadError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
+    dt, dev = model.dtype, model.device
+
+    def lin(w, b=None):
+        return Linear(w.to(dev, dt), None if b is None else b.to(dev, dt), quantization=quantization)
+
+    def check(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = state[name]
+        if tuple(t.shape) != tuple(shape):
+            raise ModelLoadError(f"{name}: expected shape {tuple(shape)} (from the model config), got "
+                                 f"{tuple(t.shape)}")
+        return t
+
+    def put(param: torch.Tensor, name: str):
+        param.copy_(check(name, param.shape))
+
+    beyond = sorted(n for n in state if n.startswith("model.layers.")
+                    and n.split(".")[2].isdigit() and int(n.split(".")[2]) >= cfg.num_layers)
+    if beyond:
+        raise ModelLoadError(f"the weights have layers beyond the config's num_hidden_layers="
+                             f"{cfg.num_layers} (e.g. {beyond[0]!r})")
+    H, I = cfg.hidden_size, cfg.intermediate_size
+
+    put(model.embed_tokens.weight, "model.embed_tokens.weight")
+    put(model.norm.weight, "model.norm.weight")
+    head = (state["model.embed_tokens.weight"] if cfg.tie_word_embeddings
+            else check("lm_head.weight", (cfg.vocab_size, H)))
+    model.lm_head = Linear(head.to(dev, dt), None)  # the LM head is never quantized
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        put(layer.input_layernorm.weight, p + "input_layernorm.weight")
+        put(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+        a = layer.self_attn
+        expect = [a.q_size, a.kv_size, a.kv_size]
+        ws = [check(p + f"self_attn.{n}_proj.weight", (e, H)) for n, e in zip("qkv", expect)]
+        bias = (torch.cat([check(p + f"self_attn.{n}_proj.bias", (e,)) for n, e in zip("qkv", expect)])
+                if cfg.attention_bias else None)
+        a.qkv_proj = lin(torch.cat(ws), bias)
+        a.o_proj = lin(check(p + "self_attn.o_proj.weight", (H, a.q_size)))
+        if cfg.qk_norm:
+            put(a.q_norm.weight, p + "self_attn.q_norm.weight")
+            put(a.k_norm.weight, p + "self_attn.k_norm.weight")
+        m = layer.mlp
+        m.gate_up_proj = lin(torch.cat([check(p + "mlp.gate_proj.weight", (I, H)),
+                                        check(p + "mlp.up_proj.weight", (I, H))]))
+        m.down_proj = lin(check(p + "mlp.down_proj.weight", (H, I)))
+    return put

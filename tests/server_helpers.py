@@ -1,0 +1,63 @@
+"""Shared helpers of the server tests: run the OpenAI server in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Optional, Sequence
+
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """``build_app(engine)`` on uvicorn, on a free loopback port, in a daemon thread.
+
+    Attributes:
+        base_url: ``http://127.0.0.1:PORT``.
+        api: the :class:`kvserve.entrypoints.openai.OpenAIServer` (its ``async_engine``, ``metrics``...).
+    """
+
+    def __init__(self, engine, names: Sequence[str] = ("test-model",), api_key: Optional[str] = None,
+                 **kwargs) -> None:
+        from kvserve.entrypoints.openai import build_app
+
+        app = build_app(engine, list(names), api_key=api_key, **kwargs)
+        self.api = app.state.server
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def engine_call(self, fn):
+        """Run ``fn(engine)`` on the engine thread (thread-safe) and return its result."""
+        return self.api.async_engine.call_sync(fn)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until the engine has no unfinished request."""
+        deadline = time.monotonic() + timeout
+        while self.engine_call(lambda e: e.has_unfinished_requests()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("engine still busy")
+            time.sleep(0.02)
