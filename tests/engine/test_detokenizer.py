@@ -364,3 +364,16 @@ def test_stop_string_property(tok, text, stop, include, chunk):
         assert stop in tok.decode(kept)
         if upd.num_new_tokens_kept > 0:  # and no fewer tokens would do
             assert stop not in tok.decode(kept[:-1])
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_stop_string_before_a_split_character_stops_at_its_token(tok, chunk):
+    # " 好" is three tokens here (" " + the first byte, then one byte each): the space
+    # completes the stop " " at the first of them, although that token's text ends inside
+    # 好 and is held back. The match is found there, not a token later (found by hypothesis).
+    ids = tok.encode("a. 好")
+    assert [tok.decode(ids[:k]).endswith("\ufffd") for k in range(3, len(ids))] == [True] * (len(ids) - 3)
+    detok, deltas, updates = stream(tok, PROMPT_IDS, ids, SamplingParams(stop=[" "]), chunk=chunk)
+    assert "".join(deltas) == detok.output_text == "a."
+    kept = ids[: (len(updates) - 1) * chunk + updates[-1].num_new_tokens_kept]
+    assert kept == ids[:3]

@@ -98,6 +98,11 @@ class _TextDecoder:
         self._prefix_text = self._decode(self._ids[self._prefix : self._read])
         return delta
 
+    def held_text(self) -> str:
+        """The text of the tokens added but not yet emitted, up to their last complete
+        character (what :meth:`add` holds back while the window ends inside a character)."""
+        return self._decode(self._ids[self._prefix :])[len(self._prefix_text) :].rstrip(_REPLACEMENT)
+
     def window(self) -> tuple[int, int]:
         """(prefix offset, length of the decoded prefix text): the state that a later
         ``text_lengths`` call measures from."""
@@ -227,6 +232,15 @@ class IncrementalDetokenizer:
             match = self._find_stop(buf, old)
             if match is not None:
                 return self._stop(buf, old, match, window, len(new_token_ids))
+        elif self._stops and num_output_tokens >= self._min_tokens and self._decoder.num_pending_tokens:
+            # The new text ends inside a UTF-8 character and is held back, but a stop string
+            # may already be complete in the characters before it: stop at this token, not at
+            # the one that completes the character.
+            held = self._decoder.held_text()
+            match = self._find_stop(self._recent + held, old) if held else None
+            if match is not None:
+                self._pending += held
+                return self._stop(self._recent + held, old, match, window, len(new_token_ids))
         if self._recent_len:
             self._recent = buf[-self._recent_len :]
         if finished:
