@@ -25,7 +25,7 @@ import random
 import time
 
 import kvserve  # noqa: F401  (before torch: OpenMP spin policy)
-import kvserve.engine.llm_engine as engine_mod
+import kvserve.worker.worker as worker_mod
 from kvserve import SamplingParams
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 
@@ -91,8 +91,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    cached = functools.lru_cache(maxsize=1)(engine_mod.load_weights)  # read the weights once
-    engine_mod.load_weights = lambda path: (cached(path)[0], dict(cached(path)[1]))
+    cached = functools.lru_cache(maxsize=1)(worker_mod.load_weights)  # read the weights once
+    worker_mod.load_weights = lambda path: (cached(path)[0], dict(cached(path)[1]))
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(*args.prompt_len))] for _ in range(args.requests)]
     # warm-up (kernel compilation, allocator)

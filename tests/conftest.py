@@ -15,14 +15,14 @@ REFERENCE = Path(__file__).resolve().parent / "data" / "smollm2_greedy.json"
 @pytest.fixture(scope="session", autouse=True)
 def _cache_weights():
     """Load each model file once per test session (dequantizing the GGUF takes seconds)."""
-    import kvserve.engine.llm_engine as engine_mod
     import kvserve.worker.loader as loader
+    import kvserve.worker.worker as worker_mod
 
     cached = functools.lru_cache(maxsize=4)(loader.load_weights)
-    orig = engine_mod.load_weights
-    engine_mod.load_weights = lambda path: _copy(cached(path))
+    orig = worker_mod.load_weights
+    worker_mod.load_weights = lambda path: _copy(cached(path))
     yield
-    engine_mod.load_weights = orig
+    worker_mod.load_weights = orig
 
 
 def _copy(res):

@@ -280,8 +280,8 @@ def test_bad_device_and_max_model_len(tiny_model_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 512\]"):
         LLM(model=str(folder), max_model_len=999999)
     # checked from the config alone, before the weights are read
-    import kvserve.engine.llm_engine
-    monkeypatch.setattr(kvserve.engine.llm_engine, "load_weights", lambda path: pytest.fail("weights read"))
+    import kvserve.worker.worker
+    monkeypatch.setattr(kvserve.worker.worker, "load_weights", lambda path: pytest.fail("weights read"))
     with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 512\]"):
         LLM(model=str(folder), max_model_len=513)
     monkeypatch.undo()

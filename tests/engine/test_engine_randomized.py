@@ -6,14 +6,12 @@ must be free or evictable at the end, and each request's output must equal what 
 alone on a roomy engine (float32; greedy, or seeded sampling, whose draws do not depend on
 the batch)."""
 
-import dataclasses
-
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve import SamplingParams
-from workload import MAX_MODEL_LEN, STEP_CAP, _summary, alone, folders, run_workload  # noqa: F401
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from workload import MAX_MODEL_LEN, STEP_CAP, _summary, alone, folders, run_workload  # noqa: F401 (fixtures)
 
 @st.composite
 def workloads(draw):

@@ -18,8 +18,8 @@ PROMPTS = [[5, 6, 7], MARK + [6, 7], [8, 9, 11, 12, 14]]
 
 
 def _inject_fault(engine: LLMEngine, where: str = "_append_token") -> None:
-    """Make ``engine.<where>`` raise for the sequences of marked prompts."""
-    orig = getattr(engine, where)
+    """Make the engine core's ``<where>`` raise for the sequences of marked prompts."""
+    orig = getattr(engine.core, where)
 
     def faulty(*args, **kw):
         req = args[0]
@@ -28,7 +28,7 @@ def _inject_fault(engine: LLMEngine, where: str = "_append_token") -> None:
             raise RuntimeError("injected fault")
         return orig(*args, **kw)
 
-    setattr(engine, where, faulty)
+    setattr(engine.core, where, faulty)
 
 
 def _engine(folder, **kw) -> LLMEngine:
@@ -81,7 +81,7 @@ def test_failing_request_fails_alone(folder, expected, caplog, where):
     assert "injected fault" in caplog.text
     # its blocks are back in the pool and the engine goes on: the same prompt, fault removed
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    delattr(engine, where)  # (the instance attribute set by _inject_fault)
+    delattr(engine.core, where)  # (the instance attribute set by _inject_fault)
     again = _run(engine, [PROMPTS[1]], GREEDY)[0]
     assert again.error is None and again.outputs[0].token_ids == expected["greedy"][1]
 

@@ -394,7 +394,7 @@ def _check_valid(kind, text):
 def _spy(eng):
     """Per request (group) id: [drafts verified, drafts accepted, drafts cut by the grammar]."""
     seen: dict = {}
-    verify, fit = eng._apply_verification, eng._fit_to_grammar
+    verify, fit = eng.core._apply_verification, eng.spec.fit_to_grammar
 
     def apply(req, res, now):
         c = seen.setdefault(eng._group_id(req), [0, 0, 0])
@@ -407,7 +407,7 @@ def _spy(eng):
         fit(req)
         seen.setdefault(eng._group_id(req), [0, 0, 0])[2] += before - len(req.spec_token_ids)
 
-    eng._apply_verification, eng._fit_to_grammar = apply, cut
+    eng.core._apply_verification, eng.spec.fit_to_grammar = apply, cut
     return seen
 
 
@@ -505,7 +505,7 @@ def test_grammar_completing_inside_accepted_drafts_stops_there(folder):
         apply(req, res, now)
         ended_inside.append(req.is_finished and len(req.output_token_ids) - n0 < len(res.token_ids))
 
-    eng._apply_verification = spy
+    eng.core._apply_verification = spy
     out = _run(eng, [prompt], params)[0]
     assert _summary(out) == _summary(base)
     assert out.outputs[0].text == "pay the fox" and out.outputs[0].finish_reason == "stop"
@@ -565,7 +565,7 @@ def test_structured_output_draft_model_keeps_a_rejected_sample_and_cuts_one_hot_
         req = Request(request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(), seed=0)
         req.grammar = so.new_grammar(StructuredOutputsParams(regex="(ab|cd){2,5}x"))
         req.spec_token_ids, req.spec_draft_probs = ids[:2] + [90, 90], q
-        eng._fit_to_grammar(req)  # after one "ab" the regex wants another pair, not "x"
+        eng.spec.fit_to_grammar(req)  # after one "ab" the regex wants another pair, not "x"
         assert req.spec_token_ids == (ids[:2] + [90, 90])[:keep]
         assert (req.spec_draft_probs is None) == (q is None)
         if q is not None:

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-import kvserve.engine.llm_engine as engine_mod
+import kvserve.worker.worker as worker_mod
 from kvserve import LLM, SamplingParams
 from kvserve.worker.attention import AttentionMetadata, PrefillSegment, TorchSDPABackend
 from kvserve.config import ModelConfig, UnsupportedModelError
@@ -157,7 +157,7 @@ def test_fused_kernels_match_the_pytorch_ops(tiny_model_dir, monkeypatch, dtype)
     float32 sum (on this model they are identical)."""
     folder, _ = tiny_model_dir("gemma3")
     fused = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=4)
-    monkeypatch.setattr(engine_mod, "model_class",
+    monkeypatch.setattr(worker_mod, "model_class",
                         lambda arch: functools.partial(Gemma3ForCausalLM, fused_cpu_ops=False))
     plain = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=4)
     assert fused.engine.model.fused_cpu_ops and not plain.engine.model.fused_cpu_ops

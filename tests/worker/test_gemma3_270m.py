@@ -40,7 +40,7 @@ def chat_case():
 @pytest.fixture(scope="module")
 def shared_tokenizer():
     """Rebuilding the 262k-token GGUF tokenizer takes ~30 s: load it once for this module."""
-    import kvserve.engine.llm_engine as engine_mod
+    import kvserve.engine.core as engine_mod
 
     orig = engine_mod.load_tokenizer
     engine_mod.load_tokenizer = functools.lru_cache(maxsize=1)(orig)

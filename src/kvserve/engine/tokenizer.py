@@ -201,3 +201,15 @@ def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) ->
             seen.add(key)
             out.append(list(ids))
     return out
+
+
+def eos_token_ids(cfg, tokenizer) -> tuple[int, ...]:
+    """The token ids that end generation: the model's EOS ids (its config, else the
+    tokenizer's), plus Gemma's ``<end_of_turn>``, which ends a chat turn (its
+    generation_config lists [1, 106]; a GGUF names only ``<eos>``)."""
+    ids = tuple(cfg.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+    if cfg.architecture == "Gemma3ForCausalLM":
+        eot = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+        if isinstance(eot, int) and eot != tokenizer.unk_token_id and eot not in ids:
+            ids += (eot,)
+    return ids

@@ -1,0 +1,661 @@
+"""EngineCore: the scheduler, the KV cache manager and the executor, stepped.
+
+``step()`` is schedule → execute (the executor runs the model and the sampler on its
+workers) → update (num_computed_tokens, prefix-cache insertion, forks, appended tokens with
+their stop checks, beams, speculative verification and drafts) → outputs. Requests come in
+already tokenized (:class:`~kvserve.engine.input_processor.EngineCoreRequest`); the core
+checks them against the pool and the queue.
+
+A user request with ``n`` (or ``best_of``) > 1 becomes a group of sequences: the first
+computes the prompt; the others are forked from it once its prompt is computed (they share
+its full KV blocks, copy the partial one and compute only the last prompt token), so the
+prompt is computed once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import random
+import time
+from typing import Optional, Sequence
+
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager, plan_kv_cache
+from kvserve.core.kv_swap import KVSwapSpace, check_swap_options, num_host_blocks
+from kvserve.core.request import Request, RequestOutput, RequestStatus, TokenLogprob
+from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.args import EngineArgs, parse_device, parse_dtype
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.input_processor import EngineCoreRequest
+from kvserve.engine.output_processor import OutputProcessor, RequestGroup
+from kvserve.engine.tokenizer import eos_token_ids, load_tokenizer
+from kvserve.executor import Executor, UniProcExecutor
+from kvserve.sample.beam_search import BeamSearchState
+from kvserve.sample.sampler import sample_seed
+from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode import SpeculativeConfig
+from kvserve.spec_decode.driver import SpecDecodeDriver
+from kvserve.structured_output.manager import GrammarLimitError, StructuredOutputManager
+from kvserve.worker import kv_quant
+from kvserve.worker.loader import load_model_config, resolve_model_path
+from kvserve.worker.model_runner import ModelRunnerOutput, SpecResult
+from kvserve.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """The engine core: :class:`EngineCoreRequest` in, :class:`RequestOutput` per step out.
+
+    It owns the scheduler, the KV cache manager and the executor, and its :meth:`step` is the
+    loop: schedule, execute, update. It runs in the caller's process (offline :class:`LLM`,
+    :class:`~kvserve.engine.llm_engine.LLMEngine`) or in a process of its own (``kvserve serve``).
+
+    Raises at construction:
+        ModelNotFoundError: the model path does not exist / default model not installed.
+        ModelLoadError: the file is corrupt.
+        UnsupportedModelError: the architecture is not implemented.
+        ValueError: a bad engine argument.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        args.check()  # before the model loads, which takes a while
+        self.args = args
+        self.dtype = parse_dtype(args.dtype)
+        self.device = parse_device(args.device)
+        path = resolve_model_path(args.model)
+        t0 = time.perf_counter()
+        self.max_model_len = max_len = self._check_config(load_model_config(path))  # before the weights load
+        self.executor: Executor = UniProcExecutor(Worker(self.dtype, self.device))
+        cfg = self.executor.collective_rpc("load_model", (path, max_len, args.quantization))[0]
+        self.model_config: ModelConfig = cfg
+        self.model_path = path
+        self.tokenizer = load_tokenizer(path)
+        self._init_kv_cache(cfg, path)
+        self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, max_len)
+        self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.groups: dict[str, RequestGroup] = {}
+        self._seq_to_group: dict[str, RequestGroup] = {}
+        self._rng = random.Random(args.seed)
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (excludes cache hits)
+        self.num_generated_tokens = 0
+        self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
+        self.spec = SpecDecodeDriver.from_config(self.speculative_config, cfg, self.tokenizer, self.dtype, self.device,
+                                                 self.kv_spec.num_blocks, args.block_size, max_len)
+        self.load_time_s = time.perf_counter() - t0
+
+    def _check_config(self, cfg: ModelConfig) -> int:
+        """The checks that need only the model's config; returns ``max_model_len``."""
+        args = self.args
+        kv_quant.check_head_dim(cfg.head_dim, args.kv_cache_dtype)
+        self.kv_cache_dtype = kv_quant.storage_dtype(args.kv_cache_dtype, self.dtype)
+        if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the model's context length), "
+                f"got {args.max_model_len}"
+            )
+        return args.max_model_len or min(cfg.max_position_embeddings, 4096)
+
+    def _init_kv_cache(self, cfg: ModelConfig, path) -> None:
+        """Size the KV pool, have the workers allocate it, and build the KV manager, the swap
+        space, the scheduler and the workers' model runners over it."""
+        args, max_len = self.args, self.max_model_len
+        # Every layer windowed (Mistral v0.1): the blocks before the window are freed as a
+        # request advances (kv_cache.KVCacheManager), so a sequence of any length runs in about
+        # window / block_size blocks. The radix prefix cache keeps a running request's whole
+        # prefix locked, which would pin those blocks: prefix caching is off for such models.
+        window = cfg.uniform_window
+        prefix_caching = args.enable_prefix_caching
+        if window is not None and prefix_caching:
+            logger.warning("prefix caching is off: every layer of this model has a sliding window (%d tokens), "
+                           "and the blocks before it are freed while a request runs", window)
+            prefix_caching = False
+        self.cache_config = CacheConfig(args.block_size, args.kv_cache_memory, args.num_blocks, prefix_caching)
+        self.kv_spec = plan_kv_cache(cfg, self.kv_cache_dtype, args.kv_cache_memory, args.block_size, max_len, args.num_blocks)
+        logger.info(self.kv_spec.describe())
+        if self.kv_spec.capacity_tokens < max_len and (window is None or self.kv_spec.num_blocks < -(
+                -(window - 1 + args.max_num_batched_tokens) // args.block_size) + 1):
+            logger.warning("the KV cache holds %d tokens, less than one sequence of max_model_len=%d: a request's "
+                           "prompt + max_tokens must fit in %d tokens (raise kv_cache_memory to lift this)",
+                           self.kv_spec.capacity_tokens, max_len, self.kv_spec.capacity_tokens)
+        # (with the one-process executor the KV manager and the swap space copy blocks in the
+        # driver worker's pools directly: forks' partial blocks, swap-out/in)
+        self.kv_caches = self.executor.collective_rpc("initialize_kv_cache", (cfg, self.kv_spec,
+                                                                              self.kv_cache_dtype))[0]
+        self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, prefix_caching,
+                                 self.kv_caches, namespace_model=str(path), sliding_window=window)
+        self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting)
+        self.preemption_mode = check_swap_options(args.swap_space, args.preemption_mode)
+        self.swap: Optional[KVSwapSpace] = None
+        if self.preemption_mode == "swap":
+            self.swap = KVSwapSpace(self.kv_caches, num_host_blocks(args.swap_space, self.kv_spec.bytes_per_token,
+                                                                    args.block_size))
+            logger.info("swap space: %d host blocks of %d tokens (%.2f GiB%s)", self.swap.num_blocks,
+                        args.block_size, self.swap.num_blocks * self.swap.block_bytes / (1 << 30),
+                        ", pinned" if self.swap.pin else "")
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, swap=self.swap)
+        self.executor.collective_rpc("init_model_runner", (self.kv.block_tables, args.block_size, window))
+
+    @property
+    def proposer(self):
+        """The speculative proposer (None without speculation)."""
+        return self.spec.proposer if self.spec is not None else None
+
+    @property
+    def spec_num_draft_tokens(self) -> int:
+        """Drafts verified so far (0 without speculation)."""
+        return self.spec.num_draft_tokens if self.spec is not None else 0
+
+    @property
+    def model(self):
+        """The driver worker's model (one-process executor)."""
+        return self.executor.driver_worker.model
+
+    @property
+    def runner(self):
+        """The driver worker's model runner (one-process executor)."""
+        return self.executor.driver_worker.runner
+
+    # ------------------------------------------------------------- requests
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Check a request against the model and the pool; return its resolved max_tokens.
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, prompt or
+                prompt + max_tokens longer than ``max_model_len``, a request larger than
+                the whole KV pool, or more beams than ``max_num_seqs``.
+            QueueFullError: the waiting queue holds ``max_waiting`` requests.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
+        params.check_token_ids(vocab)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {n} tokens, but max_model_len is {self.max_model_len}: it must be at most "
+                f"{self.max_model_len - 1} tokens to leave room for one generated token"
+            )
+        # no max_tokens: up to the context window, or to what the whole KV pool holds if less
+        budget = self.args.max_num_batched_tokens
+        limit = (self.max_model_len if self.kv.blocks_to_run(self.max_model_len, budget) <= self.kv.num_blocks
+                 else min(self.max_model_len, self.kv_spec.capacity_tokens))
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, limit - n)
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})")
+        if params.allowed_token_ids is not None:  # some allowed token must stay sampleable
+            allowed = set(params.allowed_token_ids)
+            banned = {w[0] for w in params.bad_words or () if len(w) == 1}
+            if allowed <= banned:
+                raise ValueError("allowed_token_ids: every allowed token is a one-token bad_words entry, "
+                                 "so no token could ever be sampled")
+            ends = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if params.min_tokens > 0 and allowed <= banned | ends:
+                raise ValueError(
+                    f"allowed_token_ids: every allowed token is banned by bad_words or is a stop/EOS token, "
+                    f"which min_tokens={params.min_tokens} forbids for the first {params.min_tokens} tokens")
+        need = self.kv.blocks_to_run(n + max_tokens, budget)  # (a sliding window bounds it)
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {n + max_tokens} tokens needs {need} KV blocks, but the whole "
+                f"KV cache has {self.kv.num_blocks} blocks ({self.kv_spec.capacity_tokens} tokens)"
+            )
+        if params.use_beam_search and params.beam_width > self.args.max_num_seqs:
+            # the beams run side by side: a group wider than the running-sequence limit could
+            # never gather its beams again once preempted
+            raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs={self.args.max_num_seqs}: "
+                             f"every beam of a group runs at once")
+        if params.use_beam_search and params.beam_width > 1:
+            # Every beam extends each step, so all of them hold their KV side by side (the
+            # prompt's full blocks shared, the rest each beam's own). The samples of n /
+            # best_of need not: they are preempted and resumed one by one like requests.
+            # (without prefix caching a preempted group recomputes each beam's prompt apart)
+            shared = n // self.kv.block_size if self.kv.cache is not None else 0
+            group_need = shared + params.beam_width * (need - shared)
+            if group_need > self.kv.num_blocks:
+                raise ValueError(
+                    f"beam_width={params.beam_width} beams of prompt + max_tokens = {n + max_tokens} tokens need "
+                    f"{group_need} KV blocks side by side, but the whole KV cache has {self.kv.num_blocks} blocks "
+                    f"({self.kv_spec.capacity_tokens} tokens)"
+                )
+        if self.args.max_waiting and len(self.scheduler.waiting) >= self.args.max_waiting:
+            raise QueueFullError(f"the waiting queue is full (max_waiting={self.args.max_waiting})")
+        return max_tokens
+
+    def add_request(self, request: EngineCoreRequest) -> str:
+        """Queue a request processed by :meth:`InputProcessor.process`; returns its id
+        (``request.request_id``, or ``req-N`` when that is None).
+
+        Raises:
+            ValueError: see :meth:`validate_request`, an invalid structured-output spec, or a
+                ``request_id`` in use; nothing is queued and no other request is affected.
+            QueueFullError: the waiting queue is full.
+        """
+        ids, text, params = request.prompt_token_ids, request.prompt, request.sampling_params
+        request_id, priority, cache_salt = request.request_id, request.priority, request.cache_salt
+        params.max_tokens = self.validate_request(ids, params)  # (the request's own copy)
+        if params.structured_outputs is not None:  # compiled (or found in the cache) now: errors are the request's
+            self.structured_output.compile(params.structured_outputs)
+        rid = request_id
+        while rid is None or (request_id is None and rid in self.groups):  # (a user may have taken it)
+            rid = f"req-{next(self._ids)}"
+        if rid in self.groups:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        arrival = next(self._arrivals)
+        seqs = []
+        for i in range(1 if params.use_beam_search else params.num_samples):
+            seed = sample_seed(params.seed, i) if params.seed is not None else self._rng.getrandbits(63)
+            seq = Request(
+                request_id=self._seq_id(rid),
+                prompt_token_ids=ids,
+                sampling_params=params,
+                seed=seed,
+                eos_token_ids=self.eos_token_ids,
+                prompt=text,
+                priority=int(priority),
+                cache_salt=cache_salt,
+                arrival_index=arrival,
+                parent_id=rid,
+                sample_index=i,
+            )
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
+            if params.structured_outputs is not None:  # each sample follows the grammar on its own
+                seq.grammar = self.structured_output.new_grammar(params.structured_outputs)
+            seqs.append(seq)
+        beam = None
+        if params.use_beam_search:
+            beam = BeamSearchState(params.beam_width, params.max_tokens, params.length_penalty,
+                                   () if params.ignore_eos else self.eos_token_ids)
+        group = RequestGroup(rid, params, seqs, beam)
+        self.scheduler.add_request(seqs[0])
+        self.groups[rid] = group
+        for s in seqs:
+            self._seq_to_group[s.request_id] = group
+        return rid
+
+    def _seq_id(self, request_id: str) -> str:
+        """A new sequence id ``"{request_id}#{k}"``, ``k`` an engine-wide counter: read from the
+        right it names ``k``, so it equals no other sequence's id whatever the user ids are."""
+        return f"{request_id}#{next(self._seq_ids)}"
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request; its KV blocks are freed at once. Unknown ids are ignored."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        group.pending_forks.clear()
+        for s in group.seqs:
+            if not s.is_finished:
+                self.scheduler.finish_request(s, RequestStatus.FINISHED_ABORTED)
+            self._seq_to_group.pop(s.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns an output for every request that changed.
+
+        Schedule, execute, update. A request whose own part of the step raises (its forward:
+        when the batched forward raises, each request group's part is rerun alone to find the
+        one at fault; sampling results, stop checks, detokenization, forking, its output)
+        finishes with ``finish_reason="error"`` and the message in ``RequestOutput.error``; its
+        blocks are freed (not cached) and the other requests go on. An exception in scheduling
+        still propagates.
+        """
+        sched = self._schedule()
+        if sched is None:
+            return []
+        # From here on the work is per request: an exception in one request's forward or
+        # bookkeeping (a bug, or a tokenizer that chokes on its text) fails that request
+        # alone, with finish_reason "error"; the others in the batch go on.
+        failed: dict[str, tuple[RequestGroup, Exception]] = {}
+        try:
+            result = self.executor.execute_model(sched)
+        except Exception as e:  # noqa: BLE001 - find the request(s) at fault, run the others
+            result = self._execute_per_group(sched, e, failed)
+        self._update_computed(sched, result, failed)
+        self._fork_pending(sched, failed)
+        changed = self._update_from_output(sched, result, failed)
+        outputs = []
+        for rid, group in changed.items():
+            if rid not in failed:
+                with self._isolated(group.seqs[0], failed):
+                    outputs.append(self._make_output(group))
+                    if group.finished:
+                        self._retire(group)
+        outputs.extend(self._fail_group(group, e) for group, e in failed.values())
+        if self.spec is not None:
+            self._propose(sched, result, failed)
+        return outputs
+
+    def _schedule(self) -> Optional[SchedulerOutput]:
+        """The step's plan (None when nothing is to run); records first-scheduled times and
+        the prompt tokens about to be computed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty and sched.preempted:  # a plan that only made room: admit into it now
+            sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending (a bug)")
+            return None
+        now = time.perf_counter()
+        for req, n in sched.scheduled:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            self.num_prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
+                                                   - req.num_computed_tokens)
+        return sched
+
+    def _update_computed(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                         failed: dict[str, tuple[RequestGroup, Exception]]) -> None:
+        """Advance ``num_computed_tokens`` of the requests that ran, cache their full blocks
+        and append their prompt logprobs."""
+        for req, n in sched.scheduled:
+            if self._group_id(req) in failed:
+                continue  # its K/V may be half written: never cache it
+            req.num_computed_tokens += n
+            if req.spec_token_ids:
+                continue  # a verification: its drafts' K/V is cached once they are accepted
+            with self._isolated(req, failed):
+                self.kv.cache_computed(req)  # before _fork_pending: forks share the cached prompt
+        by_id = {r.request_id: r for r, _ in sched.scheduled}
+        for rid, lps in result.prompt_logprobs.items():
+            req = by_id[rid]
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            req.prompt_logprobs.extend(lps)
+
+    def _update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                            failed: dict[str, tuple[RequestGroup, Exception]]) -> dict[str, RequestGroup]:
+        """Append the step's tokens: each verification's accepted drafts and correction, each
+        sampled token (stop checks and detokenization), and each beam group's next beams once
+        all its beams have their rows. Returns the groups that changed, by request id."""
+        changed: dict[str, RequestGroup] = {}
+        for req, n in sched.scheduled:
+            if not req.spec_token_ids:
+                continue
+            group = self._seq_to_group.get(req.request_id)
+            if group is None or group.request_id in failed:
+                continue
+            with self._isolated(req, failed):
+                self._apply_verification(req, result.spec[req.request_id], time.perf_counter())
+                changed[group.request_id] = group
+        if result.sampler_output is not None:
+            so = result.sampler_output
+            toks = so.sampled_token_ids.tolist()
+            lps = so.logprobs.tolist()
+            ranks = so.ranks.tolist()
+            top_ids = so.top_token_ids.tolist() if so.top_token_ids is not None else None
+            top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
+            now = time.perf_counter()
+            beam_groups: dict[str, RequestGroup] = {}
+            for i, req in enumerate(result.sample_requests):
+                group = self._seq_to_group.get(req.request_id)
+                if group is None or group.request_id in failed:
+                    continue
+                if group.beam is not None:  # every beam's row first, then the groups advance
+                    group.beam_rows[req.request_id] = result.beam_topk[req.request_id]
+                    beam_groups[group.request_id] = group
+                    continue
+                with self._isolated(req, failed):
+                    k = req.sampling_params.logprobs
+                    top = list(zip(top_ids[i][:k], top_lps[i][:k])) if (k and top_ids is not None) else []
+                    self._append_token(req, toks[i], TokenLogprob(toks[i], lps[i], ranks[i], top), now)
+                    changed[group.request_id] = group
+            # (advancing a group rewrites its beams' tokens: a row recorded after that, for a
+            # beam sampled later in this step, would stand for the new tokens while it holds
+            # the old ones' logprobs; the group then advanced on it one step later)
+            for rid, group in beam_groups.items():
+                if rid not in failed:
+                    with self._isolated(group.seqs[0], failed):
+                        if self._advance_beams(group):
+                            changed[rid] = group
+        return changed
+
+    # ------------------------------------------------------- speculative decoding
+    def _apply_verification(self, req: Request, res: SpecResult, now: float) -> None:
+        """Roll back the K/V of a verification's rejected drafts (:meth:`SpecDecodeDriver.rollback`)
+        and append its tokens (accepted drafts, then the correction or bonus token)."""
+        self.spec.rollback(req, res)
+        self._append_tokens(req, res.token_ids, res.logprobs, now)
+        if not req.is_finished:
+            self.kv.cache_computed(req)
+
+    def _propose(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                 failed: dict[str, tuple[RequestGroup, Exception]]) -> None:
+        """Draft tokens for the requests of this step that decode next (see
+        ``speculative_config`` and :meth:`SpecDecodeDriver.propose`). Beam search decodes
+        without drafts. At most ``min(max_tokens - output, max_model_len - num_tokens) - 1``
+        drafts are proposed, so that drafts plus the bonus token never pass either limit."""
+        sampled = {r.request_id for r in result.sample_requests} | set(result.spec)
+        reqs, rooms = [], []
+        for req, _ in sched.scheduled:
+            # (only after a sampled token: a prompt chunk that stops one token short of its end
+            # has no output yet, and the forks of an n > 1 group must see its prompt first)
+            if (req.request_id not in sampled or req.status is not RequestStatus.RUNNING
+                    or req.sampling_params.use_beam_search
+                    or (req.grammar is not None and (req.grammar.is_error() or req.grammar.is_terminated()))
+                    or req.num_tokens - req.num_computed_tokens != 1
+                    or self._group_id(req) in failed):
+                continue
+            room = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+            if room > 0:
+                reqs.append(req)
+                rooms.append(room)
+        self.spec.propose(reqs, rooms, {r.request_id for r in self.scheduler.running},
+                          lambda req: self._isolated(req, failed))
+
+    def _group_id(self, req: Request) -> Optional[str]:
+        group = self._seq_to_group.get(req.request_id)
+        return None if group is None else group.request_id
+
+    def _execute_per_group(self, sched: SchedulerOutput, error: Exception,
+                           failed: dict[str, tuple[RequestGroup, Exception]]) -> ModelRunnerOutput:
+        """After the batched forward raised ``error``: run each request group's part of the
+        step alone, record the groups whose part raises again in ``failed`` and return the
+        other parts' results merged (a row does not depend on its batch-mates beyond float
+        rounding; K/V half written by the failed batch is rewritten with the same values).
+        A fault that is not any one request's (every part fails) fails every request of the
+        step; the engine itself goes on."""
+        parts: dict[Optional[str], list[tuple[Request, int]]] = {}
+        for req, n in sched.scheduled:
+            parts.setdefault(self._group_id(req), []).append((req, n))
+        if None in parts:  # a sequence of no live group: the engine's own state is at fault
+            raise error
+        logger.warning("the model forward failed for a batch of %d request(s) (%s: %s); running them one by one",
+                       len(parts), type(error).__name__, error)
+        results = []
+        for gid, scheduled in parts.items():
+            if len(parts) == 1:
+                e = error
+            else:
+                try:
+                    results.append(self.executor.execute_model(SchedulerOutput(scheduled=scheduled)))
+                    continue
+                except Exception as e2:  # noqa: BLE001 - this group's own fault
+                    e = e2
+            failed.setdefault(gid, (self.groups[gid], e))
+        return ModelRunnerOutput.merge(results)
+
+    @contextlib.contextmanager
+    def _isolated(self, req: Request, failed: dict[str, tuple[RequestGroup, Exception]]):
+        """Record an exception raised inside the block as the failure of ``req``'s group."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any bug in one request's bookkeeping
+            group = self._seq_to_group.get(req.request_id)
+            if group is None:
+                raise  # not a live request: the engine's own state is at fault
+            failed.setdefault(group.request_id, (group, e))
+
+    def _retire(self, group: RequestGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for s in group.seqs:
+            self._seq_to_group.pop(s.request_id, None)
+
+    def _fail_group(self, group: RequestGroup, error: Exception) -> RequestOutput:
+        """Finish every sequence of a group whose bookkeeping raised: ``finish_reason="error"``,
+        the message in ``RequestOutput.error``; its KV blocks are freed (not cached)."""
+        logger.error("request %s failed; the engine goes on without it", group.request_id, exc_info=error)
+        msg = f"{type(error).__name__}: {error}"
+        group.pending_forks.clear()
+        now = time.perf_counter()
+        for s in group.seqs:
+            s.error = msg
+            if not s.is_finished:
+                s.metrics.finished_time = now
+                self.scheduler.finish_request(s, RequestStatus.FINISHED_ERROR)
+        self._retire(group)
+        return self.output_processor.error_output(group, msg, error.param if isinstance(error, GrammarLimitError)
+                                                  else None)
+
+    def _append_token(self, req: Request, tok: int, lp: TokenLogprob, now: float) -> None:
+        self._append_tokens(req, [tok], [lp], now)
+
+    def _append_tokens(self, req: Request, toks: list[int], lps: list[TokenLogprob], now: float) -> None:
+        """Append generated tokens through the output processor (stop checks, detokenization:
+        :meth:`OutputProcessor.append_tokens`) and finish the request where they end it."""
+        n0 = len(req.output_token_ids)
+        status = self.output_processor.append_tokens(req, toks, lps, now)
+        self.num_generated_tokens += len(req.output_token_ids) - n0
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+
+    def _advance_beams(self, group: RequestGroup) -> bool:
+        """Run one beam-search step once every live beam has its next-token logprobs.
+
+        The new beams' KV is rearranged copy-on-write: a parent's first child takes over its
+        blocks, further children share its full blocks and copy the partial last one
+        (:meth:`KVCacheManager.clone`); parents with no child release theirs.
+
+        Returns:
+            True when the search finished.
+        """
+        live = group.seqs
+        if any(s.request_id not in group.beam_rows or s.num_computed_tokens != s.num_tokens for s in live):
+            return False
+        rows = [group.beam_rows.pop(s.request_id) for s in live]
+        outs = [list(s.output_token_ids) for s in live]
+        lengths = [s.num_tokens for s in live]
+        cands = group.beam.step(outs, [s.cumulative_logprob for s in live],
+                                [r[0] for r in rows], [r[1] for r in rows])
+        handles = [self.kv.detach(s) for s in live]
+        new_handles, used = [], set()
+        for c in cands:
+            if c.parent not in used:
+                used.add(c.parent)
+                new_handles.append(handles[c.parent])
+            else:  # no free block to copy into: this beam recomputes its tokens
+                new_handles.append(self.kv.clone(handles[c.parent], lengths[c.parent]) or ([], None))
+        for p, h in enumerate(handles):
+            if p not in used:
+                self.kv.release(h)
+        now = time.perf_counter()
+        if live[0].metrics.first_token_time is None:
+            live[0].metrics.first_token_time = now
+        while len(live) < len(cands):
+            lead = live[0]
+            beam = Request(
+                request_id=self._seq_id(group.request_id), prompt_token_ids=lead.prompt_token_ids,
+                sampling_params=lead.sampling_params, seed=lead.seed, eos_token_ids=lead.eos_token_ids,
+                prompt=lead.prompt, priority=lead.priority, cache_salt=lead.cache_salt,
+                arrival_index=lead.arrival_index, parent_id=group.request_id, sample_index=len(live),
+                status=RequestStatus.RUNNING,
+            )
+            live.append(beam)
+            self._seq_to_group[beam.request_id] = group
+            self.scheduler.running.append(beam)
+        for j, c in enumerate(cands):
+            s = live[j]
+            s.output_token_ids = outs[c.parent] + [c.token]
+            s.cumulative_logprob = c.cum_logprob
+            self.kv.attach(s, new_handles[j])
+            s.num_computed_tokens = lengths[c.parent] if new_handles[j][0] else 0
+        self.num_generated_tokens += len(cands)
+        if group.beam.done:
+            for s in live:
+                s.metrics.finished_time = now
+                self.scheduler.finish_request(s, RequestStatus.FINISHED_STOPPED)
+            return True
+        return False
+
+    def _fork_pending(self, sched, failed: dict[str, tuple[RequestGroup, Exception]]) -> None:
+        """Start the other samples of groups whose first sequence just computed its prompt."""
+        for req, _ in sched.scheduled:
+            group = self._seq_to_group.get(req.request_id)
+            if group is None or not group.pending_forks or req is not group.seqs[0] or group.request_id in failed:
+                continue
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                continue
+            with self._isolated(req, failed):
+                while group.pending_forks:
+                    child = group.pending_forks.pop(0)
+                    self.fork_prompt(req, child)
+                    self.scheduler.add_request(child)
+
+    def fork_prompt(self, src: Request, dst: Request) -> None:
+        """Give ``dst`` the KV of ``src``'s prompt except its last token.
+
+        Full blocks are shared (through the prefix cache when it is on, else by reference
+        count); the block holding the last prompt position is copied (copy-on-write), so
+        ``dst`` computes one token before sampling. See :meth:`KVCacheManager.fork`; when no
+        block is free ``dst`` is admitted normally (hitting the prefix cache if it is on).
+        """
+        if not self.kv.fork(src, dst):
+            dst.num_computed_tokens = 0
+
+    def _make_output(self, group: RequestGroup) -> RequestOutput:
+        return self.output_processor.make_output(group)
+
+    # --------------------------------------------------------------- metrics
+    def spec_stats(self) -> dict:
+        """Speculative-decoding counters (:meth:`SpecDecodeDriver.stats`); all 0 without speculation."""
+        return self.spec.stats() if self.spec is not None else SpecDecodeDriver.empty_stats()
+
+    def swap_stats(self) -> dict:
+        """The swap space's counters (:meth:`kvserve.core.kv_swap.KVSwapSpace.stats`): swap-outs and
+        swap-ins (requests), blocks moved each way, recompute fallbacks, host pool blocks and
+        usage; all 0 without a swap space."""
+        if self.swap is not None:
+            return self.swap.stats()
+        return {"swap_num_swap_outs": 0, "swap_num_swap_ins": 0, "swap_num_swapped_out_blocks": 0,
+                "swap_num_swapped_in_blocks": 0, "swap_num_recompute_fallbacks": 0, "swap_num_dropped": 0,
+                "swap_blocks_total": 0, "swap_blocks_used": 0, "swap_usage": 0.0, "num_swapped": 0}
+
+    def stats(self) -> dict:
+        """Engine counters: running/waiting requests, KV usage, preemptions, swaps, tokens."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_usage": self.kv.usage(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_priority_preemptions": self.scheduler.num_priority_preemptions,
+            "num_chunked_prefills": self.scheduler.num_chunked_prefills,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "generated_tokens": self.num_generated_tokens,
+            **self.spec_stats(),
+            **self.swap_stats(),
+            **self.kv.stats(),  # prefix-cache queries/hits/hit rates/evictions, blocks free/cached/in use
+        }
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting`` requests; retry later (HTTP 503)."""

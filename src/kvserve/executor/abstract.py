@@ -1,0 +1,48 @@
+"""The executor interface between the engine core and its workers (vLLM v1's ``Executor``).
+
+The engine core schedules; an executor runs each step's batch on however many workers there
+are, wherever they are. The core sees two calls:
+
+* :meth:`Executor.execute_model`: one step's :class:`~kvserve.core.scheduler.SchedulerOutput`
+  in, the driver worker's :class:`~kvserve.worker.model_runner.ModelRunnerOutput` out;
+* :meth:`Executor.collective_rpc`: call a method on every worker (load, KV allocation, ...)
+  and return each worker's result, in rank order.
+
+:class:`~kvserve.executor.uniproc_executor.UniProcExecutor` runs one worker in the core's own
+process; executors over several processes (``mp``) or Ray actors implement the same calls.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+from kvserve.core.scheduler import SchedulerOutput
+from kvserve.worker.model_runner import ModelRunnerOutput
+
+
+class Executor(ABC):
+    """Runs the model on the engine's workers."""
+
+    #: number of workers (tensor-parallel ranks)
+    world_size: int = 1
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` on every worker; their results in rank order.
+
+        Raises:
+            Whatever a worker's method raised (the first one, for several workers).
+        """
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; the driver worker's (rank 0's) output.
+
+        Raises:
+            Whatever the forward or the sampler raised; the engine core then isolates the
+            request at fault (:meth:`kvserve.engine.core.EngineCore.step`).
+        """
+        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def shutdown(self) -> None:
+        """Release the workers (nothing for an in-process worker)."""
