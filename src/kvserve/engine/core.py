@@ -107,7 +107,7 @@ class EngineCore:
         space, the scheduler and the workers' model runners over it."""
         args, max_len = self.args, self.max_model_len
         # Every layer windowed (Mistral v0.1): the blocks before the window are freed as a
-        # request advances (kv_cache.KVCacheManager), so a sequence of any length runs in about
+        # request advances (KVCacheManager), so a sequence of any length runs in about
         # window / block_size blocks. The radix prefix cache keeps a running request's whole
         # prefix locked, which would pin those blocks: prefix caching is off for such models.
         window = cfg.uniform_window
