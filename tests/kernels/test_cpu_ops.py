@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import cpu_ops as K
 
-pytestmark = pytest.mark.skipif(not K.available(), reason="CPU kernels need x86-64 AVX-512 and a C compiler")
+pytestmark = pytest.mark.skipif(not K.available(), reason="CPU kernels need x86-64 AVX-512 and the install's build")
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -69,12 +69,13 @@ def test_silu_and_mul(dtype, M, inter):
 
 @pytest.mark.skipif("avx512_bf16" not in K.cpu_flags(), reason="needs AVX512_BF16 (VCVTNEPS2BF16)")
 def test_hardware_and_software_bf16_rounding_agree():
-    """On AVX512_BF16 CPUs the library rounds float32 -> bf16 with VCVTNEPS2BF16; built without
-    it (other AVX-512 CPUs) it rounds in software. Both are round-to-nearest-even: the same
-    bf16 results, bit for bit, for RMSNorm (with residual) and SiLU-and-mul."""
+    """On AVX512_BF16 CPUs the loader picks the cpu_ops_avx512bf16 library, which rounds float32
+    -> bf16 with VCVTNEPS2BF16; the cpu_ops_avx512 one (other AVX-512 CPUs) rounds in software.
+    Both are round-to-nearest-even: the same bf16 results, bit for bit, for RMSNorm (with
+    residual) and SiLU-and-mul."""
     from kvserve.kernels import load_library
 
-    lib = load_library("cpu_ops_sw_rounding", K._source(hardware_bf16=False))
+    lib = load_library("cpu_ops", variant="cpu_ops_avx512")
     assert lib is not None
     sw = K._Lib(lib)
     g = torch.Generator().manual_seed(7)
@@ -311,7 +312,8 @@ def test_gemma_kernels_reject_bad_input():
 def test_gemma_kernels_hardware_and_software_bf16_rounding_agree():
     from kvserve.kernels import load_library
 
-    lib = load_library("cpu_ops_sw_rounding", K._source(hardware_bf16=False))
+    lib = load_library("cpu_ops", variant="cpu_ops_avx512")
+    assert lib is not None
     sw = K._Lib(lib)
     g = torch.Generator().manual_seed(9)
     M, E = 16, 640

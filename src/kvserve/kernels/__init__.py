@@ -1,67 +1,43 @@
-"""Small C kernels for the CPU hot paths, compiled on first use and called through ctypes.
+"""Small C kernels for the CPU hot paths, built when kvserve is installed, loaded through ctypes.
 
-Two libraries are built from C sources kept next to the code that calls them:
+The C sources are in ``csrc/cpu`` (``cpu_ops.c``, ``gemv.c`` and the AMX header they share);
+``setup.py`` compiles them at install time (``pip install .`` or ``pip install -e .``) into
+plain shared libraries in ``kvserve/_C``, one per instruction-set variant:
 
-* :mod:`kvserve.worker.layers.linear`: gemv kernels for decode-sized matmuls;
-* :mod:`kvserve.kernels.cpu_ops`: fused RMSNorm (+ residual add), SiLU-and-mul, RoPE, the
-  KV-cache write (``reshape_and_cache``) and paged decode attention.
+===========================  ==================================================  ===========================
+library                      picked when ``/proc/cpuinfo`` has                   used by
+===========================  ==================================================  ===========================
+``cpu_ops_avx512bf16.so``    :data:`AVX512` and ``avx512_bf16``                  :mod:`kvserve.kernels.cpu_ops`
+``cpu_ops_avx512.so``        :data:`AVX512` (bf16 rounding in software)          :mod:`kvserve.kernels.cpu_ops`
+``gemv.so``                  :data:`AVX512` (functions picked at run time)       :mod:`kvserve.worker.layers.linear`
+===========================  ==================================================  ===========================
 
-This module holds what they share: the CPU feature check and :func:`load_library`, which
-compiles a source once per machine into ``$KVSERVE_CACHE_DIR/kernels`` (default
-``~/.cache/kvserve/kernels``), keyed by a hash of the source, flags and compiler, and loads it.
-Libraries are loaded after torch, so their ``libgomp.so.1`` resolves to the OpenMP runtime
-torch already uses (one thread pool, no oversubscription).
+AMX (Sapphire Rapids and later) is no separate library: its functions carry their own
+``target("amx-tile,amx-bf16")`` attributes and are switched on at run time only where the CPU
+flags and Linux allow it (:func:`kvserve.kernels.cpu_ops.set_amx`). The portable fallback is
+the PyTorch path every caller keeps: on a CPU without AVX-512, off x86-64, on CUDA tensors, with
+``KVSERVE_DISABLE_CPU_KERNELS=1``, or when the install built no libraries (no compiler then;
+``kvserve.kernels`` logs one warning line, once per process).
 
-Nothing here is required: where a kernel cannot be built or run (no C compiler, a CPU without
-AVX-512, CUDA tensors, ``KVSERVE_DISABLE_CPU_KERNELS=1``) callers fall back to PyTorch ops.
+Nothing here runs a compiler: :func:`load_library` only opens a file that the install put
+there, so kvserve gets its kernels on a machine without gcc. ``KVSERVE_KERNELS_DIR`` points
+the loader at another directory of built libraries. Libraries are loaded after torch, so their
+``libgomp.so.1`` resolves to the OpenMP runtime torch already uses (one thread pool, no
+oversubscription).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
+import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
 from pathlib import Path
 from typing import Optional
 
-#: C shared by the libraries that use Intel AMX tiles (needs <immintrin.h>, <stdint.h> and
-#: <string.h> included first): the tile state request and the one tile configuration they use.
-AMX_C_SOURCE = r"""
-#include <sys/syscall.h>
-#include <unistd.h>
+logger = logging.getLogger(__name__)
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} kv_tilecfg_t;
-
-/* Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
- * 1 if granted. Per process; asking again is harmless. */
-static int kv_amx_request(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
-
-/* Load this thread's tile configuration: all 8 tiles 16 rows x 64 bytes (release with
- * _tile_release() when done). */
-static inline __attribute__((target("amx-tile"))) void kv_amx_config(void) {
-    kv_tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
-"""
-
-#: Compiler flags of every kernel library.
-CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 #: CPU features every kernel library needs (``/proc/cpuinfo`` names).
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"})
 
@@ -84,56 +60,90 @@ def kernels_disabled() -> bool:
     return os.environ.get("KVSERVE_DISABLE_CPU_KERNELS", "") not in ("", "0")
 
 
-def cache_dir() -> Path:
-    """Where compiled libraries are kept."""
-    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvserve")
-    return Path(root) / "kernels"
+#: The variants of each kernel library, best first, with the CPU flags each needs.
+VARIANTS: dict[str, tuple[tuple[str, frozenset[str]], ...]] = {
+    "cpu_ops": (("cpu_ops_avx512bf16", AVX512 | {"avx512_bf16"}), ("cpu_ops_avx512", AVX512)),
+    "gemv": (("gemv", AVX512),),
+}
 
 
-def _build(name: str, source: str, cc: str) -> Path:
-    """Compile ``source`` into the cache (atomic rename, safe with parallel processes)."""
-    tag = hashlib.sha256((source + " ".join(CFLAGS) + cc).encode()).hexdigest()[:16]
-    out = cache_dir() / f"kvserve_{name}_{tag}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / f"{name}.c"
-        src.write_text(source)
-        tmp_so = Path(tmp) / f"{name}.so"
-        subprocess.run([cc, *CFLAGS, str(src), "-o", str(tmp_so), "-lm"], check=True, capture_output=True,
-                       timeout=180)
-        fd, staged = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-        os.close(fd)
-        shutil.copyfile(tmp_so, staged)
-        os.replace(staged, out)
-    return out
+def lib_dir() -> Path:
+    """Where the built libraries are: ``$KVSERVE_KERNELS_DIR``, else ``kvserve/_C`` beside this
+    package (the source tree in an editable install, site-packages otherwise)."""
+    env = os.environ.get("KVSERVE_KERNELS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "_C"
 
 
-def load_library(name: str, source: str) -> Optional[ctypes.CDLL]:
-    """Build (once per machine) and load a kernel library; None where that is impossible.
+def library_path(variant: str) -> Path:
+    """The file of one built variant (``<lib_dir>/<variant>.so``; it may not exist)."""
+    return lib_dir() / f"{variant}.so"
+
+
+def pick_variant(name: str, flags: Optional[frozenset[str]] = None) -> Optional[str]:
+    """The best variant of library ``name`` (a key of :data:`VARIANTS`) that this CPU runs and
+    the install built; None if there is none.
 
     Args:
-        name: short library name, part of the cached file name.
-        source: the C source.
+        name: ``"cpu_ops"`` or ``"gemv"``.
+        flags: CPU flags to decide for (default: :func:`cpu_flags`).
+
+    Raises:
+        KeyError: for an unknown ``name``.
+    """
+    flags = cpu_flags() if flags is None else flags
+    for variant, needs in VARIANTS[name]:
+        if needs <= flags and library_path(variant).is_file():
+            return variant
+    return None
+
+
+_missing_logged = False
+
+
+def _log_missing() -> None:
+    """The one log line (per process) saying that the install left no kernels to load."""
+    global _missing_logged
+    if _missing_logged:
+        return
+    _missing_logged = True
+    missing = [n for n in VARIANTS if pick_variant(n) is None]
+    logger.warning("kvserve: no CPU kernel library for %s in %s (not built at install, see setup.py); "
+                   "running on PyTorch ops", " or ".join(missing), lib_dir())
+
+
+def load_library(name: str, variant: Optional[str] = None) -> Optional[ctypes.CDLL]:
+    """Load the built kernel library ``name`` for this CPU; None where that is impossible.
+    Never compiles anything.
+
+    Args:
+        name: ``"cpu_ops"`` or ``"gemv"`` (a key of :data:`VARIANTS`).
+        variant: load this variant instead of the one :func:`pick_variant` chooses (the caller
+            must know that the CPU runs it; tests compare variants this way).
 
     Returns:
-        The loaded library, or None on a non-x86-64 machine, a CPU without :data:`AVX512`, no C
-        compiler (``$CC``, ``gcc`` or ``cc``), a failed build (a ``RuntimeWarning`` says why) or
-        when kernels are disabled by the environment.
+        The loaded library, or None on a non-x86-64 machine, a CPU without :data:`AVX512`, when
+        kernels are disabled by the environment, or when no library was built (then one
+        warning is logged, once per process) or it cannot be loaded (a warning says why).
+
+    Raises:
+        KeyError: for an unknown ``name``.
     """
     if kernels_disabled() or platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     if not AVX512 <= cpu_flags():
         return None
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cc:
-        return None
+    if variant is None:
+        variant = pick_variant(name)
+        if variant is None:
+            _log_missing()
+            return None
+    return _open(str(library_path(variant)))
+
+
+@functools.lru_cache(maxsize=None)
+def _open(path: str) -> Optional[ctypes.CDLL]:
     try:
-        return ctypes.CDLL(str(_build(name, source, cc)))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        warnings.warn(f"kvserve: CPU kernels {name!r} unavailable, using PyTorch ops ({e}; {detail[-500:]!r})",
-                      RuntimeWarning, stacklevel=2)
+        return ctypes.CDLL(path)
+    except OSError as e:
+        logger.warning("kvserve: cannot load CPU kernel library %s (%s); running on PyTorch ops", path, e)
         return None

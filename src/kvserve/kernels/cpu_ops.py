@@ -28,1549 +28,7 @@ from typing import Optional
 import torch
 
 from kvserve.worker import kv_quant
-from kvserve.kernels import AMX_C_SOURCE, cpu_flags, load_library
-
-_C_SOURCE = r"""
-/* kvserve fused CPU ops (see cpu_ops.py). Every function takes `bf` = 1 for bfloat16 data
- * (uint16 storage), 0 for float32; the always-inline helpers specialise on it. */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* KV_AVX512BF16 (defined by cpu_ops.py on CPUs with AVX512_BF16): float32 -> bf16 rounding
- * by VCVTNEPS2BF16, one instruction instead of seven (SiLU-and-mul and RMSNorm ~1.3x faster). */
-#ifdef KV_AVX512BF16
-#define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
-#else
-#define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#endif
-#define INLINE static inline __attribute__((always_inline))
-#define MAXV 16 /* head_dim <= 256 */
-
-INLINE TGT __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
-
-INLINE TGT __m512 bf16x16_to_ps(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* float32 -> bfloat16, round to nearest even, NaN kept quiet (as c10::BFloat16; VCVTNEPS2BF16
- * also flushes float32 denormals, below 1.2e-38 in magnitude, to zero). */
-INLINE TGT __m256i ps_to_bf16x16(__m512 v) {
-#ifdef KV_AVX512BF16
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-#endif
-}
-
-INLINE TGT __m512 ld(const void* p, int64_t i, __mmask16 m, int bf) {
-    if (bf) return bf16x16_to_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t*)p + i));
-    return _mm512_maskz_loadu_ps(m, (const float*)p + i);
-}
-
-INLINE TGT void st(void* p, int64_t i, __m512 v, __mmask16 m, int bf) {
-    if (bf) _mm256_mask_storeu_epi16((uint16_t*)p + i, m, ps_to_bf16x16(v));
-    else _mm512_mask_storeu_ps((float*)p + i, m, v);
-}
-
-/* The value a PyTorch op in the model dtype would store: identity in float32. */
-INLINE TGT __m512 rnd(__m512 v, int bf) { return bf ? bf16x16_to_ps(ps_to_bf16x16(v)) : v; }
-
-INLINE const void* at(const void* p, int64_t i, int bf) { return (const char*)p + i * (bf ? 2 : 4); }
-INLINE void* atw(void* p, int64_t i, int bf) { return (char*)p + i * (bf ? 2 : 4); }
-
-/* exp(x), Cephes expf polynomial on [-ln2/2, ln2/2] and 2^n by VSCALEFPS (~1 ulp). */
-INLINE TGT __m512 exp_ps(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* ---- RMSNorm, optionally fused with the residual add --------------------------------------
- * With residual (vLLM's fused_add_rms_norm):  residual = x + residual;  out = norm(residual).
- * Without:                                      out = norm(x).
- * norm(h) = w * to_dtype(h * rsqrt(mean(h^2) + eps)), h in float32 (Hugging Face LlamaRMSNorm). */
-/* 1 / sqrt(mean(x^2) + eps) over a row of dim values, in float32, broadcast to a vector. */
-INLINE TGT __m512 inv_rms(const void* x, int64_t dim, float eps, int bf) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < dim; i += 16) {
-        __m512 v = ld(x, i, tail_mask(dim - i), bf);
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    return _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
-}
-
-INLINE TGT void rms_norm_row(const void* x, void* res, const void* w, void* out, int64_t dim, float eps, int bf) {
-    const void* src = x;
-    if (res) {
-        for (int64_t i = 0; i < dim; i += 16) {
-            __mmask16 m = tail_mask(dim - i);
-            st(res, i, _mm512_add_ps(ld(x, i, m, bf), ld(res, i, m, bf)), m, bf);
-        }
-        src = res;
-    }
-    const __m512 vinv = inv_rms(src, dim, eps, bf);
-    for (int64_t i = 0; i < dim; i += 16) {
-        __mmask16 m = tail_mask(dim - i);
-        __m512 h = rnd(_mm512_mul_ps(ld(src, i, m, bf), vinv), bf);
-        st(out, i, _mm512_mul_ps(ld(w, i, m, bf), h), m, bf);
-    }
-}
-
-TGT void kv_rms_norm(const void* x, int64_t ldx, void* res, int64_t ldr, const void* w, void* out, int64_t ldo,
-                     int64_t M, int64_t dim, float eps, int bf, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        if (bf)
-            rms_norm_row(at(x, m * ldx, 1), res ? atw(res, m * ldr, 1) : NULL, w, atw(out, m * ldo, 1), dim, eps, 1);
-        else
-            rms_norm_row(at(x, m * ldx, 0), res ? atw(res, m * ldr, 0) : NULL, w, atw(out, m * ldo, 0), dim, eps, 0);
-    }
-}
-
-/* ---- SiLU-and-mul (SwiGLU): out = to_dtype(silu(gate)) * up, x = [gate | up] ------------ */
-INLINE TGT void silu_mul_row(const void* x, void* out, int64_t I, int bf) {
-    for (int64_t i = 0; i < I; i += 16) {
-        __mmask16 m = tail_mask(I - i);
-        __m512 g = ld(x, i, m, bf), u = ld(x, I + i, m, bf);
-        __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        st(out, i, _mm512_mul_ps(rnd(s, bf), u), m, bf);
-    }
-}
-
-TGT void kv_silu_and_mul(const void* x, int64_t ldx, void* out, int64_t ldo, int64_t M, int64_t I, int bf,
-                         int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        if (bf) silu_mul_row(at(x, m * ldx, 1), atw(out, m * ldo, 1), I, 1);
-        else silu_mul_row(at(x, m * ldx, 0), atw(out, m * ldo, 0), I, 0);
-    }
-}
-
-/* ---- Log partition of logit rows (the sampler's logprobs) ----------------------------------
- * lse_row = log(sum_v exp(x[v] - mx)), mx the row maximum (finite); -inf logits add 0. Float32
- * or bf16 rows (bf16 values widen exactly, so a bf16 row gives the float of its float32 copy). */
-INLINE TGT float lse_row(const void* row, int64_t V, float mxv, int bf) {
-    const __m512 vm = _mm512_set1_ps(mxv), ninf = _mm512_set1_ps(-INFINITY);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int64_t v = 0;
-    for (; v + 32 <= V; v += 32) {
-        const __m512 a = ld(row, v, 0xffff, bf), b = ld(row, v + 16, 0xffff, bf);
-        acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, ninf, _CMP_NEQ_OQ),
-                                                       exp_ps(_mm512_sub_ps(a, vm))));
-        acc1 = _mm512_add_ps(acc1, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(b, ninf, _CMP_NEQ_OQ),
-                                                       exp_ps(_mm512_sub_ps(b, vm))));
-    }
-    for (; v < V; v += 16) {
-        const __mmask16 t = tail_mask(V - v);
-        const __m512 a = ld(row, v, t, bf);
-        acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps(t & _mm512_cmp_ps_mask(a, ninf, _CMP_NEQ_OQ),
-                                                       exp_ps(_mm512_sub_ps(a, vm))));
-    }
-    return logf(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)));
-}
-
-/* out[m] = lse_row of float32 row m with its maximum mx[m]. */
-TGT void kv_log_sum_exp(const float* x, int64_t ldx, const float* mx, float* out, int64_t M, int64_t V,
-                        int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < M; m++) out[m] = lse_row(x + m * ldx, V, mx[m], 0);
-}
-
-/* ---- Token bitmask (structured output), in place ------------------------------------------
- * Mask row m (int32, W words) applies to row rows[m] of x (float32, stride ldx; row m when rows
- * is NULL): column v keeps its value where bit v % 32 of word v / 32 is set and becomes -inf
- * otherwise (columns at or past 32 * W included). Branch-free: 16 columns per masked blend. */
-TGT void kv_apply_token_bitmask(float* x, int64_t ldx, const int32_t* mask, int64_t W, const int64_t* rows,
-                                int64_t M, int64_t V, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        float* row = x + (rows ? rows[m] : m) * ldx;
-        const uint32_t* bits = (const uint32_t*)(mask + m * W);
-        const __m512 ninf = _mm512_set1_ps(-INFINITY);
-        for (int64_t v = 0; v < V; v += 16) {
-            const __mmask16 t = tail_mask(V - v);
-            const int64_t w = v >> 5;
-            const __mmask16 keep = w < W ? (__mmask16)(bits[w] >> (v & 31)) : (__mmask16)0;
-            const __m512 a = _mm512_maskz_loadu_ps(t, row + v);
-            _mm512_mask_storeu_ps(row + v, t, _mm512_mask_mov_ps(ninf, keep, a));
-        }
-    }
-}
-
-/* ---- Greedy choice over logit rows --------------------------------------------------------
- * Per row m of x (float32 or bf16, stride ldx): token[m] = the first index of the row maximum,
- * row_max[m] = that maximum and log_z[m] = lse_row (so the token's logprob is -log_z[m]);
- * token[m] = -1 when the maximum is not finite (a NaN or +-inf in the row's max). */
-TGT void kv_greedy(const void* x, int64_t ldx, int bf, int64_t* token, float* row_max, float* log_z, int64_t M,
-                   int64_t V, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const void* row = at(x, m * ldx, bf);
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        __mmask16 nan = 0;
-        for (int64_t v = 0; v < V; v += 16) {
-            const __mmask16 t = tail_mask(V - v);
-            const __m512 a = ld(row, v, t, bf);
-            nan |= _mm512_mask_cmp_ps_mask(t, a, a, _CMP_UNORD_Q);
-            vmax = _mm512_mask_max_ps(vmax, t, vmax, a);
-        }
-        const float mxv = _mm512_reduce_max_ps(vmax);
-        row_max[m] = mxv;
-        if (nan || !isfinite(mxv)) {
-            token[m] = -1;
-            log_z[m] = NAN;
-            continue;
-        }
-        const __m512 vm = _mm512_set1_ps(mxv);
-        int64_t idx = -1;
-        for (int64_t v = 0; v < V && idx < 0; v += 16) {
-            const __mmask16 t = tail_mask(V - v);
-            const __mmask16 eq = _mm512_mask_cmp_ps_mask(t, ld(row, v, t, bf), vm, _CMP_EQ_OQ);
-            if (eq) idx = v + __builtin_ctz((unsigned)eq);
-        }
-        token[m] = idx;
-        log_z[m] = lse_row(row, V, mxv, bf);
-    }
-}
-
-/* ---- RoPE (GPT-NeoX / Hugging Face rotate_half layout), in place ---------------------------
- * x: T rows (stride ldx) of nheads heads of hd values; row t rotated by position pos[t]:
- *   x1' = x1*cos1 - x2*sin1,  x2' = x2*cos2 + x1*sin2  (x1, x2 the two halves; tables [P, hd]),
- * rounded like `x * cos + rotate_half(x) * sin` in the model dtype. */
-INLINE TGT void rope_row(void* x, int64_t nheads, int64_t hd, const void* c, const void* s, int bf) {
-    const int64_t half = hd / 2;
-    for (int64_t h = 0; h < nheads; h++) {
-        void* xh = atw(x, h * hd, bf);
-        for (int64_t i = 0; i < half; i += 16) {
-            __mmask16 m = tail_mask(half - i);
-            __m512 x1 = ld(xh, i, m, bf), x2 = ld(xh, half + i, m, bf);
-            __m512 c1 = ld(c, i, m, bf), c2 = ld(c, half + i, m, bf);
-            __m512 s1 = ld(s, i, m, bf), s2 = ld(s, half + i, m, bf);
-            __m512 y1 = _mm512_add_ps(rnd(_mm512_mul_ps(x1, c1), bf),
-                                      rnd(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1), bf));
-            __m512 y2 = _mm512_add_ps(rnd(_mm512_mul_ps(x2, c2), bf), rnd(_mm512_mul_ps(x1, s2), bf));
-            st(xh, i, y1, m, bf);
-            st(xh, half + i, y2, m, bf);
-        }
-    }
-}
-
-TGT void kv_rope(void* x, int64_t ldx, int64_t T, int64_t nheads, int64_t hd, const int64_t* pos, const void* cos,
-                 const void* sin, int bf, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        if (bf) rope_row(atw(x, t * ldx, 1), nheads, hd, at(cos, pos[t] * hd, 1), at(sin, pos[t] * hd, 1), 1);
-        else rope_row(atw(x, t * ldx, 0), nheads, hd, at(cos, pos[t] * hd, 0), at(sin, pos[t] * hd, 0), 0);
-    }
-}
-
-/* ---- Gemma RMSNorm (zero-centred weight), optionally the sandwich residual add --------------
- * gnorm(x; w) = to_dtype((x * rsqrt(mean(x^2) + eps)) * (1 + w)), x and 1 + w in float32,
- * rounded once at the end (Hugging Face Gemma3RMSNorm). In place is allowed (out == x). */
-INLINE TGT void gemma_norm_row(const void* x, const void* w, void* out, int64_t dim, float eps, int bf) {
-    const __m512 vinv = inv_rms(x, dim, eps, bf);
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t i = 0; i < dim; i += 16) {
-        __mmask16 m = tail_mask(dim - i);
-        __m512 h = _mm512_mul_ps(ld(x, i, m, bf), vinv);
-        st(out, i, _mm512_mul_ps(h, _mm512_add_ps(one, ld(w, i, m, bf))), m, bf);
-    }
-}
-
-/* Sandwich step: res = res + gnorm(x; w) (the norm rounded to the dtype, then the add rounded,
- * as PyTorch's `h + norm(a)`); then, when w2 is given, out = gnorm(res; w2) (the next norm). */
-INLINE TGT void gemma_add_norm_row(const void* x, void* res, const void* w, const void* w2, void* out, int64_t dim,
-                                   float eps, int bf) {
-    const __m512 vinv = inv_rms(x, dim, eps, bf);
-    const __m512 one = _mm512_set1_ps(1.0f);
-    __m512 acc2 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < dim; i += 16) {
-        __mmask16 m = tail_mask(dim - i);
-        __m512 n = rnd(_mm512_mul_ps(_mm512_mul_ps(ld(x, i, m, bf), vinv), _mm512_add_ps(one, ld(w, i, m, bf))), bf);
-        __m512 r = rnd(_mm512_add_ps(ld(res, i, m, bf), n), bf);
-        st(res, i, r, m, bf);
-        acc2 = _mm512_fmadd_ps(r, r, acc2);
-    }
-    if (!w2) return;
-    const __m512 vinv2 = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc2) / (float)dim + eps));
-    for (int64_t i = 0; i < dim; i += 16) {
-        __mmask16 m = tail_mask(dim - i);
-        __m512 h = _mm512_mul_ps(ld(res, i, m, bf), vinv2);
-        st(out, i, _mm512_mul_ps(h, _mm512_add_ps(one, ld(w2, i, m, bf))), m, bf);
-    }
-}
-
-/* res == NULL: out = gnorm(x; w).  Else: res = res + gnorm(x; w), and out = gnorm(res; w2) when
- * w2 (and out) are given. M rows of dim values; row strides ldx, ldr, ldo. */
-TGT void kv_gemma_rms_norm(const void* x, int64_t ldx, const void* w, void* res, int64_t ldr, const void* w2,
-                           void* out, int64_t ldo, int64_t M, int64_t dim, float eps, int bf, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        if (!res) {
-            if (bf) gemma_norm_row(at(x, m * ldx, 1), w, atw(out, m * ldo, 1), dim, eps, 1);
-            else gemma_norm_row(at(x, m * ldx, 0), w, atw(out, m * ldo, 0), dim, eps, 0);
-        } else if (bf) {
-            gemma_add_norm_row(at(x, m * ldx, 1), atw(res, m * ldr, 1), w, w2, w2 ? atw(out, m * ldo, 1) : NULL, dim,
-                               eps, 1);
-        } else {
-            gemma_add_norm_row(at(x, m * ldx, 0), atw(res, m * ldr, 0), w, w2, w2 ? atw(out, m * ldo, 0) : NULL, dim,
-                               eps, 0);
-        }
-    }
-}
-
-/* ---- Gemma QK-norm + RoPE, in place ----------------------------------------------------------
- * x: T rows (stride ldx) holding H query heads then KVH key heads of hd values (a fused QKV
- * output; v after them is untouched). Each head: gnorm with qw (query) or kw (key), rounded to
- * the dtype, then rope_row at position pos[t] (tables [P, hd]). */
-INLINE TGT void qk_norm_rope_row(void* x, int64_t H, int64_t KVH, int64_t hd, const void* qw, const void* kw,
-                                 float eps, const void* c, const void* s, int bf) {
-    for (int64_t h = 0; h < H + KVH; h++) {
-        void* xh = atw(x, h * hd, bf);
-        gemma_norm_row(xh, h < H ? qw : kw, xh, hd, eps, bf);
-        rope_row(xh, 1, hd, c, s, bf);
-    }
-}
-
-TGT void kv_gemma_qk_norm_rope(void* x, int64_t ldx, int64_t T, int64_t H, int64_t KVH, int64_t hd, const void* qw,
-                               const void* kw, float eps, const int64_t* pos, const void* cos, const void* sin, int bf,
-                               int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        if (bf)
-            qk_norm_rope_row(atw(x, t * ldx, 1), H, KVH, hd, qw, kw, eps, at(cos, pos[t] * hd, 1),
-                             at(sin, pos[t] * hd, 1), 1);
-        else
-            qk_norm_rope_row(atw(x, t * ldx, 0), H, KVH, hd, qw, kw, eps, at(cos, pos[t] * hd, 0),
-                             at(sin, pos[t] * hd, 0), 0);
-    }
-}
-
-/* ---- GeGLU: out = to_dtype(gelu_tanh(gate)) * up, x = [gate | up] --------------------------
- * gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), evaluated in the order of
- * PyTorch's vectorized kernel (GeluKernel.cpp). tanh: Cephes tanhf, an odd polynomial for
- * |y| < 0.625, else 1 - 2 / (exp(2|y|) + 1) with the sign of y (~2 ulp), and exactly +-1 for
- * |y| > 8.6643 as PyTorch's vectorized tanh (Sleef) gives, so that gelu of gates below about
- * -4.9 is 0 as in PyTorch, not a value of ~1e-7. */
-INLINE TGT __m512 tanh_ps(__m512 y) {
-    const __m512 a = _mm512_abs_ps(y), one = _mm512_set1_ps(1.0f);
-    const __m512 z = _mm512_mul_ps(y, y);
-    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
-    const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), y, y);
-    __m512 big = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(exp_ps(_mm512_add_ps(a, a)), one)));
-    big = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(8.664339742f), _CMP_GT_OQ), big, one);
-    big = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(big), /* the sign of y */
-                                              _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN))));
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_LT_OQ), big, small);
-}
-
-INLINE TGT __m512 gelu_tanh_ps(__m512 g) {
-    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-    const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                       _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube)));
-    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g),
-                         _mm512_add_ps(_mm512_set1_ps(1.0f), tanh_ps(inner)));
-}
-
-INLINE TGT void gelu_mul_row(const void* x, void* out, int64_t I, int bf) {
-    for (int64_t i = 0; i < I; i += 16) {
-        __mmask16 m = tail_mask(I - i);
-        st(out, i, _mm512_mul_ps(rnd(gelu_tanh_ps(ld(x, i, m, bf)), bf), ld(x, I + i, m, bf)), m, bf);
-    }
-}
-
-TGT void kv_gelu_tanh_and_mul(const void* x, int64_t ldx, void* out, int64_t ldo, int64_t M, int64_t I, int bf,
-                              int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        if (bf) gelu_mul_row(at(x, m * ldx, 1), atw(out, m * ldo, 1), I, 1);
-        else gelu_mul_row(at(x, m * ldx, 0), atw(out, m * ldo, 0), I, 0);
-    }
-}
-
-/* ---- 8-bit KV cache (kv_quant.py) ----------------------------------------------------------
- * A pool row of one token and KV head is hd codes, then the head's float32 scale s; the value
- * is code * s in float32, rounded to the model dtype by whoever reads it. fmt 1: int8 codes,
- * s = max|x| / 127, code = round_half_even(x / s); fmt 2: FP8 E4M3 (OCP e4m3fn, max 448), s =
- * max|x| / 448, code = e4m3(x / s) rounded to nearest even. Both bit for bit as kv_quant.py's
- * PyTorch ops (IEEE division, round to nearest even; a zero row gets s = 1). */
-#define KV_QROW(hd) ((hd) + 4) /* bytes of a pool row */
-
-/* 16 e4m3 codes -> float32 (exact; normals by moving the bits, subnormals m * 2^-9). */
-INLINE TGT __m512 fp8_to_ps(__m128i b) {
-    const __m512i v = _mm512_cvtepu8_epi32(b);
-    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
-    const __m512 nrm = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(7))),
-                                     _mm512_set1_ps(1.0f / 512.0f));
-    const __m512 r = _mm512_mask_mov_ps(sub, _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x78)), nrm);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r),
-                                               _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24)));
-}
-
-/* float32 -> e4m3 codes (|y| <= 448 expected; larger magnitudes saturate to 448), round to
- * nearest even as c10's conversion: below 2^-6 by adding 2^14 (whose float32 ulp is the e4m3
- * subnormal step 2^-9), above by rounding the mantissa to 3 bits. */
-INLINE TGT __m128i ps_to_fp8(__m512 y) {
-    const __m512i u = _mm512_castps_si512(y);
-    const __m512i sign = _mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u)), 24);
-    const __m512 a = _mm512_abs_ps(y);
-    const __m512i ua = _mm512_castps_si512(a);
-    __m512i n = _mm512_add_epi32(ua, _mm512_and_si512(_mm512_srli_epi32(ua, 20), _mm512_set1_epi32(1)));
-    n = _mm512_srli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(0x7ffff - (120 << 23))), 20);
-    n = _mm512_min_epi32(n, _mm512_set1_epi32(0x7e));
-    const __m512i d = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(a, _mm512_set1_ps(16384.0f))),
-                                       _mm512_set1_epi32(0x46800000));
-    const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f / 64.0f), _CMP_LT_OQ);
-    return _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_mask_mov_epi32(n, small, d), sign));
-}
-
-/* Dequantized values i .. i + 15 (mask m) of a pool row with scale vs, in float32. */
-INLINE TGT __m512 ldq8(const uint8_t* row, int64_t i, __mmask16 m, __m512 vs, int fmt) {
-    const __m128i b = _mm_maskz_loadu_epi8(m, row + i);
-    const __m512 f = fmt == 1 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)) : fp8_to_ps(b);
-    return _mm512_mul_ps(f, vs);
-}
-
-/* Quantize one row x (hd values, model dtype) into dst (hd codes + the scale). */
-INLINE TGT void quant_row(const void* x, uint8_t* dst, int64_t hd, int bf, int fmt) {
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < hd; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(ld(x, i, tail_mask(hd - i), bf)));
-    const float a = _mm512_reduce_max_ps(amax);
-    const float s = a > 0.0f ? a / (fmt == 1 ? 127.0f : 448.0f) : 1.0f;
-    const __m512 vs = _mm512_set1_ps(s);
-    for (int64_t i = 0; i < hd; i += 16) {
-        const __mmask16 m = tail_mask(hd - i);
-        const __m512 y = _mm512_div_ps(ld(x, i, m, bf), vs);
-        __m128i c;
-        if (fmt == 1) {
-            __m512i r = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            r = _mm512_max_epi32(_mm512_min_epi32(r, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-            c = _mm512_cvtepi32_epi8(r);
-        } else {
-            c = ps_to_fp8(y);
-        }
-        _mm_mask_storeu_epi8(dst + i, m, c);
-    }
-    memcpy(dst + hd, &s, 4);
-}
-
-/* KV-cache write into 8-bit pools [.., KVH, hd + 4]: cache[slot[t]] = quantized k[t], v[t]
- * (KVH heads of hd model-dtype values per token, token strides ldk/ldv; slot < 0 skipped). */
-TGT void kv_reshape_and_cache_q(const void* k, int64_t ldk, const void* v, int64_t ldv, void* k_cache, void* v_cache,
-                                const int64_t* slots, int64_t T, int64_t KVH, int64_t hd, int bf, int fmt) {
-    const int64_t rb = KV_QROW(hd);
-    for (int64_t t = 0; t < T; t++) {
-        if (slots[t] < 0) continue;
-        uint8_t* kr = (uint8_t*)k_cache + slots[t] * KVH * rb;
-        uint8_t* vr = (uint8_t*)v_cache + slots[t] * KVH * rb;
-        for (int64_t h = 0; h < KVH; h++) {
-            if (bf) {
-                quant_row(at(k, t * ldk + h * hd, 1), kr + h * rb, hd, 1, fmt);
-                quant_row(at(v, t * ldv + h * hd, 1), vr + h * rb, hd, 1, fmt);
-            } else {
-                quant_row(at(k, t * ldk + h * hd, 0), kr + h * rb, hd, 0, fmt);
-                quant_row(at(v, t * ldv + h * hd, 0), vr + h * rb, hd, 0, fmt);
-            }
-        }
-    }
-}
-
-/* Keys [0, L) of KV heads [g0, g0 + ns) of one sequence (block table bt, block size bs) of an
- * 8-bit pool, dequantized into dst [Lpad][ns][hd] in the model dtype (rows L .. Lpad - 1
- * zero). The attention kernels then read dst as a one-block cache of ns KV heads. */
-INLINE TGT void dequant_ctx(const uint8_t* cache, const int64_t* bt, int64_t L, int64_t Lpad, int64_t bs, int64_t KVH,
-                            int64_t hd, int64_t g0, int64_t ns, void* dst, int bf, int fmt) {
-    const int64_t rb = KV_QROW(hd);
-    for (int64_t j = 0; j < L; j++) {
-        const uint8_t* src = cache + ((bt[j / bs] * bs + j % bs) * KVH + g0) * rb;
-        if (j + 8 < L) { /* the row 8 keys ahead */
-            const char* nx = (const char*)(cache + ((bt[(j + 8) / bs] * bs + (j + 8) % bs) * KVH + g0) * rb);
-            for (int64_t b = 0; b < ns * rb; b += 64) _mm_prefetch(nx + b, _MM_HINT_T0);
-        }
-        for (int64_t h = 0; h < ns; h++) {
-            const uint8_t* r = src + h * rb;
-            float s;
-            memcpy(&s, r + hd, 4);
-            const __m512 vs = _mm512_set1_ps(s);
-            for (int64_t i = 0; i < hd; i += 16) {
-                const __mmask16 m = tail_mask(hd - i);
-                if (bf) st(dst, (j * ns + h) * hd + i, ldq8(r, i, m, vs, fmt), m, 1);
-                else st(dst, (j * ns + h) * hd + i, ldq8(r, i, m, vs, fmt), m, 0);
-            }
-        }
-    }
-    if (Lpad > L) memset(atw(dst, L * ns * hd, bf), 0, (size_t)((Lpad - L) * ns * hd * (bf ? 2 : 4)));
-}
-
-/* ---- KV-cache write: cache[slot[t]] = k[t], v[t] (rows of `row` elements; slot < 0 skipped) */
-void kv_reshape_and_cache(const void* k, int64_t ldk, const void* v, int64_t ldv, void* k_cache, void* v_cache,
-                          const int64_t* slots, int64_t T, int64_t row, int64_t esize) {
-    for (int64_t t = 0; t < T; t++) {
-        if (slots[t] < 0) continue;
-        memcpy((char*)k_cache + slots[t] * row * esize, (const char*)k + t * ldk * esize, row * esize);
-        memcpy((char*)v_cache + slots[t] * row * esize, (const char*)v + t * ldv * esize, row * esize);
-    }
-}
-
-/* ---- Paged decode attention ----------------------------------------------------------------
- * One query token per sequence d (row stride ldq, H heads of hd), attending over the first
- * ctx[d] tokens of its sequence, read through its block table (stride bt_stride) from caches
- * [num_blocks, bs, KVH, hd]. GQA: the G = H / KVH query heads of KV head g share each loaded
- * K/V vector. Exact two-pass softmax in float32: scores, max, exp and sum, then P @ V.
- *
- * Scores are computed 16 keys at a time: 16 partial-product vectors are summed horizontally
- * together by a transpose-and-add tree (45 shuffles/adds for 16 dot products instead of a
- * full reduction each). P @ V keeps its G x NV accumulators in registers when G and NV are
- * small compile-time constants (the common GQA shapes). */
-
-/* Software prefetch of rows [j0, j1) (clipped to L) of one KV head through the block table:
- * `bytes` from element `off` of each token row (rs elements per token). */
-#define KV_PFD 48 /* keys ahead */
-INLINE void prefetch_rows(const void* cache, int64_t esize, const int64_t* bt, int64_t j0, int64_t j1, int64_t L,
-                          int64_t bs, int64_t rs, int64_t off, int64_t bytes) {
-    if (j1 > L) j1 = L;
-    for (int64_t j = j0; j < j1; j++) {
-        const char* p = (const char*)cache + ((bt[j / bs] * bs + j % bs) * rs + off) * esize;
-        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-    }
-}
-
-/* r[i] = sum of the 16 lanes of v[i], i < 16. */
-INLINE TGT __m512 hsum16(const __m512* v) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xee));
-    __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
-    __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xdd));
-}
-
-/* Softmax numerators in place over G rows of L scores (sc[h * L + j]), exact max-shifted
- * float32; inv_sum[h] = 1 / sum of row h. */
-INLINE TGT void softmax_rows(float* sc, int64_t G, int64_t L, float* inv_sum) {
-    for (int64_t h = 0; h < G; h++) {
-        float* s = sc + h * L;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < L; j += 16) mx = _mm512_mask_max_ps(mx, tail_mask(L - j), mx, _mm512_loadu_ps(s + j));
-        const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < L; j += 16) {
-            __mmask16 m = tail_mask(L - j);
-            __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmax)));
-            _mm512_mask_storeu_ps(s + j, m, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
-}
-
-/* G, NV: query heads per KV head and 16-float vectors per head (compile-time after inlining,
- * or runtime in the generic instance). kt: scratch for 16 converted keys [16][NV*16]. */
-INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, const void* kc, const void* vc,
-                          const int64_t* bt, int64_t J, int64_t L, void* out, int64_t KVH, int64_t g, int64_t hd,
-                          int64_t bs, float scale, float* sc, float* qf, float* kt, int bf) {
-    const int64_t rs = KVH * hd; /* elements between consecutive tokens of one KV head */
-    const int64_t Lw = L - J;    /* keys attended: [J, L) */
-    /* Software prefetch of upcoming tokens. The KV heads of a token are adjacent and the
-     * work items of one sequence run g = 0, 1, ... in turn, so the first one prefetches whole
-     * token rows (sequential DRAM reads; the rows stay in L2 for the other heads). */
-    const int64_t pf_bytes = (g == 0 ? rs : hd) * (bf ? 2 : 4);
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < NV; v++)
-            _mm512_storeu_ps(qf + (h * NV + v) * 16, _mm512_mul_ps(ld(q, (g * G + h) * hd + v * 16,
-                                                                      tail_mask(hd - v * 16), bf), _mm512_set1_ps(scale)));
-    /* pass 1: scores, 16 keys per step (chunks never cross a block) */
-    for (int64_t j0 = J; j0 < L;) {
-        const int64_t blk = bt[j0 / bs], o0 = j0 % bs;
-        int64_t n = bs - o0 < 16 ? bs - o0 : 16;
-        if (L - j0 < n) n = L - j0;
-        const int64_t base = (blk * bs + o0) * rs + g * hd;
-        prefetch_rows(kc, bf ? 2 : 4, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
-        for (int64_t jj = 0; jj < n; jj++)
-            for (int64_t v = 0; v < NV; v++)
-                _mm512_storeu_ps(kt + (jj * NV + v) * 16, ld(kc, base + jj * rs + v * 16, tail_mask(hd - v * 16), bf));
-        for (int64_t h = 0; h < G; h++) {
-            __m512 P[16];
-            for (int jj = 0; jj < 16; jj++) P[jj] = _mm512_setzero_ps();
-            for (int64_t jj = 0; jj < n; jj++)
-                for (int64_t v = 0; v < NV; v++)
-                    P[jj] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (h * NV + v) * 16), _mm512_loadu_ps(kt + (jj * NV + v) * 16), P[jj]);
-            _mm512_mask_storeu_ps(sc + h * Lw + (j0 - J), tail_mask(n), hsum16(P));
-        }
-        j0 += n;
-    }
-    float inv_sum[64];
-    softmax_rows(sc, G, Lw, inv_sum);
-    /* pass 2: P @ V, accumulators in registers when G * NV is a small constant */
-    __m512 acc[G][NV];
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < NV; v++) acc[h][v] = _mm512_setzero_ps();
-    for (int64_t j0 = J; j0 < L;) { /* the rest of j0's block, then whole blocks */
-        const int64_t blk = bt[j0 / bs], o0 = j0 % bs, n = (L - j0) < bs - o0 ? (L - j0) : bs - o0;
-        const int64_t base = (blk * bs + o0) * rs + g * hd;
-        prefetch_rows(vc, bf ? 2 : 4, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
-        for (int64_t o = 0; o < n; o++) {
-            __m512 vv[NV];
-            for (int64_t v = 0; v < NV; v++) vv[v] = ld(vc, base + o * rs + v * 16, tail_mask(hd - v * 16), bf);
-            for (int64_t h = 0; h < G; h++) {
-                const __m512 p = _mm512_set1_ps(sc[h * Lw + (j0 - J) + o]);
-                for (int64_t v = 0; v < NV; v++) acc[h][v] = _mm512_fmadd_ps(p, vv[v], acc[h][v]);
-            }
-        }
-        j0 += n;
-    }
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < NV; v++)
-            st(out, (g * G + h) * hd + v * 16, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h])),
-               tail_mask(hd - v * 16), bf);
-}
-
-/* bf16 caches on CPUs with AVX512_BF16 (hd % 32 == 0): both products on VDPBF16PS, which
- * multiplies pairs of bf16 exactly and accumulates in float32. Q·K reads K as stored (no
- * conversion); P·V pairs consecutive keys, with the probabilities rounded to bf16 as
- * PyTorch's CPU flash attention does for bf16 inputs, and un-interleaves the dims at the end.
- * Same loop structure and softmax as attn_core. */
-#define TGT_DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
-
-static inline uint32_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u); /* p in [0, 1]: never NaN */
-    return u >> 16;
-}
-
-INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_t* q, const uint16_t* kc,
-                                const uint16_t* vc, const int64_t* bt, int64_t J, int64_t L, uint16_t* out,
-                                int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc) {
-    const int64_t rs = KVH * hd, Lw = L - J;
-    const int64_t pf_bytes = (g == 0 ? rs : hd) * 2;
-    __m512bh qv[G][NW];
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t w = 0; w < NW; w++) qv[h][w] = (__m512bh)_mm512_loadu_si512(q + (g * G + h) * hd + w * 32);
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t j0 = J; j0 < L;) {
-        const int64_t blk = bt[j0 / bs], o0 = j0 % bs;
-        int64_t n = bs - o0 < 16 ? bs - o0 : 16;
-        if (L - j0 < n) n = L - j0;
-        const uint16_t* kb = kc + (blk * bs + o0) * rs + g * hd;
-        prefetch_rows(kc, 2, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
-        for (int64_t h = 0; h < G; h++) {
-            __m512 P[16];
-            for (int jj = 0; jj < 16; jj++) P[jj] = _mm512_setzero_ps();
-            for (int64_t jj = 0; jj < n; jj++)
-                for (int64_t w = 0; w < NW; w++)
-                    P[jj] = _mm512_dpbf16_ps(P[jj], qv[h][w], (__m512bh)_mm512_loadu_si512(kb + jj * rs + w * 32));
-            _mm512_mask_storeu_ps(sc + h * Lw + (j0 - J), tail_mask(n), _mm512_mul_ps(hsum16(P), vscale));
-        }
-        j0 += n;
-    }
-    float inv_sum[64];
-    softmax_rows(sc, G, Lw, inv_sum);
-    /* P @ V over pairs of keys: lane i of lo/hi holds dim 32w + 8(i/4) + i%4 (+ 4 for hi) */
-    __m512 lo[G][NW], hi[G][NW];
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t w = 0; w < NW; w++) lo[h][w] = hi[h][w] = _mm512_setzero_ps();
-    for (int64_t j0 = J; j0 < L;) { /* the rest of j0's block, then whole blocks */
-        const int64_t blk = bt[j0 / bs], o0 = j0 % bs, n = (L - j0) < bs - o0 ? (L - j0) : bs - o0;
-        const uint16_t* vb = vc + (blk * bs + o0) * rs + g * hd;
-        prefetch_rows(vc, 2, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
-        for (int64_t o = 0; o < n; o += 2) {
-            const int two = o + 1 < n;
-            __m512i a[NW], b[NW];
-            for (int64_t w = 0; w < NW; w++) {
-                __m512i v0 = _mm512_loadu_si512(vb + o * rs + w * 32);
-                __m512i v1 = two ? _mm512_loadu_si512(vb + (o + 1) * rs + w * 32) : _mm512_setzero_si512();
-                a[w] = _mm512_unpacklo_epi16(v0, v1);
-                b[w] = _mm512_unpackhi_epi16(v0, v1);
-            }
-            for (int64_t h = 0; h < G; h++) {
-                const float* s = sc + h * Lw + (j0 - J) + o;
-                const uint32_t pp = bf16_bits(s[0]) | (two ? bf16_bits(s[1]) << 16 : 0u);
-                const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp);
-                for (int64_t w = 0; w < NW; w++) {
-                    lo[h][w] = _mm512_dpbf16_ps(lo[h][w], (__m512bh)a[w], pv);
-                    hi[h][w] = _mm512_dpbf16_ps(hi[h][w], (__m512bh)b[w], pv);
-                }
-            }
-        }
-        j0 += n;
-    }
-    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int64_t h = 0; h < G; h++) {
-        const __m512 is = _mm512_set1_ps(inv_sum[h]);
-        uint16_t* oh = out + (g * G + h) * hd;
-        for (int64_t w = 0; w < NW; w++) {
-            _mm256_storeu_si256((__m256i*)(oh + w * 32), ps_to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo[h][w], i0, hi[h][w]), is)));
-            _mm256_storeu_si256((__m256i*)(oh + w * 32 + 16), ps_to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo[h][w], i1, hi[h][w]), is)));
-        }
-    }
-}
-
-/* Set once at load time from Python: 1 when the CPU has AVX512_BF16. */
-static int kv_bf16_dot = 0;
-void kv_set_bf16_dot(int on) { kv_bf16_dot = on; }
-
-static __attribute__((noinline)) TGT_DP void attn_one_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                                                         const int64_t* bt, int64_t J, int64_t L, uint16_t* out, int64_t G,
-                                                         int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale,
-                                                         float* sc) {
-    const int64_t nw = hd / 32;
-#define KV_DP_CASE(GC, NC) \
-    if (G == GC && nw == NC) { attn_core_dp(GC, NC, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc); return; }
-    KV_DP_CASE(1, 2) KV_DP_CASE(2, 2) KV_DP_CASE(3, 2) KV_DP_CASE(4, 2) KV_DP_CASE(5, 2) KV_DP_CASE(6, 2)
-    KV_DP_CASE(8, 2) KV_DP_CASE(1, 4) KV_DP_CASE(2, 4) KV_DP_CASE(3, 4) KV_DP_CASE(4, 4) KV_DP_CASE(1, 8)
-    KV_DP_CASE(2, 8)
-#undef KV_DP_CASE
-    attn_core_dp(G, nw, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc);
-}
-
-/* Keys [J, L) of the sequence (block table bt): J > 0 skips the first J keys (a sliding window
- * starting inside bt's first block); the scratch sc holds G * (L - J) scores. */
-INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const int64_t* bt, int64_t J, int64_t L,
-                         void* out,
-                         int64_t G, int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc,
-                         float* qf, float* kt, int bf) {
-    const int64_t nv = (hd + 15) / 16;
-    if (bf && kv_bf16_dot && hd % 32 == 0) {
-        attn_one_dp((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, bt, J, L, (uint16_t*)out, G, KVH, g,
-                    hd, bs, scale, sc);
-        return;
-    }
-#define KV_ATTN_CASE(GC, NC) \
-    if (G == GC && nv == NC) { attn_core(GC, NC, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf); return; }
-    KV_ATTN_CASE(1, 4) KV_ATTN_CASE(2, 4) KV_ATTN_CASE(3, 4) KV_ATTN_CASE(4, 4) KV_ATTN_CASE(5, 4) KV_ATTN_CASE(6, 4)
-    KV_ATTN_CASE(1, 8) KV_ATTN_CASE(2, 8) KV_ATTN_CASE(3, 8) KV_ATTN_CASE(4, 8)
-    KV_ATTN_CASE(1, 2) KV_ATTN_CASE(2, 2) KV_ATTN_CASE(4, 2) KV_ATTN_CASE(8, 2)
-#undef KV_ATTN_CASE
-    attn_core(G, nv, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf);
-}
-
-/* Sliding windows (Beltagy et al. 2020; Mistral 7B, Jiang et al. 2023): a query at position
- * p = L - 1 of a context of L tokens sees keys (p - window, p], i.e. [L - window, L) (window 0:
- * all). The block-table walk starts at the first block overlapping that range, so a windowed
- * layer reads at most window + bs - 1 keys whatever the context length; blocks before it are
- * never read (an all-windowed model frees them: their table entries are not valid blocks). */
-static inline int64_t kv_window_first_block(int64_t L, int64_t window, int64_t bs) {
-    return window > 0 && L > window ? (L - window) / bs : 0;
-}
-
-/* ---- Paged decode attention on AMX tiles (bf16 caches, CPUs with AMX-BF16) ----------------
- * The vector kernels above are compute-bound at ~15-20 GB/s of KV on the development CPU (a
- * dot product per head per key, horizontal sums, scalar probability conversions). Here one
- * work item is a sequence and a set of `ns` KV heads whose query heads fit one tile's 16
- * columns (ns * G <= 16), and both products run as TDPBF16PS:
- *   scores^T [16 keys x 16 cols] += K rows [16 keys x 32 dims] * Qbd [32 dims x 16 cols],
- *     Qbd block-diagonal (column n = query head n of the set, zero outside its KV head's dims),
- *     so one pass over the set's K row slices scores every head (K read as stored, 16 rows
- *     of a block per tile);
- *   out [16 heads x 16 dims] += P [16 heads x 32 keys] * V [32 keys x 16 dims] (V repacked to
- *     pairs of keys; lanes come out in unpacklo/unpackhi order and are put back at the end).
- * Softmax runs key-major (one vector per key holds all heads of the set), exact float32 with
- * probabilities rounded to bf16 for the P @ V product, as the VDPBF16PS kernel does.
- * Needs block_size % 16 == 0 and head_dim % 32 == 0. */
-#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16,amx-tile,amx-bf16")))
-/*@AMX_C_SOURCE@*/
-static int kv_amx = 0;
-
-/* Enable the AMX path if Linux grants the tile state (on = 1); on = 0 disables it. Returns
- * whether it is enabled. */
-int kv_set_amx(int on) {
-    kv_amx = on && kv_amx_request();
-    return kv_amx;
-}
-int kv_amx_enabled(void) { return kv_amx; }
-
-/* r[i] <- column i of the 16 x 16 matrix with rows r[0..15]. */
-INLINE TGT void transpose16(__m512* r) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        __m512 a = t[4 * i], b = t[4 * i + 1], c = t[4 * i + 2], d = t[4 * i + 3];
-        r[4 * i] = _mm512_shuffle_ps(a, c, 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(a, c, 0xee);
-        r[4 * i + 2] = _mm512_shuffle_ps(b, d, 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(b, d, 0xee);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            __m512 a = r[8 * i + j], b = r[8 * i + 4 + j];
-            t[8 * i + j] = _mm512_shuffle_f32x4(a, b, 0x88);
-            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(a, b, 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
-    }
-}
-
-/* Prefetch to L2 the K and V row slices [off, off + bytes) of a sequence's first L keys (block
- * table bt), four blocks side by side: line l of blocks b..b+3 (K and V), then line l + 1, so
- * that the L2 streamer runs several sequential streams at once. Reading 6 KiB blocks one after
- * another reaches ~18-20 GB/s on the development machine, this ~28-34 GB/s; decode attention
- * over DRAM-resident caches got ~15% faster (64 sequences x 500 tokens, 30 layers). */
-INLINE TGT void prefetch_kv_l2(const void* kc, const void* vc, const int64_t* bt, int64_t L, int64_t bs,
-                               int64_t rsb, int64_t off, int64_t bytes) { /* rsb, off: bytes */
-    const int64_t nb = (L + bs - 1) / bs;
-    for (int64_t g = 0; g < nb; g += 4) {
-        const int64_t nt = nb - g < 4 ? nb - g : 4;
-        const char *k[4], *v[4];
-        int64_t rows[4];
-        for (int64_t t = 0; t < nt; t++) {
-            k[t] = (const char*)kc + bt[g + t] * bs * rsb + off;
-            v[t] = (const char*)vc + bt[g + t] * bs * rsb + off;
-            rows[t] = L - (g + t) * bs < bs ? L - (g + t) * bs : bs;
-        }
-        for (int64_t r = 0; r < bs; r++)
-            for (int64_t c = 0; c < bytes; c += 64)
-                for (int64_t t = 0; t < nt; t++)
-                    if (r < rows[t]) {
-                        _mm_prefetch(k[t] + r * rsb + c, _MM_HINT_T1);
-                        _mm_prefetch(v[t] + r * rsb + c, _MM_HINT_T1);
-                    }
-    }
-}
-
-/* scores^T [L keys][16 columns] f32 into sc: per 16 keys (one tile of a block) the K rows'
- * slices [off, off + 32 NC) of the cache (row stride rs) times the query tiles qt (NC tiles
- * of [16 dim pairs x 16 columns] u16). prefetch: bytes of each K row slice to pull into L1
- * two tiles ahead (0: none). */
-INLINE TGT_AMX void scores_t_amx(const uint16_t* kc, const int64_t* bt, int64_t L, int64_t bs, int64_t rs,
-                                 int64_t off, int64_t NC, const uint16_t* qt, float* sc, int64_t prefetch) {
-    for (int64_t j0 = 0; j0 < L; j0 += 16) {
-        const uint16_t* kb = kc + (bt[j0 / bs] * bs + j0 % bs) * rs + off;
-        if (prefetch && j0 + 32 < L) {
-            const char* nx = (const char*)(kc + (bt[(j0 + 32) / bs] * bs + (j0 + 32) % bs) * rs + off);
-            for (int64_t r = 0; r < 16; r++)
-                for (int64_t b = 0; b < prefetch; b += 64) _mm_prefetch(nx + r * rs * 2 + b, _MM_HINT_T0);
-        }
-        _tile_zero(0);
-        for (int64_t c = 0; c < NC; c++) {
-            _tile_loadd(1, kb + c * 32, rs * 2);
-            _tile_loadd(2, qt + c * 512, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, sc + j0 * 16, 64);
-    }
-}
-
-/* 32 values [i, i + 32) of a cache row as bf16: loaded as stored (fmt 0, bf16 row), or
- * dequantized from an 8-bit pool row (codes * scale rounded to bf16; row = the row's start). */
-INLINE TGT_AMX __m512i ld_bf16x32(const char* row, int64_t i, int64_t hd, int fmt) {
-    if (!fmt) return _mm512_loadu_si512(row + i * 2);
-    float s;
-    memcpy(&s, row + hd, 4);
-    const __m512 vs = _mm512_set1_ps(s);
-    return (__m512i)_mm512_cvtne2ps_pbh(ldq8((const uint8_t*)row, i + 16, 0xffff, vs, fmt),
-                                        ldq8((const uint8_t*)row, i, 0xffff, vs, fmt));
-}
-
-/* scores_t_amx over an 8-bit pool (fmt 1/2): per 16 keys, the K rows of KV heads [g0, g0 + ns)
- * are dequantized into kq [16][ns * hd] bf16 (in L1; keys >= L zero), which the tiles read. */
-INLINE TGT_AMX void scores_t_amx_q(const uint8_t* kc, const int64_t* bt, int64_t L, int64_t bs, int64_t KVH,
-                                   int64_t hd, int64_t g0, int64_t ns, int64_t NC, const uint16_t* qt, float* sc,
-                                   uint16_t* kq, int fmt) {
-    const int64_t rb = KV_QROW(hd), w = ns * hd;
-    for (int64_t j0 = 0; j0 < L; j0 += 16) {
-        const char* kb = (const char*)kc + ((bt[j0 / bs] * bs + j0 % bs) * KVH + g0) * rb;
-        const int64_t n = L - j0 < 16 ? L - j0 : 16;
-        if (j0 + 32 < L) { /* the K rows two tiles ahead into L1 */
-            const char* nx = (const char*)kc + ((bt[(j0 + 32) / bs] * bs + (j0 + 32) % bs) * KVH + g0) * rb;
-            for (int64_t r = 0; r < 16; r++)
-                for (int64_t b = 0; b < ns * rb; b += 64) _mm_prefetch(nx + r * KVH * rb + b, _MM_HINT_T0);
-        }
-        for (int64_t r = 0; r < 16; r++) {
-            uint16_t* dst = kq + r * w;
-            if (r >= n) {
-                memset(dst, 0, (size_t)w * 2);
-                continue;
-            }
-            for (int64_t h = 0; h < ns; h++)
-                for (int64_t i = 0; i < hd; i += 32)
-                    _mm512_storeu_si512(dst + h * hd + i, ld_bf16x32(kb + (r * KVH + h) * rb, i, hd, fmt));
-        }
-        _tile_zero(0);
-        for (int64_t c = 0; c < NC; c++) {
-            _tile_loadd(1, kq + c * 32, w * 2);
-            _tile_loadd(2, qt + c * 512, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, sc + j0 * 16, 64);
-    }
-}
-
-/* Up to 16 query columns over the KV heads [g0, g0 + ns) of one sequence (block table bt).
- * Column n: query qn[n] and output on[n] (hd values each), local KV head gl[n] in [0, ns),
- * attending to tokens [Sn[n], Ln[n]) (Sn NULL: from 0; Ln[n] = 0 for unused columns n >= nq;
- * keys before Sn[n] are read and get probability 0: a sliding window's start, always inside
- * bt's first block, which the caller starts at the window's first block); decode uses
- * one token's heads as columns. Scratch (per thread): qb [NC][16][32] u16, sc [Lp][16] f32,
- * p [16][Lp] u16, vb [4][16][32] u16, ct [4][16][16] f32, NC = ns * hd / 32, Lp = max(Ln)
- * rounded up to 32. The columns' K and V are first pulled into L2 (prefetch_kv_l2: in decode
- * they come from DRAM). */
-static TGT_AMX void attn_amx_cols(const void* kc_, const void* vc_, const int64_t* bt, int64_t nq,
-                                  const uint16_t* const* qn, uint16_t* const* on, const int64_t* gl_n,
-                                  const int32_t* Ln, const int32_t* Sn, int64_t KVH, int64_t hd, int64_t bs,
-                                  float scale, int64_t g0,
-                                  int64_t ns, uint16_t* qb, float* sc, uint16_t* p, uint16_t* vb, float* ct, int fmt,
-                                  uint16_t* kq) {
-    const uint16_t *kc = (const uint16_t*)kc_, *vc = (const uint16_t*)vc_;
-    const int64_t rs = KVH * hd, NC = ns * hd / 32;
-    /* bytes of a token's row (all KV heads) and of one KV head's row in the cache */
-    const int64_t rsb = fmt ? KVH * KV_QROW(hd) : rs * 2, hb = fmt ? KV_QROW(hd) : hd * 2;
-    int64_t L = 0;
-    for (int64_t n = 0; n < nq; n++) L = Ln[n] > L ? Ln[n] : L;
-    const int64_t Lp = (L + 31) & ~(int64_t)31;
-    prefetch_kv_l2(kc, vc, bt, L, bs, rsb, g0 * hb, ns * hb);
-    /* Qbd: chunk c covers dims [32c, 32c + 32) of the set's row slice, i.e. local KV head
-     * c * 32 / hd; row k of its tile holds dims (2k, 2k + 1) of every column of that head. */
-    memset(qb, 0, (size_t)NC * 1024);
-    for (int64_t c = 0; c < NC; c++) {
-        const int64_t gl = c * 32 / hd, d0 = (c * 32) % hd;
-        for (int64_t n = 0; n < nq; n++) {
-            if (gl_n[n] != gl) continue;
-            const uint32_t* qh = (const uint32_t*)(qn[n] + d0);
-            uint32_t* col = (uint32_t*)(qb + c * 512) + n;
-            for (int64_t k = 0; k < 16; k++) col[k * 16] = qh[k];
-        }
-    }
-    if (fmt) scores_t_amx_q((const uint8_t*)kc, bt, L, bs, KVH, hd, g0, ns, NC, qb, sc, kq, fmt);
-    else scores_t_amx(kc, bt, L, bs, rs, g0 * hd, NC, qb, sc, ns * hd * 2);
-    /* softmax over keys, one lane per column; key j counts for column n iff Sn[n] <= j < Ln[n] */
-    const __m512i lens = _mm512_loadu_si512(Ln);
-    const __m512i starts = Sn ? _mm512_loadu_si512(Sn) : _mm512_setzero_si512();
-    const __m512 vs = _mm512_set1_ps(scale);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < L; j++) {
-        const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)j), lens)
-                            & _mm512_cmpge_epi32_mask(_mm512_set1_epi32((int)j), starts);
-        const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), m, _mm512_loadu_ps(sc + j * 16), vs);
-        _mm512_storeu_ps(sc + j * 16, s);
-        mx = _mm512_max_ps(mx, s);
-    }
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < L; j++) {
-        const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)j), lens)
-                            & _mm512_cmpge_epi32_mask(_mm512_set1_epi32((int)j), starts);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + j * 16), mx)));
-        _mm512_storeu_ps(sc + j * 16, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    for (int64_t j = L; j < Lp; j++) _mm512_storeu_ps(sc + j * 16, _mm512_setzero_ps());
-    float inv_sum[16];
-    _mm512_storeu_ps(inv_sum, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
-    /* P [16 columns][Lp keys] in bf16 (rows >= nq zero) */
-    for (int64_t j0 = 0; j0 < Lp; j0 += 16) {
-        __m512 r[16];
-        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(sc + (j0 + i) * 16);
-        transpose16(r);
-        for (int64_t n = 0; n < 16; n++)
-            _mm256_storeu_si256((__m256i*)(p + n * Lp + j0),
-                                n < nq ? (__m256i)_mm512_cvtneps_pbh(r[n]) : _mm256_setzero_si256());
-    }
-    /* P @ V per KV head of the set, 64 dims (4 tiles) at a time */
-    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int64_t gl = 0; gl < ns; gl++)
-        for (int64_t dc = 0; dc < hd; dc += 64) {
-            const int64_t nw = hd - dc >= 64 ? 2 : 1; /* 32-dim words */
-            const int64_t off = (g0 + gl) * hb; /* bytes: the KV head's row start in a token's row */
-            const char* vcb = (const char*)vc;
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t k0 = 0; k0 < Lp; k0 += 32) {
-                /* rows of keys k0 .. k0 + 15 and k0 + 16 .. k0 + 31 (each half within one block) */
-                const char* half[2] = {vcb + (bt[k0 / bs] * bs + k0 % bs) * rsb + off,
-                                       k0 + 16 < L ? vcb + (bt[(k0 + 16) / bs] * bs + (k0 + 16) % bs) * rsb + off
-                                                   : NULL};
-                if (k0 + 32 + 16 < L) { /* prefetch V rows two tiles ahead */
-                    const int64_t kn = k0 + 32 + 16;
-                    const char* nx = vcb + (bt[kn / bs] * bs + kn % bs) * rsb + off + (fmt ? dc : dc * 2);
-                    for (int64_t r = 0; r < 16; r++)
-                        for (int64_t b = 0; b < nw * (fmt ? 32 : 64); b += 64) _mm_prefetch(nx + r * rsb + b, _MM_HINT_T0);
-                }
-                for (int64_t pp = 0; pp < 16; pp++) {
-                    const int64_t ka = k0 + 2 * pp, kb = ka + 1;
-                    const char* ra = ka < L ? half[pp >> 3] + (2 * pp & 15) * rsb : NULL;
-                    const char* rb = kb < L ? half[pp >> 3] + ((2 * pp + 1) & 15) * rsb : NULL;
-                    for (int64_t w = 0; w < nw; w++) {
-                        const __m512i a = ra ? ld_bf16x32(ra, dc + w * 32, hd, fmt) : _mm512_setzero_si512();
-                        const __m512i b = rb ? ld_bf16x32(rb, dc + w * 32, hd, fmt) : _mm512_setzero_si512();
-                        _mm512_storeu_si512(vb + (2 * w) * 512 + pp * 32, _mm512_unpacklo_epi16(a, b));
-                        _mm512_storeu_si512(vb + (2 * w + 1) * 512 + pp * 32, _mm512_unpackhi_epi16(a, b));
-                    }
-                }
-                _tile_loadd(4, p + k0, Lp * 2);
-                _tile_loadd(5, vb, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(5, vb + 512, 64);
-                _tile_dpbf16ps(1, 4, 5);
-                if (nw == 2) {
-                    _tile_loadd(5, vb + 1024, 64);
-                    _tile_dpbf16ps(2, 4, 5);
-                    _tile_loadd(5, vb + 1536, 64);
-                    _tile_dpbf16ps(3, 4, 5);
-                }
-            }
-            _tile_stored(0, ct, 64); _tile_stored(1, ct + 256, 64);
-            _tile_stored(2, ct + 512, 64); _tile_stored(3, ct + 768, 64);
-            for (int64_t n = 0; n < nq; n++) {
-                if (gl_n[n] != gl) continue;
-                const __m512 is = _mm512_set1_ps(inv_sum[n]);
-                uint16_t* oh = on[n] + dc;
-                for (int64_t w = 0; w < nw; w++) {
-                    const __m512 lo = _mm512_loadu_ps(ct + (2 * w) * 256 + n * 16);
-                    const __m512 hi = _mm512_loadu_ps(ct + (2 * w + 1) * 256 + n * 16);
-                    _mm256_storeu_si256((__m256i*)(oh + w * 32),
-                                        ps_to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, i0, hi), is)));
-                    _mm256_storeu_si256((__m256i*)(oh + w * 32 + 16),
-                                        ps_to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, i1, hi), is)));
-                }
-            }
-        }
-}
-
-/* Per-thread scratch of attn_amx_cols for NC chunks and contexts up to maxL tokens, with the
- * tile configuration loaded (all 8 tiles 16 rows x 64 bytes). NULL if allocation failed. */
-static TGT_AMX char* amx_attn_begin(int64_t NC, int64_t maxL, uint16_t** qb, float** sc, uint16_t** p,
-                                    uint16_t** vb, float** ct) {
-    const int64_t Lp = (maxL + 31) & ~(int64_t)31;
-    const size_t bytes = (size_t)NC * 1024 + (size_t)Lp * 96 + 8192;
-    char* buf = (char*)aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-    if (!buf) return NULL;
-    kv_amx_config();
-    *qb = (uint16_t*)buf;
-    *sc = (float*)(buf + NC * 1024);
-    *p = (uint16_t*)(buf + NC * 1024 + Lp * 64);
-    *vb = (uint16_t*)(buf + NC * 1024 + Lp * 96);
-    *ct = (float*)(buf + NC * 1024 + Lp * 96 + 4096);
-    return buf;
-}
-
-/* AMX decode attention over D sequences; same contract as kv_paged_attention_decode (bf16).
- * ns: KV heads per work item (divides KVH, ns * G <= 16). fmt != 0 (8-bit pools): the K rows
- * of each 16-key tile are dequantized into a per-thread bf16 buffer in L1 before the tiles read
- * them (scores_t_amx_q), the V rows as they are repacked into key pairs (ld_bf16x32). */
-static TGT_AMX int attention_amx(const uint16_t* q, int64_t ldq, const void* kc, const void* vc,
-                                 const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, uint16_t* out,
-                                 int64_t ldo, int64_t D, int64_t KVH, int64_t G, int64_t hd, int64_t bs,
-                                 float scale, int64_t window, int64_t ns, int fmt, int nthreads) {
-    int64_t maxL = 0; /* keys read by one sequence: from its window's first block (all if no window) */
-    for (int64_t d = 0; d < D; d++) {
-        const int64_t Ld = ctx[d] - kv_window_first_block(ctx[d], window, bs) * bs;
-        maxL = Ld > maxL ? Ld : maxL;
-    }
-    const int64_t nsets = KVH / ns;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        uint16_t *qb, *p, *vb;
-        float *sc, *ct;
-        char* buf = amx_attn_begin(ns * hd / 32, maxL, &qb, &sc, &p, &vb, &ct);
-        uint16_t* kd = NULL; /* 8-bit pools: 16 K rows of the set, [16][ns][hd] bf16 */
-        if (buf && fmt) {
-            kd = (uint16_t*)aligned_alloc(64, ((size_t)16 * ns * hd * 2 + 63) & ~(size_t)63);
-            if (!kd) {
-                _tile_release();
-                free(buf);
-                buf = NULL;
-            }
-        }
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < D * nsets; i++) {
-            if (!buf) continue;
-            const int64_t d = i / nsets, g0 = (i % nsets) * ns, nq = ns * G;
-            const int64_t b0 = kv_window_first_block(ctx[d], window, bs); /* the walk starts at block b0 */
-            const int64_t first = ctx[d] > window && window > 0 ? ctx[d] - window : 0;
-            const int64_t* bt = block_tables + d * bt_stride + b0;
-            const uint16_t* qn[16];
-            uint16_t* on[16];
-            int64_t gl[16];
-            int32_t Ln[16] = {0}, Sn[16] = {0};
-            for (int64_t n = 0; n < nq; n++) {
-                qn[n] = q + d * ldq + (g0 * G + n) * hd;
-                on[n] = out + d * ldo + (g0 * G + n) * hd;
-                gl[n] = n / G;
-                Ln[n] = (int32_t)(ctx[d] - b0 * bs);
-                Sn[n] = (int32_t)(first - b0 * bs);
-            }
-            const int32_t* sn = first > b0 * bs ? Sn : NULL;
-            if (fmt) /* (two calls: the compiler specialises the bf16 one for fmt = 0) */
-                attn_amx_cols(kc, vc, bt, nq, qn, on, gl, Ln, sn, KVH, hd, bs, scale, g0, ns,
-                              qb, sc, p, vb, ct, fmt, kd);
-            else
-                attn_amx_cols(kc, vc, bt, nq, qn, on, gl, Ln, sn, KVH, hd, bs, scale, g0, ns,
-                              qb, sc, p, vb, ct, 0, NULL);
-        }
-        if (buf) _tile_release();
-        free(buf);
-        free(kd);
-    }
-    return failed ? -1 : 0;
-}
-
-/* ---- Causal prefill attention on AMX tiles ------------------------------------------------
- * A work item is 16 consecutive tokens of a chunk and one query head; the tokens are the tile
- * columns and the keys the rows, so the softmax runs key-major (one vector per key holds the
- * 16 tokens' scores: no horizontal sums, each lane with its own causal length) and
- *   scores^T [16 keys x 16 tokens] += K [16 keys x 32 dims] * Q^T [32 dims x 16 tokens]
- *     (K read from the cache as stored: 16 rows of a block per tile),
- *   out^T [16 dims x 16 tokens] += V^T [16 dims x 32 keys] * P^T [32 keys x 16 tokens]
- *     (V^T packed once per chunk and KV head by pack_vt_prefill, so the G query heads of a KV
- *     head and all token blocks read it as it is; P^T built in the tiles' key-pair layout).
- * Softmax as in the decode kernel: float32, exact two-pass, probabilities rounded to bf16 for
- * the product, 1 / sum applied to the float32 result. */
-
-/* Keys [k0, k1) (multiples of 32) of KV head g of a sequence with L cached keys (block table
- * bt) as V^T tiles: per 32-key tile kt and 16-dim block b, 1 KiB whose row d holds dim
- * 16 b + d of keys 32 kt .. 32 kt + 31. Keys >= L are zero (never NaN from unwritten slots). */
-static TGT_AMX void pack_vt_prefill(const uint16_t* vc, const int64_t* bt, int64_t L, int64_t KVH, int64_t g,
-                                    int64_t hd, int64_t bs, int64_t k0, int64_t k1, uint16_t* vt) {
-    const int64_t rs = KVH * hd, NB = hd / 16;
-    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int64_t j0 = k0; j0 < k1; j0 += 32)
-        for (int64_t w = 0; w < hd / 32; w++) {
-            __m512 r0[16], r1[16]; /* row pp: (key 2pp, key 2pp + 1) pairs of dims 32w .. +15, +16 .. +31 */
-            for (int64_t pp = 0; pp < 16; pp++) {
-                const int64_t ja = j0 + 2 * pp, jb = ja + 1;
-                const __m512i a = ja < L ? _mm512_loadu_si512(vc + (bt[ja / bs] * bs + ja % bs) * rs + g * hd + w * 32)
-                                         : _mm512_setzero_si512();
-                const __m512i b = jb < L ? _mm512_loadu_si512(vc + (bt[jb / bs] * bs + jb % bs) * rs + g * hd + w * 32)
-                                         : _mm512_setzero_si512();
-                /* unpack{lo,hi} pair dims {0-3, 8-11, 16-19, 24-27} and {4-7, ...}; put them in order */
-                const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-                r0[pp] = _mm512_castsi512_ps(_mm512_permutex2var_epi32(lo, i0, hi));
-                r1[pp] = _mm512_castsi512_ps(_mm512_permutex2var_epi32(lo, i1, hi));
-            }
-            transpose16(r0); /* row d: the 16 key pairs of dim d (moves bits only) */
-            transpose16(r1);
-            uint16_t* t = vt + ((j0 / 32) * NB + 2 * w) * 512;
-            for (int64_t d = 0; d < 16; d++) {
-                _mm512_storeu_ps(t + d * 32, r0[d]);
-                _mm512_storeu_ps(t + 512 + d * 32, r1[d]);
-            }
-        }
-}
-
-/* One work item: tokens n < nt (nt <= 16) with queries q + n * ldq (one head, hd dims), token
- * n attending to keys [0, past + n + 1) of its sequence (K in the cache through block table
- * bt, KV head g; V^T packed in vt); results to out + n * ldo. Scratch: qt [hd / 32][16][32]
- * u16, sc [Lp][16] f32, pt [Lp / 2][32] u16, ct [4][16][16] f32, Lp = past + nt rounded up
- * to 32. */
-static TGT_AMX void prefill_cols(const uint16_t* q, int64_t ldq, uint16_t* out, int64_t ldo, int64_t nt,
-                                 int64_t past, const uint16_t* kc, const int64_t* bt, int64_t KVH, int64_t g,
-                                 const uint16_t* vt, int64_t hd, int64_t bs, float scale, uint16_t* qt, float* sc,
-                                 uint16_t* pt, float* ct) {
-    const int64_t NC = hd / 32, NB = hd / 16, rs = KVH * hd, L = past + nt;
-    const int64_t Lp = (L + 31) & ~(int64_t)31;
-    for (int64_t c = 0; c < NC; c++) { /* Q^T tiles: row r = dim pair (32c + 2r, +1) of every token */
-        __m512 r[16];
-        for (int64_t n = 0; n < 16; n++)
-            r[n] = n < nt ? _mm512_loadu_ps(q + n * ldq + c * 32) : _mm512_setzero_ps();
-        transpose16(r);
-        for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(qt + c * 512 + d * 32, r[d]);
-    }
-    scores_t_amx(kc, bt, L, bs, rs, g * hd, NC, qt, sc, 0);
-    /* softmax over keys, one lane per token; key j counts for token n iff j <= past + n */
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i lens = _mm512_add_epi32(_mm512_set1_epi32((int)past + 1), iota);
-    const __m512 vs = _mm512_set1_ps(scale);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j <= past; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j * 16)); /* every token */
-    for (int64_t j = past + 1; j < L; j++) {
-        const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)j), lens);
-        mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sc + j * 16));
-    }
-    const __m512 nms = _mm512_mul_ps(mx, _mm512_set1_ps(-scale)); /* -max(score) * scale (scale > 0) */
-    /* word indices 0, 16, 1, 17, ..., 15, 31: dword k = k | (k + 16) << 16 */
-    const __m512i pairs = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(65537)),
-                                           _mm512_set1_epi32(16 << 16));
-    __m512 sum = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 1 <= past; j += 2) { /* P^T rows: (key j, key j + 1) pairs; keys every token sees */
-        const __m512 e0 = exp_ps(_mm512_fmadd_ps(_mm512_loadu_ps(sc + j * 16), vs, nms));
-        const __m512 e1 = exp_ps(_mm512_fmadd_ps(_mm512_loadu_ps(sc + (j + 1) * 16), vs, nms));
-        sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
-        _mm512_storeu_si512(pt + j * 16, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
-    }
-    for (; j < Lp; j += 2) { /* the rest, masked per token */
-        __m512 e[2];
-        for (int64_t i = 0; i < 2; i++) {
-            const __mmask16 m = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)(j + i)), lens);
-            e[i] = j + i < L ? _mm512_maskz_mov_ps(m, exp_ps(_mm512_fmadd_ps(_mm512_loadu_ps(sc + (j + i) * 16), vs, nms)))
-                             : _mm512_setzero_ps();
-            sum = _mm512_add_ps(sum, e[i]);
-        }
-        _mm512_storeu_si512(pt + j * 16, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0])));
-    }
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum);
-    for (int64_t b0 = 0; b0 < NB; b0 += 4) { /* out^T, 64 dims (4 tiles) at a time */
-        const int64_t nb = NB - b0 < 4 ? NB - b0 : 4;
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t k0 = 0; k0 < Lp; k0 += 32) {
-            const uint16_t* vk = vt + ((k0 / 32) * NB + b0) * 512;
-            _tile_loadd(4, pt + k0 * 16, 64);
-            _tile_loadd(5, vk, 64);
-            _tile_dpbf16ps(0, 5, 4);
-            if (nb > 1) { _tile_loadd(6, vk + 512, 64); _tile_dpbf16ps(1, 6, 4); }
-            if (nb > 2) { _tile_loadd(7, vk + 1024, 64); _tile_dpbf16ps(2, 7, 4); }
-            if (nb > 3) { _tile_loadd(5, vk + 1536, 64); _tile_dpbf16ps(3, 5, 4); }
-        }
-        _tile_stored(0, ct, 64); _tile_stored(1, ct + 256, 64);
-        _tile_stored(2, ct + 512, 64); _tile_stored(3, ct + 768, 64);
-        for (int64_t b = 0; b < nb; b++) {
-            __m512 r[16]; /* row d: dim 16 (b0 + b) + d of every token -> row n: token n's 16 dims */
-            for (int64_t d = 0; d < 16; d++) r[d] = _mm512_mul_ps(_mm512_loadu_ps(ct + b * 256 + d * 16), inv);
-            transpose16(r);
-            for (int64_t n = 0; n < nt; n++)
-                _mm256_storeu_si256((__m256i*)(out + n * ldo + (b0 + b) * 16), ps_to_bf16x16(r[n]));
-        }
-    }
-}
-
-/* Causal prefill attention on AMX tiles (bf16 caches, AMX enabled, hd % 32 == 0,
- * bs % 16 == 0, G <= 16): for each of P chunks, seg[3p .. 3p + 2] = (first row of the chunk
- * in q/out, its tokens n, tokens of the sequence already cached before it); the chunk's K/V
- * must already be in the cache. Token t of a chunk attends to the first num_past + t + 1
- * tokens of its sequence (block table row p). First each chunk's V per KV head is packed as
- * V^T tiles (pack_vt_prefill; work items of 128 keys), then the work items of prefill_cols
- * run (a chunk, 16 tokens and a query head; the last tokens, with the longest contexts,
- * first).
- * Returns 0, -1 when a work buffer could not be allocated, -2 when the AMX path is not
- * available for the shape. */
-static TGT_AMX int prefill_amx(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
-                               const int64_t* block_tables, int64_t bt_stride, const int64_t* seg, int64_t P,
-                               void* out, int64_t ldo, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
-                               float scale, int nthreads) {
-    const int64_t G = H / KVH;
-    int64_t maxLp = 32, packed = 0, pack_items = 0, items = 0;
-    int64_t* base = (int64_t*)malloc(sizeof(int64_t) * (size_t)(P > 0 ? P : 1));
-    if (!base) return -1;
-    for (int64_t c = 0; c < P; c++) {
-        const int64_t Lp = (seg[3 * c + 2] + seg[3 * c + 1] + 31) & ~(int64_t)31;
-        maxLp = Lp > maxLp ? Lp : maxLp;
-        base[c] = packed;
-        packed += KVH * Lp * hd; /* u16: V^T of each KV head */
-        pack_items += KVH * ((Lp + 127) / 128);
-        items += H * ((seg[3 * c + 1] + 15) / 16);
-    }
-    uint16_t* vtp = (uint16_t*)aligned_alloc(64, ((size_t)packed * 2 + 64 + 63) & ~(size_t)63); /* (> 0) */
-    if (!vtp) {
-        free(base);
-        return -1;
-    }
-    const uint16_t* kc = (const uint16_t*)k_cache;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < pack_items; it++) { /* V^T, 128 keys of a KV head per item */
-            int64_t rest = it, c = 0, Lp;
-            for (;;) {
-                Lp = (seg[3 * c + 2] + seg[3 * c + 1] + 31) & ~(int64_t)31;
-                if (rest < KVH * ((Lp + 127) / 128)) break;
-                rest -= KVH * ((Lp + 127) / 128);
-                c++;
-            }
-            const int64_t ng = (Lp + 127) / 128, g = rest / ng, k0 = (rest % ng) * 128;
-            pack_vt_prefill((const uint16_t*)v_cache, block_tables + c * bt_stride, seg[3 * c + 2] + seg[3 * c + 1],
-                            KVH, g, hd, bs, k0, k0 + 128 < Lp ? k0 + 128 : Lp, vtp + base[c] + g * Lp * hd);
-        }
-        /* (the barrier at the end of the loop: every chunk is packed) */
-        char* buf = (char*)aligned_alloc(64, ((size_t)hd * 32 + (size_t)maxLp * 96 + 4096 + 63) & ~(size_t)63);
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            kv_amx_config();
-        }
-        uint16_t* qt = (uint16_t*)buf;
-        float* ct = (float*)(buf + hd * 32);
-        float* sc = ct + 1024;
-        uint16_t* pt = (uint16_t*)(sc + maxLp * 16);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            if (!buf) continue;
-            /* item -> (chunk, KV head, token block, query head of that KV head): the items of
-             * a KV head run one after another (they read the same K and V^T, which then stay
-             * in L2), later token blocks (longer contexts) first */
-            int64_t rest = it, c = 0;
-            while (rest >= H * ((seg[3 * c + 1] + 15) / 16)) rest -= H * ((seg[3 * c + 1] + 15) / 16), c++;
-            const int64_t start = seg[3 * c], n_tok = seg[3 * c + 1], past = seg[3 * c + 2];
-            const int64_t nblk = (n_tok + 15) / 16, g = rest / (nblk * G), r2 = rest % (nblk * G);
-            const int64_t tb = nblk - 1 - r2 / G, h = g * G + r2 % G;
-            const int64_t t0 = tb * 16, nt = t0 + 16 < n_tok ? 16 : n_tok - t0;
-            const int64_t Lp = (past + n_tok + 31) & ~(int64_t)31;
-            prefill_cols((const uint16_t*)q + (start + t0) * ldq + h * hd, ldq,
-                         (uint16_t*)out + (start + t0) * ldo + h * hd, ldo, nt, past + t0, kc,
-                         block_tables + c * bt_stride, KVH, h / G, vtp + base[c] + (h / G) * Lp * hd, hd, bs, scale,
-                         qt, sc, pt, ct);
-        }
-        if (buf) _tile_release();
-        free(buf);
-    }
-    free(vtp);
-    free(base);
-    return failed ? -1 : 0;
-}
-
-/* fmt != 0 (8-bit pools [.., KVH, hd + 4]): the chunks' contexts are first dequantized to bf16,
- * each into its own run of 32-key blocks of a work buffer ([keys][KVH][hd], block table row c
- * numbering chunk c's blocks), and the bf16 kernel runs on that copy. */
-TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
-                                       const int64_t* block_tables, int64_t bt_stride, const int64_t* seg, int64_t P,
-                                       void* out, int64_t ldo, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
-                                       float scale, int fmt, int nthreads) {
-    const int64_t G = H / KVH;
-    if (!kv_amx || hd % 32 || bs % 16 || G > 16) return -2;
-    if (!fmt)
-        return prefill_amx(q, ldq, k_cache, v_cache, block_tables, bt_stride, seg, P, out, ldo, H, KVH, hd, bs, scale,
-                           nthreads);
-    int64_t maxnb = 1, total = 0, items = 0;
-    for (int64_t c = 0; c < P; c++) {
-        const int64_t nb = (seg[3 * c + 2] + seg[3 * c + 1] + 31) / 32;
-        maxnb = nb > maxnb ? nb : maxnb;
-        total += nb;
-        items += KVH * ((nb + 3) / 4);
-    }
-    int64_t* bt2 = (int64_t*)calloc((size_t)(P > 0 ? P : 1) * maxnb, sizeof(int64_t));
-    uint16_t* kd = (uint16_t*)aligned_alloc(64, ((size_t)(total > 0 ? total : 1) * 32 * KVH * hd * 4 + 63) & ~(size_t)63);
-    if (!bt2 || !kd) {
-        free(bt2);
-        free(kd);
-        return -1;
-    }
-    uint16_t* vd = kd + total * 32 * KVH * hd;
-    for (int64_t c = 0, b = 0; c < P; c++) {
-        const int64_t nb = (seg[3 * c + 2] + seg[3 * c + 1] + 31) / 32;
-        for (int64_t i = 0; i < nb; i++) bt2[c * maxnb + i] = b + i;
-        b += nb;
-    }
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; it++) { /* a KV head of 128 keys (4 blocks of 32) of a chunk */
-        int64_t rest = it, c = 0, nb;
-        for (;;) {
-            nb = (seg[3 * c + 2] + seg[3 * c + 1] + 31) / 32;
-            if (rest < KVH * ((nb + 3) / 4)) break;
-            rest -= KVH * ((nb + 3) / 4);
-            c++;
-        }
-        const int64_t ng = (nb + 3) / 4, g = rest / ng, b0 = (rest % ng) * 4, L = seg[3 * c + 2] + seg[3 * c + 1];
-        const int64_t j0 = b0 * 32, j1 = (b0 + 4) * 32 < L ? (b0 + 4) * 32 : L;
-        const int64_t* bt = block_tables + c * bt_stride;
-        for (int64_t j = j0; j < j1; j++) { /* key j -> row bt2[c][j / 32] * 32 + j % 32 */
-            const int64_t src = ((bt[j / bs] * bs + j % bs) * KVH + g) * KV_QROW(hd);
-            const int64_t dst = ((bt2[c * maxnb + j / 32] * 32 + j % 32) * KVH + g) * hd;
-            float sk, sv;
-            memcpy(&sk, (const uint8_t*)k_cache + src + hd, 4);
-            memcpy(&sv, (const uint8_t*)v_cache + src + hd, 4);
-            const __m512 vk = _mm512_set1_ps(sk), vv = _mm512_set1_ps(sv);
-            for (int64_t i = 0; i < hd; i += 16) {
-                st(kd, dst + i, ldq8((const uint8_t*)k_cache + src, i, 0xffff, vk, fmt), 0xffff, 1);
-                st(vd, dst + i, ldq8((const uint8_t*)v_cache + src, i, 0xffff, vv, fmt), 0xffff, 1);
-            }
-        }
-    }
-    const int rc = prefill_amx(q, ldq, kd, vd, bt2, maxnb, seg, P, out, ldo, H, KVH, hd, 32, scale, nthreads);
-    free(bt2);
-    free(kd);
-    return rc;
-}
-
-/* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete).
- * fmt: 0 for caches in the model dtype, 1 / 2 for 8-bit pools [.., KVH, hd + 4] (int8 / fp8
- * e4m3 codes and a scale per row): each work item then dequantizes its context to the model
- * dtype (dequant_ctx) and runs the same kernel on that copy. */
-TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
-                                  const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
-                                  int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs, float scale,
-                                  int64_t window, int bf, int fmt, int nthreads) {
-    const int64_t G = H / KVH, nv = (hd + 15) / 16;
-    if (bf && kv_amx && hd % 32 == 0 && bs % 16 == 0 && G <= 16) {
-        /* the most KV heads per work item, fewer when that would leave threads idle */
-        int64_t ns = 1;
-        for (int64_t c = KVH; c > 1; c--)
-            if (KVH % c == 0 && c * G <= 16 && D * (KVH / c) >= 2 * nthreads) { ns = c; break; }
-        return attention_amx((const uint16_t*)q, ldq, k_cache, v_cache, block_tables, bt_stride, ctx, (uint16_t*)out,
-                             ldo, D, KVH, G, hd, bs, scale, window, ns, fmt, nthreads);
-    }
-    int64_t maxL = 0; /* keys read by one sequence: from its window's first block */
-    for (int64_t d = 0; d < D; d++) {
-        const int64_t Ld = ctx[d] - kv_window_first_block(ctx[d], window, bs) * bs;
-        maxL = Ld > maxL ? Ld : maxL;
-    }
-    const int64_t maxLp = (maxL + 15) & ~(int64_t)15, es = bf ? 2 : 4;
-    const int64_t zero_bt = 0;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + G * nv * 16 + 16 * nv * 16 + 16));
-        char* kd = fmt ? (char*)malloc((size_t)(2 * maxLp * hd * es + 64)) : NULL; /* K, then V, one KV head */
-        if (!sc || (fmt && !kd)) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < D * KVH; i++) {
-            if (!sc || (fmt && !kd)) continue;
-            const int64_t d = i / KVH, g = i % KVH;
-            float* qf = sc + G * maxL;
-            float* kt = qf + G * nv * 16;
-            /* the walk starts at the window's first block b0; keys [J, L) of it on are attended */
-            const int64_t b0 = kv_window_first_block(ctx[d], window, bs);
-            const int64_t* bt = block_tables + d * bt_stride + b0;
-            const int64_t L = ctx[d] - b0 * bs, J = window > 0 && ctx[d] > window ? ctx[d] - window - b0 * bs : 0;
-            if (fmt) {
-                const int64_t Lp = (L + 15) & ~(int64_t)15;
-                char* vd = kd + maxLp * hd * es;
-                dequant_ctx((const uint8_t*)k_cache, bt, L, Lp, bs, KVH, hd, g, 1, kd, bf, fmt);
-                dequant_ctx((const uint8_t*)v_cache, bt, L, Lp, bs, KVH, hd, g, 1, vd, bf, fmt);
-                if (bf)
-                    attn_one(at(q, d * ldq + g * G * hd, 1), kd, vd, &zero_bt, J, L, atw(out, d * ldo + g * G * hd, 1),
-                             G, 1, 0, hd, Lp, scale, sc, qf, kt, 1);
-                else
-                    attn_one(at(q, d * ldq + g * G * hd, 0), kd, vd, &zero_bt, J, L, atw(out, d * ldo + g * G * hd, 0),
-                             G, 1, 0, hd, Lp, scale, sc, qf, kt, 0);
-            } else if (bf)
-                attn_one(at(q, d * ldq, 1), k_cache, v_cache, bt, J, L,
-                         atw(out, d * ldo, 1), G, KVH, g, hd, bs, scale, sc, qf, kt, 1);
-            else
-                attn_one(at(q, d * ldq, 0), k_cache, v_cache, bt, J, L,
-                         atw(out, d * ldo, 0), G, KVH, g, hd, bs, scale, sc, qf, kt, 0);
-        }
-        free(sc);
-        free(kd);
-    }
-    return failed ? -1 : 0;
-}
-
-/* ---- A whole decode step of a Llama-family model ------------------------------------------
- * For a few tokens (M <= the gemv limit) the per-op cost of Python and PyTorch exceeds the
- * math, so the step runs here in one call: for every layer
- *   residual += delta; x = rms_norm(residual)          (layer 0: residual = hidden)
- *   qkv = x @ Wqkv^T (+ b); [Qwen3: per-head q/k RMSNorm]; RoPE(q, k); cache[slot] = k, v
- *   attn = paged_attention(q); delta = attn @ Wo^T
- *   residual += delta; x = rms_norm(residual); delta = down(silu(gate(x)) * up(x))
- * then residual += delta; x = rms_norm(residual); logits = x @ Wlm^T.
- * It calls exactly the kernels the PyTorch-level model calls for these shapes (the linear
- * layer's choice of the gemv kernel, `gemv`, or the AMX kernel, `amx`, and the functions
- * above), so its logits are bit-identical to it. */
-typedef void (*gemv_fn)(const void*, int64_t, const void*, const void*, void*, int64_t, int64_t, int64_t, int64_t, int);
-/* kv_amx_linear of the linear library: same arguments with the packed weight, returns 0 or -1. */
-typedef int (*amx_fn)(const void*, int64_t, const void*, const void*, void*, int64_t, int64_t, int64_t, int64_t, int);
-
-typedef struct {
-    const void *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *ln2, *gu_w, *down_w;
-    void *k_cache, *v_cache;
-    const void *qkv_p, *o_p, *gu_p, *down_p; /* AMX-packed weights (NULL: none) */
-} kv_layer_t;
-
-/* The linear layer's choice for M rows: gemv up to gemv_max, else the AMX kernel. */
-#define KV_LINEAR(X, LDX, W, WP, B, Y, LDY, N, K)                                         \
-    do {                                                                                  \
-        if (M <= gemv_max || !(WP)) gemv(X, LDX, W, B, Y, LDY, M, N, K, nthreads);        \
-        else if (amx(X, LDX, WP, B, Y, LDY, M, N, K, nthreads)) return -1;               \
-    } while (0)
-/* Row-wise loops run on all threads once there is enough work (results do not depend on it). */
-static inline int rows_nt(int64_t work, int nthreads) { return work >= (1 << 14) ? nthreads : 1; }
-
-TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv, amx_fn amx, int64_t gemv_max,
-                       int64_t M, const void* hidden,
-                       void* residual, void* delta, void* x, void* qkv, void* attn, void* gu, void* act,
-                       int64_t E, int64_t H, int64_t KVH, int64_t hd, int64_t I, float eps, const int64_t* pos,
-                       const void* cos, const void* sin, const int64_t* slots, const int64_t* bt, int64_t bt_stride,
-                       const int64_t* ctx, int64_t max_ctx, int64_t bs, float scale, int64_t window, const void* final_norm,
-                       const void* lm_head, const void* lm_head_p, int64_t V, void* logits, int bf, int kv_fmt,
-                       int nthreads, int attn_threads) {
-    const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4;
-    memcpy(residual, hidden, (size_t)(M * E * es));
-    for (int64_t l = 0; l < n_layers; l++) {
-        const kv_layer_t* L = layers + l;
-#pragma omp parallel for num_threads(rows_nt(M * E, nthreads)) schedule(static)
-        for (int64_t m = 0; m < M; m++) { /* layer 0 normalizes the embeddings themselves */
-            if (bf) rms_norm_row(l ? at(delta, m * E, 1) : at(residual, m * E, 1), l ? atw(residual, m * E, 1) : NULL,
-                                 L->ln1, atw(x, m * E, 1), E, eps, 1);
-            else rms_norm_row(l ? at(delta, m * E, 0) : at(residual, m * E, 0), l ? atw(residual, m * E, 0) : NULL,
-                              L->ln1, atw(x, m * E, 0), E, eps, 0);
-        }
-        KV_LINEAR(x, E, L->qkv_w, L->qkv_p, L->qkv_b, qkv, NQKV, NQKV, E);
-#pragma omp parallel for num_threads(rows_nt(M * NQKV, nthreads)) schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            void* row = atw(qkv, m * NQKV, bf);
-            if (L->q_norm) {
-                for (int64_t h = 0; h < H + KVH; h++) {
-                    void* hp = atw(row, h * hd, bf);
-                    if (bf) rms_norm_row(hp, NULL, h < H ? L->q_norm : L->k_norm, hp, hd, eps, 1);
-                    else rms_norm_row(hp, NULL, h < H ? L->q_norm : L->k_norm, hp, hd, eps, 0);
-                }
-            }
-            if (bf) rope_row(row, H + KVH, hd, at(cos, pos[m] * hd, 1), at(sin, pos[m] * hd, 1), 1);
-            else rope_row(row, H + KVH, hd, at(cos, pos[m] * hd, 0), at(sin, pos[m] * hd, 0), 0);
-        }
-        if (kv_fmt)
-            kv_reshape_and_cache_q(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache,
-                                   L->v_cache, slots, M, KVH, hd, bf, kv_fmt);
-        else
-            kv_reshape_and_cache(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache, L->v_cache,
-                                 slots, M, KVH * hd, es);
-        if (kv_paged_attention_decode(qkv, NQKV, L->k_cache, L->v_cache, bt, bt_stride, ctx, attn, H * hd, M, H, KVH,
-                                      hd, bs, scale, window, bf, kv_fmt, attn_threads))
-            return -1;
-        KV_LINEAR(attn, H * hd, L->o_w, L->o_p, NULL, delta, E, E, H * hd);
-#pragma omp parallel for num_threads(rows_nt(M * E, nthreads)) schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            if (bf) rms_norm_row(at(delta, m * E, 1), atw(residual, m * E, 1), L->ln2, atw(x, m * E, 1), E, eps, 1);
-            else rms_norm_row(at(delta, m * E, 0), atw(residual, m * E, 0), L->ln2, atw(x, m * E, 0), E, eps, 0);
-        }
-        KV_LINEAR(x, E, L->gu_w, L->gu_p, NULL, gu, 2 * I, 2 * I, E);
-#pragma omp parallel for num_threads(rows_nt(M * I, nthreads)) schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            if (bf) silu_mul_row(at(gu, m * 2 * I, 1), atw(act, m * I, 1), I, 1);
-            else silu_mul_row(at(gu, m * 2 * I, 0), atw(act, m * I, 0), I, 0);
-        }
-        KV_LINEAR(act, I, L->down_w, L->down_p, NULL, delta, E, E, I);
-    }
-#pragma omp parallel for num_threads(rows_nt(M * E, nthreads)) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        if (bf) rms_norm_row(at(delta, m * E, 1), atw(residual, m * E, 1), final_norm, atw(x, m * E, 1), E, eps, 1);
-        else rms_norm_row(at(delta, m * E, 0), atw(residual, m * E, 0), final_norm, atw(x, m * E, 0), E, eps, 0);
-    }
-    KV_LINEAR(x, E, lm_head, lm_head_p, NULL, logits, V, V, E);
-    return 0;
-}
-"""
+from kvserve.kernels import cpu_flags, load_library
 
 #: Rows of work below which a kernel runs on one thread (waking the second costs more).
 _PARALLEL_MIN_ELEMENTS = 1 << 14
@@ -1606,15 +64,9 @@ class _Lib:
             setattr(self, name[3:], fn)
 
 
-def _source(hardware_bf16: bool) -> str:
-    """The library's C source; ``hardware_bf16`` rounds float32 -> bf16 with VCVTNEPS2BF16."""
-    src = _C_SOURCE.replace("/*@AMX_C_SOURCE@*/", AMX_C_SOURCE)
-    return "#define KV_AVX512BF16 1\n" + src if hardware_bf16 else src
-
-
 @functools.lru_cache(maxsize=None)
 def _raw_lib() -> Optional[ctypes.CDLL]:
-    return load_library("cpu_ops", _source(hardware_bf16="avx512_bf16" in cpu_flags()))
+    return load_library("cpu_ops")
 
 
 @functools.lru_cache(maxsize=None)
@@ -1625,6 +77,13 @@ def _lib() -> Optional[_Lib]:
     set_bf16_dot(True)
     set_amx(True)
     return _Lib(lib)
+
+
+def _k() -> _Lib:
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("kvserve CPU kernels are not available here (see kvserve.kernels; check available())")
+    return lib
 
 
 def set_bf16_dot(on: bool) -> bool:
@@ -1649,7 +108,7 @@ def set_amx(on: bool) -> bool:
 
 
 def available() -> bool:
-    """Whether the kernels can run here (builds them on first call, ~3 s once per machine)."""
+    """Whether the kernels can run here (the install built them and this CPU has AVX-512)."""
     return _lib() is not None
 
 
@@ -1699,9 +158,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         _rows(residual, "residual")
         ldr = residual.stride(0)
-    _lib().rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), ldr,
-                    weight.data_ptr(), out.data_ptr(), dim, M, dim, float(eps), int(x.dtype == torch.bfloat16),
-                    _threads(M * dim))
+    _k().rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), ldr,
+                  weight.data_ptr(), out.data_ptr(), dim, M, dim, float(eps), int(x.dtype == torch.bfloat16),
+                  _threads(M * dim))
     return out
 
 
@@ -1728,7 +187,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[M, I]`` new tensor in ``x.dtype``.
     """
-    return _gated(x, _lib().silu_and_mul)
+    return _gated(x, _k().silu_and_mul)
 
 
 def log_sum_exp(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
@@ -1750,7 +209,7 @@ def log_sum_exp(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     if mx.numel() != M:
         raise ValueError(f"row_max must have {M} elements (one per row of x), got {mx.numel()}")
     out = torch.empty((M, 1), dtype=torch.float32)
-    _lib().log_sum_exp(x.data_ptr(), x.stride(0), mx.data_ptr(), out.data_ptr(), M, V, _threads(M * V))
+    _k().log_sum_exp(x.data_ptr(), x.stride(0), mx.data_ptr(), out.data_ptr(), M, V, _threads(M * V))
     return out
 
 
@@ -1778,9 +237,9 @@ def apply_token_bitmask_(x: torch.Tensor, bitmask: torch.Tensor, rows: Optional[
                                                                  or not rows.is_contiguous()):
         raise ValueError(f"apply_token_bitmask_: {M} mask rows need {M} int64 row indices (or x with {M} rows)")
     if M and x.shape[1]:
-        _lib().apply_token_bitmask(x.data_ptr(), x.stride(0), bitmask.data_ptr(), W,
-                                   None if rows is None else rows.data_ptr(), M, x.shape[1],
-                                   _threads(M * x.shape[1]))
+        _k().apply_token_bitmask(x.data_ptr(), x.stride(0), bitmask.data_ptr(), W,
+                                 None if rows is None else rows.data_ptr(), M, x.shape[1],
+                                 _threads(M * x.shape[1]))
 
 
 def greedy(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -1796,6 +255,14 @@ def greedy(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, t
         row_max [M] float32, log_z [M] float32)``, or None when some row's maximum is not
         finite (a NaN or an infinity: the caller takes its general path).
     """
+    tokens, row_max, log_z = _greedy(logits)
+    if logits.shape[1] == 0 or bool((tokens < 0).any()):
+        return None
+    return tokens, row_max, log_z
+
+
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`greedy`'s kernel call: ``tokens`` has -1 in rows whose maximum is not finite."""
     _rows(logits, "logits")
     if logits.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"greedy needs float32 or bfloat16 logits, got {logits.dtype}")
@@ -1804,10 +271,8 @@ def greedy(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, t
     row_max = torch.empty(M, dtype=torch.float32)
     log_z = torch.empty(M, dtype=torch.float32)
     if M and V:
-        _lib().greedy(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), tokens.data_ptr(),
-                      row_max.data_ptr(), log_z.data_ptr(), M, V, _threads(M * V))
-    if V == 0 or bool((tokens < 0).any()):
-        return None
+        _k().greedy(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), tokens.data_ptr(),
+                  row_max.data_ptr(), log_z.data_ptr(), M, V, _threads(M * V))
     return tokens, row_max, log_z
 
 
@@ -1826,8 +291,8 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tenso
     """
     _rows(x, "x")
     T = x.shape[0]
-    _lib().rope(x.data_ptr(), x.stride(0), T, num_heads, head_dim, positions.data_ptr(), cos.data_ptr(),
-                sin.data_ptr(), int(x.dtype == torch.bfloat16), _threads(T * num_heads * head_dim))
+    _k().rope(x.data_ptr(), x.stride(0), T, num_heads, head_dim, positions.data_ptr(), cos.data_ptr(),
+              sin.data_ptr(), int(x.dtype == torch.bfloat16), _threads(T * num_heads * head_dim))
 
 
 def _same_dtype(dtype: torch.dtype, **tensors: torch.Tensor) -> None:
@@ -1862,8 +327,8 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     _vector(weight, dim, "weight")
     _same_dtype(x.dtype, weight=weight)
     out = torch.empty((M, dim), dtype=x.dtype)
-    _lib().gemma_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), None, 0, None, out.data_ptr(), dim, M, dim,
-                          float(eps), int(x.dtype == torch.bfloat16), _threads(M * dim))
+    _k().gemma_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), None, 0, None, out.data_ptr(), dim, M, dim,
+                        float(eps), int(x.dtype == torch.bfloat16), _threads(M * dim))
     return out
 
 
@@ -1904,9 +369,9 @@ def gemma_add_rms_norm_(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
         _vector(next_weight, dim, "next_weight")
         _same_dtype(x.dtype, next_weight=next_weight)
         out = torch.empty((M, dim), dtype=x.dtype)
-    _lib().gemma_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), residual.data_ptr(), residual.stride(0),
-                          None if out is None else next_weight.data_ptr(), None if out is None else out.data_ptr(),
-                          dim, M, dim, float(eps), int(x.dtype == torch.bfloat16), _threads(M * dim))
+    _k().gemma_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), residual.data_ptr(), residual.stride(0),
+                        None if out is None else next_weight.data_ptr(), None if out is None else out.data_ptr(),
+                        dim, M, dim, float(eps), int(x.dtype == torch.bfloat16), _threads(M * dim))
     return out
 
 
@@ -1946,10 +411,10 @@ def gemma_qk_norm_rope_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, he
             cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError(f"cos and sin must be contiguous [max_positions, {head_dim}], got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-    _lib().gemma_qk_norm_rope(qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, head_dim,
-                              q_weight.data_ptr(), k_weight.data_ptr(), float(eps), positions.data_ptr(),
-                              cos.data_ptr(), sin.data_ptr(), int(qkv.dtype == torch.bfloat16),
-                              _threads(T * (num_heads + num_kv_heads) * head_dim))
+    _k().gemma_qk_norm_rope(qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, head_dim,
+                            q_weight.data_ptr(), k_weight.data_ptr(), float(eps), positions.data_ptr(),
+                            cos.data_ptr(), sin.data_ptr(), int(qkv.dtype == torch.bfloat16),
+                            _threads(T * (num_heads + num_kv_heads) * head_dim))
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -1965,7 +430,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: when ``x`` is not 2-D with unit last stride and an even number of columns.
     """
-    return _gated(x, _lib().gelu_tanh_and_mul)
+    return _gated(x, _k().gelu_tanh_and_mul)
 
 
 def _kv_format(cache: torch.Tensor) -> int:
@@ -1990,13 +455,13 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
     """
     fmt = _kv_format(k_cache)
     if fmt:
-        _lib().reshape_and_cache_q(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                                   v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k_cache.shape[2],
-                                   k.shape[2], int(k.dtype == torch.bfloat16), fmt)
+        _k().reshape_and_cache_q(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                 v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k_cache.shape[2],
+                                 k.shape[2], int(k.dtype == torch.bfloat16), fmt)
         return
     row = k_cache.shape[2] * k_cache.shape[3]
-    _lib().reshape_and_cache(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                             v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row, k.element_size())
+    _k().reshape_and_cache(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                           v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row, k.element_size())
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -2049,7 +514,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if D else 0
     read = max_context_len if window is None else min(max_context_len, window + bs - 1)  # keys read per sequence
-    rc = _lib().paged_attention_decode(
+    rc = _k().paged_attention_decode(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), out.stride(0), D, H, KVH, hd, bs,
         float(scale), window or 0, int(q.dtype == torch.bfloat16), _kv_format(k_cache),
@@ -2101,7 +566,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if not amx_prefill_supported(q.dtype, H, KVH, hd, bs):
         raise ValueError(f"paged_attention_prefill: unsupported here (dtype {q.dtype}, heads {H}, kv_heads {KVH}, "
                          f"head_dim {hd}, block_size {bs}; needs bf16 on AMX)")
-    rc = _lib().paged_attention_prefill(
+    rc = _k().paged_attention_prefill(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), chunks.data_ptr(), chunks.shape[0], out.data_ptr(), out.stride(0), H, KVH, hd, bs,
         float(scale), _kv_format(k_cache), torch.get_num_threads())
@@ -2171,7 +636,7 @@ class DecodeStep:
         # Work buffers for the largest batch; a batch of M uses their first M rows.
         self._scratch = (e(self.E), e(self.E), e(self.E), e((self.H + 2 * self.KVH) * self.hd),
                          e(self.H * self.hd), e(2 * self.I), e(self.I))
-        fn = _lib().lib.kv_decode_step
+        fn = _k().lib.kv_decode_step
         i64, vp, cf, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self.kv_format = _kv_format(layers[0]["k_cache"])
         fn.argtypes = [vp, i64, vp, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, cf, vp,
@@ -2215,3 +680,4 @@ class DecodeStep:
         if rc:
             raise MemoryError("decode step: could not allocate attention or linear work buffers")
         return logits
+
