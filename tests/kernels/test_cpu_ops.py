@@ -14,6 +14,54 @@ pytestmark = pytest.mark.skipif(not K.available(), reason="CPU kernels need x86-
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+def _greedy_via_op(logits):
+    tokens, row_max, log_z = torch.ops.kvserve.greedy(logits)
+    return None if logits.shape[1] == 0 or bool((tokens < 0).any()) else (tokens, row_max, log_z)
+
+
+def _decode_via_op(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, max_context_len=None,
+                   window=None):
+    out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
+    torch.ops.kvserve.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out,
+                                             max_context_len, window)
+    return out
+
+
+def _gemma_add_via_op(x, weight, residual, eps, next_weight=None):
+    out = torch.ops.kvserve.gemma_add_rms_norm_(x, weight, residual, eps, next_weight)
+    assert next_weight is not None or out.shape == (0, x.shape[1])
+    return None if next_weight is None else out
+
+
+#: The module's functions as their registered torch.library ops (torch.ops.kvserve.*).
+VIA_OPS = {
+    "rms_norm": lambda x, w, eps, residual=None: torch.ops.kvserve.rms_norm(x, w, eps, residual),
+    "silu_and_mul": lambda x: torch.ops.kvserve.silu_and_mul(x),
+    "gelu_tanh_and_mul": lambda x: torch.ops.kvserve.gelu_tanh_and_mul(x),
+    "log_sum_exp": lambda x, mx: torch.ops.kvserve.log_sum_exp(x, mx),
+    "apply_token_bitmask_": lambda x, bm, rows=None: torch.ops.kvserve.apply_token_bitmask_(x, bm, rows),
+    "greedy": _greedy_via_op,
+    "rope_": lambda *a: torch.ops.kvserve.rope_(*a),
+    "gemma_rms_norm": lambda x, w, eps: torch.ops.kvserve.gemma_rms_norm(x, w, eps),
+    "gemma_add_rms_norm_": _gemma_add_via_op,
+    "gemma_qk_norm_rope_": lambda *a: torch.ops.kvserve.gemma_qk_norm_rope_(*a),
+    "reshape_and_cache": lambda *a: torch.ops.kvserve.reshape_and_cache(*a),
+    "paged_attention_decode": _decode_via_op,
+    "paged_attention_prefill": lambda *a: torch.ops.kvserve.paged_attention_prefill(*a),
+}
+assert set(VIA_OPS) == set(K.OPS)
+
+
+@pytest.fixture(params=["python", "torch.ops"])
+def via(request, monkeypatch):
+    """Run a test on the module's functions, then again with each of them replaced by a call of
+    its registered op (``torch.ops.kvserve.<name>``, the path torch.compile sees)."""
+    if request.param == "torch.ops":
+        for name, fn in VIA_OPS.items():
+            monkeypatch.setattr(K, name, fn)
+    return request.param
+
+
 def ref_rms_norm(x, w, eps):
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -29,7 +77,7 @@ def close(a, b, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,dim", [(1, 576), (5, 64), (33, 100), (300, 1024)])
-def test_rms_norm(dtype, M, dim):
+def test_rms_norm(dtype, M, dim, via):
     g = torch.Generator().manual_seed(M * dim)
     x = torch.randn(M, dim, generator=g).to(dtype) * 3
     w = torch.randn(dim, generator=g).to(dtype)
@@ -37,7 +85,7 @@ def test_rms_norm(dtype, M, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_fused_residual_on_strided_rows(dtype):
+def test_rms_norm_fused_residual_on_strided_rows(dtype, via):
     g = torch.Generator().manual_seed(1)
     big = torch.randn(9, 200, generator=g).to(dtype)
     x = big[:, 10:110]  # row stride 200
@@ -51,7 +99,7 @@ def test_rms_norm_fused_residual_on_strided_rows(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,inter", [(1, 1536), (7, 40), (129, 512)])
-def test_silu_and_mul(dtype, M, inter):
+def test_silu_and_mul(dtype, M, inter, via):
     g = torch.Generator().manual_seed(inter)
     x = (torch.randn(M, 2 * inter, generator=g) * 4).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
@@ -94,7 +142,7 @@ def test_hardware_and_software_bf16_rounding_agree():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
-def test_rope_in_place_on_fused_qkv(dtype, head_dim):
+def test_rope_in_place_on_fused_qkv(dtype, head_dim, via):
     g = torch.Generator().manual_seed(head_dim)
     T, H, KVH, P = 11, 4, 2, 300
     qkv = torch.randn(T, (H + 2 * KVH) * head_dim, generator=g).to(dtype)
@@ -149,7 +197,7 @@ def close_gemma(a, b, dtype, max_diff_frac=0.001):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,dim", [(1, 640), (5, 64), (33, 100), (300, 1024), (3, 7)])
-def test_gemma_rms_norm(dtype, M, dim):
+def test_gemma_rms_norm(dtype, M, dim, via):
     g = torch.Generator().manual_seed(M * dim + 1)
     x = (torch.randn(M, dim, generator=g) * 3).to(dtype)
     w = (torch.randn(dim, generator=g) * 0.5).to(dtype)
@@ -157,7 +205,7 @@ def test_gemma_rms_norm(dtype, M, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemma_rms_norm_on_strided_rows_and_exact_cases(dtype):
+def test_gemma_rms_norm_on_strided_rows_and_exact_cases(dtype, via):
     g = torch.Generator().manual_seed(2)
     big = (torch.randn(9, 300, generator=g) * 2).to(dtype)
     x = big[:, 17:117]  # row stride 300, 100 columns (a 4-element tail)
@@ -172,7 +220,7 @@ def test_gemma_rms_norm_on_strided_rows_and_exact_cases(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,dim", [(1, 640), (7, 100), (65, 640)])
-def test_gemma_add_rms_norm_is_the_sandwich_step(dtype, M, dim):
+def test_gemma_add_rms_norm_is_the_sandwich_step(dtype, M, dim, via):
     """``h += post_norm(a)`` (norm rounded, then the add rounded: PyTorch's ``h + norm(a)``),
     then the next norm of the updated ``h``; ``a`` a strided view."""
     g = torch.Generator().manual_seed(M + dim)
@@ -200,7 +248,7 @@ def test_gemma_add_rms_norm_is_the_sandwich_step(dtype, M, dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,KVH,head_dim", [(4, 1, 256), (4, 2, 24), (3, 3, 64)])
-def test_gemma_qk_norm_rope_on_fused_qkv(dtype, H, KVH, head_dim):
+def test_gemma_qk_norm_rope_on_fused_qkv(dtype, H, KVH, head_dim, via):
     """Per-head Gemma norm of q (q weight) and k (k weight), rounded, then RoPE, in place on a
     fused QKV output whose rows are padded (row stride > width); v and the padding untouched."""
     from kvserve.worker.models.llama import RotaryEmbedding
@@ -252,7 +300,7 @@ def close_gelu_bf16(got, expect):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,inter", [(1, 2048), (7, 40), (129, 512), (2, 9)])
-def test_gelu_tanh_and_mul(dtype, M, inter):
+def test_gelu_tanh_and_mul(dtype, M, inter, via):
     g = torch.Generator().manual_seed(inter + M)
     x = (torch.randn(M, 2 * inter, generator=g) * 4).to(dtype)
     x[0, :9] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -5.0, 5.0, 0.6, -0.6, 1e-3])
@@ -332,7 +380,7 @@ def test_gemma_kernels_hardware_and_software_bf16_rounding_agree():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reshape_and_cache(dtype):
+def test_reshape_and_cache(dtype, via):
     nb, bs, KVH, hd, T = 6, 4, 2, 16, 5
     qkv = torch.randn(T, 3 * KVH * hd).to(dtype)
     k = qkv[:, KVH * hd : 2 * KVH * hd].view(T, KVH, hd)
@@ -358,7 +406,7 @@ def amx(request):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (9, 3, 64, 32), (4, 4, 80, 16), (8, 2, 128, 16),
                                          (16, 1, 32, 16), (32, 2, 64, 16)])
-def test_paged_attention_decode_matches_sdpa(dtype, H, KVH, hd, bs, amx):
+def test_paged_attention_decode_matches_sdpa(dtype, H, KVH, hd, bs, amx, via):
     g = torch.Generator().manual_seed(H * hd)
     nb = 1024 // bs
     ctx = [1, 15, 16, 17, 31, 100, 333]
@@ -395,7 +443,7 @@ def test_paged_attention_decode_matches_sdpa(dtype, H, KVH, hd, bs, amx):
 
 @pytest.mark.skipif(not K.amx_prefill_supported(torch.bfloat16, 9, 3, 64, 16), reason="needs AMX-BF16")
 @pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (16, 8, 128, 32), (4, 1, 32, 16), (32, 2, 64, 16)])
-def test_paged_attention_prefill_matches_causal_sdpa(H, KVH, hd, bs):
+def test_paged_attention_prefill_matches_causal_sdpa(H, KVH, hd, bs, via):
     """Chunks with and without cached context before them (chunked prefill, prefix hits), one
     token, lengths that are not multiples of a tile; NaN in every slot no context covers."""
     g = torch.Generator().manual_seed(H + hd)
@@ -513,7 +561,7 @@ def test_default_backend_falls_back_for_shapes_the_kernel_does_not_handle():
 
 
 @pytest.mark.parametrize("M,V", [(1, 49152), (5, 37), (64, 1000)])
-def test_log_sum_exp(M, V):
+def test_log_sum_exp(M, V, via):
     g = torch.Generator().manual_seed(V)
     big = torch.randn(M, V + 3, generator=g) * 6
     x = big[:, 2 : 2 + V]  # row stride V + 3, tail shorter than one vector
@@ -535,7 +583,7 @@ def test_log_sum_exp_rejects_bad_input():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,V", [(1, 49152), (5, 37), (64, 1000)])
-def test_greedy_is_first_argmax_with_the_log_partition_of_log_sum_exp(dtype, M, V):
+def test_greedy_is_first_argmax_with_the_log_partition_of_log_sum_exp(dtype, M, V, via):
     g = torch.Generator().manual_seed(M + V)
     big = (torch.randn(M, V + 5, generator=g) * 4).to(dtype)
     x = big[:, 3 : 3 + V]  # row stride V + 5
@@ -551,7 +599,7 @@ def test_greedy_is_first_argmax_with_the_log_partition_of_log_sum_exp(dtype, M, 
     assert torch.equal(log_z, K.log_sum_exp(xf, row_max).squeeze(1))  # bit for bit
 
 
-def test_greedy_gives_up_on_non_finite_maxima_and_rejects_bad_input():
+def test_greedy_gives_up_on_non_finite_maxima_and_rejects_bad_input(via):
     x = torch.randn(3, 100)
     x[1, 5] = float("nan")
     assert K.greedy(x) is None
@@ -561,6 +609,24 @@ def test_greedy_gives_up_on_non_finite_maxima_and_rejects_bad_input():
         K.greedy(torch.zeros(2, 3, dtype=torch.float16))
     with pytest.raises(ValueError, match="unit stride"):
         K.greedy(torch.randn(4, 6).t())
+
+
+@pytest.mark.parametrize("V,W", [(100, 3), (64, 2)])
+def test_apply_token_bitmask(V, W, via):
+    """Columns whose bit is clear become -inf in the rows the mask rows name (columns at or past
+    32·W too); the other rows and allowed columns are untouched."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(5, V, generator=g)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, W), dtype=torch.int32, generator=g)
+    rows = torch.tensor([4, 0, 2])
+    allowed = ((bitmask.long().unsqueeze(-1) >> torch.arange(32)) & 1).bool().reshape(3, 32 * W)
+    allowed = F.pad(allowed, (0, max(0, V - 32 * W)))[:, :V]
+    want = x.clone()
+    want[rows] = want[rows].masked_fill(~allowed, float("-inf"))
+    got = x.clone()
+    K.apply_token_bitmask_(got, bitmask, rows)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 3]], x[[1, 3]])
 
 
 # ---- 8-bit KV pools (kv_cache_dtype int8 / fp8: kvserve.worker.kv_quant) ------------------------------
@@ -584,7 +650,7 @@ def _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used):
 
 @pytest.mark.parametrize("kv_dtype", KV8)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reshape_and_cache_quantizes_bit_for_bit_as_kv_quant(dtype, kv_dtype):
+def test_reshape_and_cache_quantizes_bit_for_bit_as_kv_quant(dtype, kv_dtype, via):
     from kvserve.worker import kv_quant
 
     nb, bs, KVH, hd, T = 6, 4, 2, 48, 7
@@ -656,7 +722,7 @@ def test_paged_attention_prefill_on_8bit_pools_matches_sdpa_on_dequantized(H, KV
 @pytest.mark.parametrize("kv_dtype", [None] + KV8, ids=["model-dtype", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (8, 2, 128, 4), (4, 4, 80, 16), (16, 1, 32, 32)])
-def test_paged_attention_decode_window_matches_reference(dtype, kv_dtype, H, KVH, hd, bs, amx):
+def test_paged_attention_decode_window_matches_reference(dtype, kv_dtype, H, KVH, hd, bs, amx, via):
     """Sliding-window decode: the new token at position p = L - 1 sees keys (p - W, p] only.
     Windows of 1, 7, 16, 33 and 100 tokens (odd ones not multiples of the block size) over
     contexts shorter and longer than them; the reference is float32 SDPA over exactly the

@@ -1,5 +1,6 @@
 """The kernel libraries built at install (setup.py, csrc/cpu) and their loader, kvserve.kernels:
-the right variant is loaded without a compiler, and a missing build falls back with one log line."""
+the right variant is loaded without a compiler, a missing build falls back with one log line,
+and the torch.library ops pass opcheck."""
 
 import logging
 import os
@@ -90,7 +91,7 @@ def test_kernels_load_with_no_compiler_on_path(tmp_path):
         g = torch.Generator().manual_seed(0)
         x, w = torch.randn(3, 256, generator=g), torch.randn(256, generator=g)
         ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-        torch.testing.assert_close(K.rms_norm(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.ops.kvserve.rms_norm(x, w, 1e-5, None), ref, rtol=1e-5, atol=1e-5)
         lw = torch.randn(64, 256, generator=g)
         torch.testing.assert_close(linear.gemv(x, lw), x @ lw.T, rtol=1e-4, atol=1e-4)
         print("OK")
@@ -159,6 +160,50 @@ def test_disabled_by_environment_loads_nothing_and_logs_nothing(monkeypatch, cap
     with caplog.at_level(logging.DEBUG, logger="kvserve.kernels"):
         assert kernels.load_library("cpu_ops") is None and kernels.load_library("gemv") is None
     assert caplog.records == []
+
+
+# ------------------------------------------------------------------ the torch.library ops
+
+def test_every_kernel_function_is_a_registered_op():
+    for name in K.OPS:
+        assert hasattr(K, name)
+        op = getattr(torch.ops.kvserve, name)
+        assert op.default._schema.name == f"kvserve::{name}"
+    assert {"cpu_gemv", "cpu_gemv_int8"} <= {n for n in dir(torch.ops.kvserve) if not n.startswith("_")}
+
+
+def _opcheck_cases():
+    g = torch.Generator().manual_seed(3)
+    bf = torch.bfloat16
+    x = torch.randn(3, 64, generator=g).to(bf)
+    w = torch.randn(64, generator=g).to(bf)
+    T, H, KVH, hd, bs, nb = 2, 4, 2, 32, 16, 4
+    qkv = torch.randn(T, (H + 2 * KVH) * hd, generator=g)
+    pos = torch.tensor([0, 5])
+    cos, sin = torch.randn(8, hd, generator=g), torch.randn(8, hd, generator=g)
+    kc, vc = torch.zeros(nb, bs, KVH, hd), torch.zeros(nb, bs, KVH, hd)
+    k, v = qkv[:, H * hd:(H + KVH) * hd].view(T, KVH, hd), qkv[:, (H + KVH) * hd:].view(T, KVH, hd)
+    q = torch.randn(T, H, hd, generator=g)
+    return {
+        "rms_norm": (x, w, 1e-5, torch.randn(3, 64, generator=g).to(bf)),
+        "silu_and_mul": (x,),
+        "gemma_add_rms_norm_": (x, w, torch.randn(3, 64, generator=g).to(bf), 1e-6, w),
+        "rope_": (qkv, H + KVH, hd, pos, cos, sin),
+        "greedy": (torch.randn(2, 100, generator=g),),
+        "reshape_and_cache": (k.contiguous(), v.contiguous(), kc, vc, torch.tensor([1, 17])),
+        "paged_attention_decode": (q, torch.randn(nb, bs, KVH, hd, generator=g),
+                                   torch.randn(nb, bs, KVH, hd, generator=g), torch.tensor([[2, 0], [1, 3]]),
+                                   torch.tensor([5, 20]), hd**-0.5, torch.empty(T, H, hd), 20, None),
+    }
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", list(_opcheck_cases()))
+def test_opcheck(name):
+    """torch.library.opcheck: the schema's mutation annotations hold, the fake implementation
+    matches the real one's shapes, and the op traces under AOT dispatch (torch.compile)."""
+    torch.library.opcheck(getattr(torch.ops.kvserve, name), _opcheck_cases()[name],
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 @needs_kernels
