@@ -30,14 +30,15 @@ import sysconfig
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-#: Compiler flags of every kernel library (no -g, no -fwrapv from Python's own CFLAGS).
+#: Compiler flags of every kernel library: what kvserve used when it compiled them at run time
+#: (Python's own CFLAGS, e.g. -g -fwrapv, and $CFLAGS are not used; $CC picks the compiler).
 CFLAGS = ["-O3", "-fopenmp", "-fPIC"]
 LDFLAGS = ["-shared", "-fopenmp"]
 
 
 def _kernel(name: str, source: str) -> Extension:
-    return Extension(f"kvserve._C.{name}", sources=[source], depends=["csrc/cpu/amx.h", "csrc/cpu/cpu_ops.c"],
-                     libraries=["m"], optional=True)
+    depends = ["csrc/cpu/amx.h"] + (["csrc/cpu/cpu_ops.c"] if name.startswith("cpu_ops") else [])
+    return Extension(f"kvserve._C.{name}", sources=[source], depends=depends, libraries=["m"], optional=True)
 
 
 class BuildKernels(build_ext):

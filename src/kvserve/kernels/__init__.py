@@ -128,6 +128,8 @@ def load_library(name: str, variant: Optional[str] = None) -> Optional[ctypes.CD
     Raises:
         KeyError: for an unknown ``name``.
     """
+    if name not in VARIANTS:
+        raise KeyError(f"no kernel library {name!r}; there are {sorted(VARIANTS)}")
     if kernels_disabled() or platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     if not AVX512 <= cpu_flags():
