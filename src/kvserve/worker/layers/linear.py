@@ -8,10 +8,10 @@ kernel computes that best depends on how many tokens ``M`` share one pass over `
   so the limit is memory bandwidth (~30 GB/s here). Eager ``F.linear`` in bf16 reaches only
   ~9-14 GB/s on these shapes (oneDNN's bf16 GEMV path plus ~30 us of fixed cost per call).
   :func:`gemv` is a small C kernel (``csrc/cpu/gemv.c``, built at install): 4 weight rows per
-  block, 4 input rows at once, software prefetch, float32 accumulation with AVX512-BF16 ``VDPBF16PS`` (bf16)
-  or FMA (float32), OpenMP over rows. It streams bf16 weights at ~22-28 GB/s: about 2x eager
-  bf16 for a whole decode step's linears; in float32 it is on par with MKL at M = 1 and
-  1.3-2x faster at M = 2-8.
+  block, 4 input rows at once, software prefetch, float32 accumulation with AVX512-BF16
+  ``VDPBF16PS`` (bf16) or FMA (float32), OpenMP over rows. It streams bf16 weights at ~22-28
+  GB/s: about 2x eager bf16 for a whole decode step's linears; in float32 it is on par with MKL
+  at M = 1 and 1.3-2x faster at M = 2-8.
 * **Batched decode (5-64 tokens, bf16, CPUs with AMX-BF16)**: :func:`amx_linear`, a C kernel
   on AMX tiles (``TDPBF16PS``) over a weight packed once into tile layout, streams the weights
   1.1-1.9x faster than oneDNN at these sizes (see ``AMX_MAX_M_BF16``).
@@ -28,8 +28,9 @@ practice bit for bit) and float32 results to ~1e-6 relative. Weight-only int8
 
 Everything falls back to plain ``F.linear`` where a fast path is unavailable: CUDA or other
 devices, CPUs without AVX-512 (bf16 gemv needs AVX512_BF16), an install that built no kernels,
-autograd, or the environment variable ``KVSERVE_DISABLE_CPU_KERNELS=1``. Under ``torch.compile`` the gemv
-kernels are custom ops (``torch.ops.kvserve.cpu_gemv``) and large M uses ``F.linear``.
+autograd, or the environment variable ``KVSERVE_DISABLE_CPU_KERNELS=1``. Under
+``torch.compile`` the gemv kernels are custom ops (``torch.ops.kvserve.cpu_gemv``) and large M
+uses ``F.linear``.
 
 Sources: memory-bound decode and weight-only int8 as in gpt-fast (pytorch-labs/gpt-fast,
 ``quantize.py``) and llama.cpp's CPU matmul (``ggml-cpu``); prepacked oneDNN weights as in
