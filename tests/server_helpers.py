@@ -19,6 +19,9 @@ def free_port() -> int:
 class ServerThread:
     """``build_app(engine)`` on uvicorn, on a free loopback port, in a daemon thread.
 
+    ``engine``: an ``LLMEngine`` (stepped in a thread), or ``EngineArgs`` / a ``CoreClient``
+    (the engine core in its own process).
+
     Attributes:
         base_url: ``http://127.0.0.1:PORT``.
         api: the :class:`kvserve.entrypoints.openai.OpenAIServer` (its ``async_engine``, ``metrics``...).
@@ -50,14 +53,16 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(30)
 
-    def engine_call(self, fn):
-        """Run ``fn(engine)`` on the engine thread (thread-safe) and return its result."""
-        return self.api.async_engine.call_sync(fn)
+    def engine_call(self, fn, *args):
+        """Run ``fn(engine)`` on the engine thread (thread-safe) and return its result; ``fn``
+        may be a public engine method's name (called with ``args``), the only form that works
+        with the engine core in its own process."""
+        return self.api.async_engine.call_sync(fn, *args)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until the engine has no unfinished request."""
         deadline = time.monotonic() + timeout
-        while self.engine_call(lambda e: e.has_unfinished_requests()):
+        while self.engine_call("has_unfinished_requests"):
             if time.monotonic() > deadline:
                 raise TimeoutError("engine still busy")
             time.sleep(0.02)

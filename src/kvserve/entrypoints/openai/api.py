@@ -47,7 +47,9 @@ from kvserve.engine.llm_engine import LLMEngine, QueueFullError
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.core.request import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
-from kvserve.entrypoints.openai.async_engine import AsyncEngine, EngineStoppedError
+from kvserve.engine.args import EngineArgs
+from kvserve.engine.core_client import CoreClient
+from kvserve.entrypoints.openai.async_engine import AsyncEngine, EngineStoppedError, MPAsyncEngine
 from kvserve.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -130,7 +132,10 @@ class OpenAIServer:
     """The API's state and handlers around one engine.
 
     Args:
-        engine: the engine (from :meth:`start` on owned by the engine thread).
+        engine: an :class:`LLMEngine` (stepped in a thread of this process, :class:`AsyncEngine`;
+            from :meth:`start` on owned by that thread) or a started
+            :class:`~kvserve.engine.core_client.CoreClient` (the engine core in its own process,
+            :class:`MPAsyncEngine`).
         served_model_names: names clients may use in ``model``; the first is reported.
         api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``.
         max_body_bytes: larger request bodies get 413 before they are read.
@@ -141,7 +146,7 @@ class OpenAIServer:
         ValueError: no served model name, or an unknown ``tool_call_parser``.
     """
 
-    def __init__(self, engine: LLMEngine, served_model_names: Sequence[str], api_key: Optional[str] = None,
+    def __init__(self, engine: LLMEngine | CoreClient, served_model_names: Sequence[str], api_key: Optional[str] = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
@@ -155,7 +160,10 @@ class OpenAIServer:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.metrics = ServerMetrics(self.model_name)
-        self.async_engine = AsyncEngine(engine, self.metrics)
+        if isinstance(engine, CoreClient):
+            self.async_engine: AsyncEngine = MPAsyncEngine(engine, self.metrics)
+        else:
+            self.async_engine = AsyncEngine(engine, self.metrics)
         self.texts = TokenTexts(self.tokenizer)
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=16)
         # No prompt longer than this many characters can fit in max_model_len tokens.
@@ -854,20 +862,35 @@ def _version() -> str:
     return __version__
 
 
-def build_app(engine: LLMEngine, served_model_names: Sequence[str] | str | None = None,
+def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: Sequence[str] | str | None = None,
               api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:
-    """The FastAPI app serving ``engine`` (the engine thread starts with the app's lifespan).
+    """The FastAPI app serving ``engine``.
+
+    ``engine`` is an :class:`LLMEngine` (its step loop runs in a thread of this process, started
+    with the app's lifespan), a :class:`~kvserve.engine.core_client.CoreClient`, or
+    :class:`EngineArgs`, from which a ``CoreClient`` is started now (the engine core in its own
+    process; this returns once it has loaded the model). The lifespan's end stops the thread or
+    the core process.
 
     The :class:`OpenAIServer` is at ``app.state.server``.
 
     Raises:
-        ValueError: an unknown ``tool_call_parser``.
+        ValueError: an unknown ``tool_call_parser``; from :class:`EngineArgs`, what the core
+            raised while it built its engine (see :class:`CoreClient`).
     """
-    if served_model_names is None:
-        served_model_names = [engine.model_config.name]
-    elif isinstance(served_model_names, str):
-        served_model_names = [served_model_names]
-    server = OpenAIServer(engine, served_model_names, api_key, max_body_bytes, tool_call_parser)
+    client = None
+    if isinstance(engine, EngineArgs):
+        engine = client = CoreClient(engine)
+    try:
+        if served_model_names is None:
+            served_model_names = [engine.model_config.name]
+        elif isinstance(served_model_names, str):
+            served_model_names = [served_model_names]
+        server = OpenAIServer(engine, served_model_names, api_key, max_body_bytes, tool_call_parser)
+    except BaseException:
+        if client is not None:
+            client.shutdown(timeout=5.0)
+        raise
     server.app.state.server = server
     return server.app

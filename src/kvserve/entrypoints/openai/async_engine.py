@@ -15,11 +15,15 @@ Threads and queues::
   request arrives as ``(tag, exception)``.
 * The engine thread also records the request metrics (TTFT, ITL, TPOT, end-to-end, queue
   time, token counters) as outputs appear, and refreshes the gauges after every step.
+
+:class:`MPAsyncEngine` has the same interface with the engine core in its own process
+(``kvserve serve``'s default).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -27,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from kvserve.engine.core_proc import add_batch
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.metrics import ServerMetrics
 from kvserve.core.request import RequestOutput
@@ -37,6 +42,21 @@ logger = logging.getLogger("kvserve.entrypoints.openai")
 
 class EngineStoppedError(RuntimeError):
     """The engine loop stopped (shutdown) or failed; the request cannot complete."""
+
+
+def _as_callable(fn: Callable[[LLMEngine], Any] | str, args: tuple) -> Callable[[LLMEngine], Any]:
+    """``fn``, or for a method name a function calling that public engine method with ``args``.
+
+    Raises:
+        ValueError: a private name, or ``args`` given with a callable.
+    """
+    if isinstance(fn, str):
+        if fn.startswith("_"):
+            raise ValueError(f"{fn!r} is private: only public engine methods can be called")
+        return lambda engine: getattr(engine, fn)(*args)
+    if args:
+        raise ValueError("args are for a method name; a callable takes the engine only")
+    return fn
 
 
 @dataclass
@@ -177,14 +197,24 @@ class AsyncEngine:
         """Cancel a request (thread-safe, returns at once); its KV blocks are freed before the next step."""
         self._cmds.put(("abort", request_id))
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+    async def call(self, fn: Callable[[LLMEngine], Any] | str, *args) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result.
+
+        ``fn`` may also be the name of a public :class:`LLMEngine` method, called with
+        ``args`` (the form that works with the core in its own process too, see
+        :class:`MPAsyncEngine`)."""
+        fn = _as_callable(fn, args)
         fut = asyncio.get_running_loop().create_future()
         self._cmds.put(("call", fn, fut))
         return await fut
 
-    def call_sync(self, fn: Callable[[LLMEngine], Any], timeout: float = 30.0) -> Any:
-        """Like :meth:`call`, from a thread that is not the event loop's."""
+    def call_sync(self, fn: Callable[[LLMEngine], Any] | str, *args, timeout: float = 30.0) -> Any:
+        """Like :meth:`call`, from a thread that is not the event loop's.
+
+        Raises:
+            TimeoutError: no answer within ``timeout`` seconds.
+        """
+        fn = _as_callable(fn, args)
         box: dict = {}
         done = threading.Event()
 
@@ -267,20 +297,9 @@ class AsyncEngine:
     def _add(self, items: list[tuple[str, list[int], Any]], params: SamplingParams, out_queue: asyncio.Queue,
              priority: int, salt: Optional[str], arrival: float, prompt_only: bool, fut: asyncio.Future) -> None:
         """Add every request of ``items`` or none (see :meth:`add_requests`)."""
-        engine = self.engine
-        added: list[str] = []
-        index: Optional[int] = None
         try:
-            if len(items) > 1:  # check them all first: a bad one must not start the others
-                for index, (rid, ids, _) in enumerate(items):
-                    engine.validate_request(ids, params)
-            for index, (rid, ids, _) in enumerate(items):
-                engine.add_request(ids, params, request_id=rid, priority=priority, cache_salt=salt)
-                added.append(rid)
-        except Exception as e:  # noqa: BLE001 - handed to the handler
-            for rid in added:  # e.g. the batch overfilled the waiting queue: no step ran yet
-                engine.abort_request(rid)
-            e.request_index = index
+            add_batch(self.engine, [(rid, ids) for rid, ids, _ in items], params, priority, salt)
+        except Exception as e:  # noqa: BLE001 - handed to the handler (with its request_index)
             self._resolve(fut, error=e)
             return
         for rid, _, tag in items:
@@ -372,7 +391,12 @@ class AsyncEngine:
     def _update_gauges(self) -> None:
         if self.metrics is None:
             return
-        s = self.engine.stats()
+        self._apply_stats(self.engine.stats())
+
+    def _apply_stats(self, s: dict) -> None:
+        """Set the gauges and advance the counters from the engine's :meth:`LLMEngine.stats`."""
+        if self.metrics is None:
+            return
         m = self.metrics
         m.running.set(s.get("num_running", 0))
         m.waiting.set(s.get("num_waiting", 0))
@@ -439,3 +463,242 @@ class AsyncEngine:
         self._tracks.clear()
         if batch:
             self._call_soon(self._deliver, batch)
+
+
+class MPAsyncEngine(AsyncEngine):
+    """:class:`AsyncEngine`'s interface with the engine core in its own process.
+
+    Threads and pipes::
+
+        HTTP handlers (asyncio) ──commands──► writer thread ──pipe──► core process
+             ▲                                                         │ drain commands, step()
+             └── per-request asyncio.Queue ◄── event loop ◄── reader thread ◄──pipe── outputs + stats
+
+    The core (:mod:`kvserve.engine.core_proc`) adds, aborts and steps; this side keeps the
+    per-request queues and records the metrics from the outputs and the ``stats()`` the core
+    sends after every step (request bookkeeping runs on the event loop, in the order the
+    core's messages arrive). When the core process dies, :attr:`is_running` turns False at
+    once (``/health`` answers 503), every live request gets an :class:`EngineStoppedError`
+    and waiting commands fail with it; new requests are refused with it.
+
+    ``call``/``call_sync`` take only the name of a public :class:`LLMEngine` method (and
+    picklable arguments): a function cannot cross the process boundary.
+
+    Args:
+        client: the started :class:`~kvserve.engine.core_client.CoreClient`.
+        metrics: where to record request metrics (optional).
+    """
+
+    def __init__(self, client, metrics: Optional[ServerMetrics] = None) -> None:
+        super().__init__(client, metrics)
+        self.client = client
+        self._pending: dict[int, tuple] = {}
+        self._pending_lock = threading.Lock()
+        self._cids = itertools.count()
+        self._dead = False
+        self._started = False
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Start the pipe threads; outputs are delivered on ``loop`` (default: the running loop)."""
+        if self._started:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._started = True
+        self.client.start_io(self._on_message, self._on_exit)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the core process and wait for it; live requests get :class:`EngineStoppedError`."""
+        self._stopped = True
+        self.client.shutdown(timeout)
+        self._core_gone("the server is shutting down")
+
+    @property
+    def is_running(self) -> bool:
+        return (self._started and not self._stopped and not self._dead and self.fatal_error is None
+                and self.client.is_alive())
+
+    @property
+    def core_pid(self) -> int:
+        """The core process's id."""
+        return self.client.pid
+
+    # -------------------------------------------------------------- commands
+    def _register(self, entry: tuple) -> int:
+        with self._pending_lock:
+            if self._dead or self._stopped:
+                raise EngineStoppedError(self._stop_message())
+            cid = next(self._cids)
+            self._pending[cid] = entry
+        return cid
+
+    def _stop_message(self) -> str:
+        if self.fatal_error is not None:
+            return str(self.fatal_error)
+        return "the server is shutting down" if self._stopped else "the engine is not running"
+
+    async def add_requests(self, requests, params: SamplingParams, out_queue: asyncio.Queue, priority: int = 0,
+                           cache_salt: Optional[str] = None, arrival: Optional[float] = None,
+                           prompt_only: bool = False) -> None:
+        """See :meth:`AsyncEngine.add_requests` (the same checks run in the core process)."""
+        if not self.is_running:
+            raise EngineStoppedError(self._stop_message())
+        limit = self.engine.args.max_waiting
+        if limit and len(requests) > limit:
+            raise ValueError(f"prompt: a batch of {len(requests)} prompts exceeds the waiting-queue limit of this "
+                             f"server ({limit} requests, --max-waiting); send at most {limit} at a time")
+        fut = asyncio.get_running_loop().create_future()
+        arrival = time.perf_counter() if arrival is None else arrival
+        items = [(rid, list(ids), tag) for rid, ids, tag in requests]
+        cid = self._register(("add", items, params, out_queue, arrival, prompt_only, fut))
+        self.client.send(("add", cid, [(rid, ids) for rid, ids, _ in items], params, priority, cache_salt))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            for rid, _, _ in items:
+                self.abort(rid)  # the core handles commands in order: these aborts follow the add
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe, returns at once); the core frees its KV blocks before its next step."""
+        self.client.send(("abort", [request_id]))
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._forget(request_id)
+        else:
+            self._call_soon(self._forget, request_id)
+
+    def _forget(self, request_id: str) -> None:
+        track = self._tracks.pop(request_id, None)
+        if track is not None and self.metrics is not None:
+            unfinished = track.num_samples - len(track.finished_indices)
+            if unfinished > 0:
+                self.metrics.finished("abort", unfinished)
+
+    async def call(self, fn: str, *args) -> Any:
+        """Run the public :class:`LLMEngine` method ``fn`` with ``args`` in the core, between steps.
+
+        Raises:
+            TypeError: ``fn`` is not a method name.
+            EngineStoppedError: the core is gone.
+            Exception: what the method raised.
+        """
+        if not isinstance(fn, str):
+            raise TypeError("with the engine core in its own process, call() takes a public engine method's name "
+                            f"(e.g. 'stats'), not {type(fn).__name__}")
+        fut = asyncio.get_running_loop().create_future()
+        cid = self._register(("call", fut))
+        self.client.send(("call", cid, fn, args))
+        return await fut
+
+    def call_sync(self, fn: str, *args, timeout: float = 30.0) -> Any:
+        """Like :meth:`call`, from a thread that is not the event loop's.
+
+        Raises:
+            TimeoutError: no answer within ``timeout`` seconds.
+        """
+        if not isinstance(fn, str):
+            raise TypeError("with the engine core in its own process, call_sync() takes a public engine method's "
+                            f"name (e.g. 'stats'), not {type(fn).__name__}")
+        box: dict = {}
+        done = threading.Event()
+        cid = self._register(("call_sync", box, done))
+        self.client.send(("call", cid, fn, args))
+        if not done.wait(timeout):
+            with self._pending_lock:
+                self._pending.pop(cid, None)
+            raise TimeoutError("the engine core did not answer")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def pause(self) -> None:
+        """Stop stepping (commands are still handled): requests queue up. For tests and drains."""
+        self.client.send(("pause",))
+
+    def resume(self) -> None:
+        self.client.send(("resume",))
+
+    # ------------------------------------------------- the reader thread's side
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            self._call_soon(self._on_outputs, msg[1], msg[2])
+        elif kind == "stats":
+            self._call_soon(self._apply_stats, msg[1])
+        elif kind in ("added", "reply"):
+            with self._pending_lock:
+                entry = self._pending.pop(msg[1], None)
+            if entry is None:  # (a call_sync that timed out)
+                return
+            if kind == "added":
+                self._call_soon(self._added, entry, msg[2])
+            elif entry[0] == "call_sync":
+                _, box, done = entry
+                box["value" if msg[2] else "error"] = msg[3]
+                done.set()
+            else:
+                self._resolve(entry[1], value=msg[3] if msg[2] else None, error=None if msg[2] else msg[3])
+        elif kind == "step_failed":
+            self._call_soon(self._fail_tracks, f"the engine failed: {msg[1]}")
+            self._call_soon(self._apply_stats, msg[2])
+        elif kind == "stopped":
+            pass
+        else:
+            logger.error("unknown message from the engine core: %r", kind)
+
+    def _on_exit(self, exitcode: Optional[int]) -> None:
+        if self._stopped:
+            self._core_gone("the server is shutting down")
+            return
+        from kvserve.engine.core_client import describe_exit
+
+        self.fatal_error = EngineStoppedError(f"the engine core process died ({describe_exit(exitcode)})")
+        logger.error("%s; failing %d live request(s)", self.fatal_error, len(self._tracks))
+        self._core_gone(str(self.fatal_error))
+
+    def _core_gone(self, message: str) -> None:
+        """Fail every waiting command and live request with ``message`` (any thread; idempotent)."""
+        with self._pending_lock:
+            self._dead = True
+            pending, self._pending = list(self._pending.values()), {}
+        for entry in pending:
+            err = EngineStoppedError(message)
+            if entry[0] == "call_sync":
+                entry[1]["error"] = err
+                entry[2].set()
+            else:
+                self._resolve(entry[-1] if entry[0] == "add" else entry[1], error=err)
+        self._call_soon(self._fail_tracks, message)
+
+    # ------------------------------------------------------ the event loop's side
+    def _added(self, entry: tuple, error: Optional[BaseException]) -> None:
+        _, items, params, out_queue, arrival, prompt_only, fut = entry
+        if fut.done():  # the handler was cancelled: it aborts these requests itself
+            return
+        if error is not None:
+            fut.set_exception(error)
+            return
+        for rid, _, tag in items:
+            self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, beam=params.use_beam_search,
+                                       prompt_only=prompt_only)
+        fut.set_result(None)
+
+    def _on_outputs(self, outputs: list[RequestOutput], stats: dict) -> None:
+        self._dispatch(outputs)
+        self._apply_stats(stats)
+
+    def _fail_tracks(self, message: str) -> None:
+        batch = []
+        for rid, track in list(self._tracks.items()):
+            if self.metrics is not None:
+                self.metrics.finished("error", track.num_samples - len(track.finished_indices))
+            batch.append((track.queue, (track.tag, EngineStoppedError(message))))
+        self._tracks.clear()
+        self._deliver(batch)

@@ -29,6 +29,10 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
                    help="how to read the model's tool calls under tool_choice 'auto' (default hermes: "
                         "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen2.5/Qwen3 and SmolLM3 write them)")
+    p.add_argument("--engine-core", default="process", choices=["process", "in-process"],
+                   help="where the engine core (scheduler, model, sampling) runs: 'process' (default) in a child "
+                        "process, this one keeping HTTP, tokenization and metrics; 'in-process' in a thread of "
+                        "the server's process")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (uvicorn and kvserve.entrypoints.openai)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
@@ -97,13 +101,26 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvserve.entrypoints.openai").setLevel(level)
-    engine = LLMEngine(args)
-    names = a.served_model_name or [default_served_name(a.model, engine)]
-    app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
-                    tool_call_parser=a.tool_call_parser)
-    print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}) "
-          f"on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
-    print(f"kvserve: {engine.kv_spec.describe()}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
-                timeout_graceful_shutdown=5)
+    if getattr(a, "engine_core", "process") == "in-process":
+        engine = LLMEngine(args)
+        kv_description = engine.kv_spec.describe()
+        where = ""
+    else:
+        from kvserve.engine.core_client import CoreClient
+
+        engine = CoreClient(args, log_level=logging.INFO if a.verbose else level)
+        kv_description = engine.kv_spec_description
+        where = f", engine core in process {engine.pid}"
+    try:
+        names = a.served_model_name or [default_served_name(a.model, engine)]
+        app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+                        tool_call_parser=a.tool_call_parser)
+        print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}"
+              f"{where}) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+        print(f"kvserve: {kv_description}", file=sys.stderr, flush=True)
+        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
+                    timeout_graceful_shutdown=5)
+    finally:
+        if hasattr(engine, "shutdown"):  # the core process (already stopped by the app's lifespan)
+            engine.shutdown(timeout=10.0)
     return 0
