@@ -1,0 +1,494 @@
+"""The server with the engine core in its own process (``build_app(EngineArgs)``, ``kvserve serve``'s
+default): greedy outputs equal the offline ``LLM``'s, aborts and errors cross the process
+boundary, metrics move, and a core that dies fails every live request and ``/health`` at once.
+
+Tiny random model for most; the real-model checks (SmolLM2, float32) are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import ServerThread
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.args import EngineArgs
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+PROMPT = "The quick brown fox"
+TINY = dict(dtype="float32", block_size=4, max_model_len=512)
+
+
+def _pid_gone(pid: int, timeout: float = 10.0) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _metrics(server) -> dict:
+    text = httpx.get(server.base_url + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if "le" in s.labels:
+                continue
+            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
+            out[key] = s.value
+    return out
+
+
+def _events(r: httpx.Response) -> list:
+    """The SSE payloads of a streamed response (parsed JSON, or the string ``[DONE]``)."""
+    out = []
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tiny_model_dir):
+    return tiny_model_dir("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder):
+    with ServerThread(EngineArgs(model=str(tiny_folder), num_blocks=512, **TINY), names=["tiny"]) as s:
+        s.api.tokenizer.chat_template = CHAT_TEMPLATE  # (templates are applied in the API process)
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_folder):
+    llm = LLM(model=str(tiny_folder), num_blocks=512, **TINY)
+    llm.engine.tokenizer.chat_template = CHAT_TEMPLATE
+    return llm
+
+
+# ------------------------------------------------------------- same outputs
+def test_core_runs_in_another_process(server):
+    pid = server.api.async_engine.core_pid
+    assert pid != os.getpid() and not _pid_gone(pid, timeout=0.1)
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert not hasattr(server.api.engine, "model")  # the API process holds no weights
+    assert server.engine_call("stats")["kv_blocks_total"] == 512
+
+
+def test_greedy_completions_equal_offline(client, offline):
+    prompts = [PROMPT, "Once upon a time"]
+    refs = offline.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    got = sorted(r.choices, key=lambda c: c.index)
+    assert [c.text for c in got] == [o.text for o in refs]
+    assert [c.finish_reason for c in got] == ["length", "length"]
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in refs)
+    assert r.usage.completion_tokens == 24
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == refs[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_and_logprobs_equal_offline(client, offline):
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2))[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, n=3, max_tokens=8, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    for c in r.choices:
+        assert c.text == ref.text
+        assert c.logprobs.token_logprobs == pytest.approx([e.logprob for e in ref.outputs[0].logprobs], abs=1e-4)
+        assert len(c.logprobs.top_logprobs) == 8 and all(len(t) >= 2 for t in c.logprobs.top_logprobs)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=8, temperature=0,
+                                            logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == ref.text
+        lps = [lp for c in mine if c.logprobs for lp in c.logprobs.token_logprobs]
+        assert lps == pytest.approx([e.logprob for e in ref.outputs[0].logprobs], abs=1e-4)
+
+
+def test_greedy_chat_equals_offline(client, offline):
+    msgs = [{"role": "user", "content": "The quick brown"}]
+    ref = offline.chat(msgs, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+
+
+# ------------------------------------------------------- across the boundary
+def test_disconnects_abort_in_the_core_and_free_kv_blocks(server):
+    server.wait_idle()
+    before_stats = server.engine_call("stats")
+    assert before_stats["kv_blocks_in_use"] == 0
+    before = _metrics(server)
+    body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    seen_in_use = []
+
+    def client_that_leaves(i):
+        with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "seed": i}, timeout=60) as r:
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == 3:
+                        seen_in_use.append(server.engine_call("stats")["kv_blocks_in_use"])
+                        break  # leaving the block closes the connection mid-stream
+
+    threads = [threading.Thread(target=client_that_leaves, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert max(seen_in_use) > 0  # the requests held blocks while they ran
+    server.wait_idle(timeout=30)
+    stats = server.engine_call("stats")
+    assert stats["kv_blocks_in_use"] == 0 and stats["num_running"] + stats["num_waiting"] == 0
+    after = _metrics(server)
+    aborted = after["kvserve:request_success_total{finished_reason=abort}"] - \
+        before.get("kvserve:request_success_total{finished_reason=abort}", 0.0)
+    assert aborted == 8
+    generated = after["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"]
+    assert generated < 8 * 400 / 2  # cancelled long before the end
+    assert after["kvserve:kv_cache_usage_perc"] == 0.0
+
+
+def test_bad_requests_get_400_and_a_concurrent_request_is_unaffected(server, offline):
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))[0]
+    result = {}
+
+    def good():
+        with httpx.stream("POST", server.base_url + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                                "stream": True}) as r:
+            result["events"] = _events(r)
+
+    t = threading.Thread(target=good)
+    t.start()
+    vocab = server.api.vocab_size
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1, vocab + 5], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert str(vocab) in r.json()["error"]["message"]
+    # the batch is rejected as a whole, naming the prompt at fault (request_index crossed the pipe)
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": [[1, 2], [3, vocab]], "max_tokens": 4})
+    assert r.status_code == 400 and "(prompt 1 of the batch)" in r.json()["error"]["message"]
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 600})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4, "min_tokens": 9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    t.join(60)
+    events = result["events"]
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == ref.text
+    server.wait_idle()
+    assert server.engine_call("stats")["kv_blocks_in_use"] == 0  # nothing of the rejected ones stayed
+
+
+def test_metrics_move(server):
+    server.wait_idle()
+    before = _metrics(server)
+    api = server.api.async_engine
+    api.pause()  # the request waits in the core: the waiting gauge shows it
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", httpx.post(
+        server.base_url + "/v1/completions", timeout=60,
+        json={"prompt": [5, 6, 7, 8, 9], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True})))
+    try:
+        t.start()
+        deadline = time.monotonic() + 10
+        while _metrics(server)["kvserve:num_requests_waiting"] != 1:
+            assert time.monotonic() < deadline, "the waiting gauge never showed the request"
+            time.sleep(0.02)
+    finally:
+        api.resume()
+    t.join(60)
+    assert box["r"].status_code == 200
+    server.wait_idle()
+    after = _metrics(server)
+    assert after["kvserve:prompt_tokens_total"] - before["kvserve:prompt_tokens_total"] == 5
+    assert after["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"] == 40
+    assert after["kvserve:request_success_total{finished_reason=length}"] - \
+        before.get("kvserve:request_success_total{finished_reason=length}", 0.0) == 1
+    assert after["kvserve:time_to_first_token_seconds_count"] - before["kvserve:time_to_first_token_seconds_count"] == 1
+    assert after["kvserve:request_queue_time_seconds_count"] - before["kvserve:request_queue_time_seconds_count"] == 1
+    assert after["kvserve:num_requests_running"] == 0 and after["kvserve:num_requests_waiting"] == 0
+
+
+def test_running_gauge_while_streaming(server):
+    server.wait_idle()
+    api = server.api.async_engine
+    with httpx.stream("POST", server.base_url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        api.pause()  # (the tiny model would finish before the gauge is read): it stays running, unstepped
+        try:
+            deadline = time.monotonic() + 10
+            while _metrics(server)["kvserve:num_requests_running"] != 1:
+                assert time.monotonic() < deadline, "the running gauge never showed the request"
+                time.sleep(0.01)
+            assert _metrics(server)["kvserve:kv_cache_usage_perc"] > 0
+        finally:
+            api.resume()
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    server.wait_idle()
+    assert _metrics(server)["kvserve:num_requests_running"] == 0
+
+
+def test_engine_calls_take_method_names(server):
+    with pytest.raises(TypeError, match="method's name"):
+        server.engine_call(lambda e: e.stats())
+    with pytest.raises(AttributeError, match="private"):
+        server.engine_call("_seq_id", "x")
+    assert server.engine_call("has_unfinished_requests") is False
+
+
+# --------------------------------------------------------------- the core dies
+def test_core_killed_mid_stream(tiny_folder):
+    args = EngineArgs(model=str(tiny_folder), num_blocks=96, **TINY)  # 96 blocks: 384 tokens
+    with ServerThread(args, names=["tiny"]) as s:
+        base = s.base_url
+        # the pool is smaller than max_model_len: a request that could never fit gets 400 at once
+        r = httpx.post(base + "/v1/completions", json={"prompt": list(range(1, 301)), "max_tokens": 100})
+        assert r.status_code == 400 and "KV" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "prompt"
+        pid = s.api.async_engine.core_pid
+        before = _metrics(s)
+        plain, streamed, first = {}, {}, threading.Event()
+
+        def non_streaming():
+            plain["r"] = httpx.post(base + "/v1/completions", timeout=30,
+                                    json={"prompt": [1, 2, 3], "max_tokens": 150, "ignore_eos": True})
+
+        def streaming():
+            events = []
+            with httpx.stream("POST", base + "/v1/completions", timeout=30,
+                              json={"prompt": [4, 5, 6], "max_tokens": 150, "ignore_eos": True,
+                                    "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[len("data: "):]
+                        events.append(data if data == "[DONE]" else json.loads(data))
+                        if len(events) == 3:
+                            first.set()
+            streamed["events"] = events
+
+        threads = [threading.Thread(target=non_streaming), threading.Thread(target=streaming)]
+        threads[0].start()
+        deadline = time.monotonic() + 20
+        while s.engine_call("stats")["num_running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        threads[1].start()
+        assert first.wait(20)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while httpx.get(base + "/health").status_code != 503:
+            assert time.monotonic() - killed < 5.0, "/health did not turn 503 within 5 s"
+            time.sleep(0.02)
+        health = httpx.get(base + "/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+        for t in threads:
+            t.join(15)
+        assert not any(t.is_alive() for t in threads), "a client hung after the core died"
+        events = streamed["events"]
+        assert events[-1] == "[DONE]"
+        assert "error" in events[-2] and events[-2]["error"]["code"] == "engine_unavailable"
+        assert "died" in events[-2]["error"]["message"] and "SIGKILL" in events[-2]["error"]["message"]
+        assert not any("error" in e for e in events[:-2])
+        assert plain["r"].status_code == 503
+        assert "died" in plain["r"].json()["error"]["message"]
+        # a new request is refused at once
+        t0 = time.monotonic()
+        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(Exception, match="died"):
+            s.engine_call("stats")
+        after = _metrics(s)  # the API process still serves its metrics
+        assert after["kvserve:request_success_total{finished_reason=error}"] - \
+            before.get("kvserve:request_success_total{finished_reason=error}", 0.0) == 2
+        assert _pid_gone(pid, 1.0)
+        stop = time.monotonic()
+    assert time.monotonic() - stop < 15  # the server stops without waiting on the dead core
+
+
+def test_server_stop_leaves_no_child_process(tiny_folder):
+    with ServerThread(EngineArgs(model=str(tiny_folder), num_blocks=64, **TINY), names=["tiny"]) as s:
+        pid = s.api.async_engine.core_pid
+        with httpx.stream("POST", s.base_url + "/v1/completions", timeout=30,
+                          json={"prompt": [1, 2], "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # a request is live when the server stops
+            s.server.should_exit = True
+            s.thread.join(30)
+    assert not s.thread.is_alive()
+    assert _pid_gone(pid, timeout=1.0)
+    assert not s.api.async_engine.is_running
+
+
+def test_core_that_fails_to_start_raises_its_error(tmp_path):
+    from kvserve.engine.core_client import CoreClient
+    from kvserve.worker.default_model import ModelNotFoundError
+    from kvserve.worker.loader import ModelLoadError
+
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}  # (the module's server's core)
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        CoreClient(EngineArgs(model=str(tmp_path / "missing.gguf")))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF this is not a model")
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError) as err:  # raised in the core process, re-raised here
+        CoreClient(EngineArgs(model=str(bad)))
+    assert "broken.gguf" in str(err.value)
+    assert time.monotonic() - t0 < 120
+    assert {p.pid for p in multiprocessing.active_children()} == before  # the failed core was reaped
+
+
+def _serve(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "serve", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_cli_missing_model_errors_clearly(tmp_path):
+    p = _serve(["--model", str(tmp_path / "missing.gguf"), "--port", "0"])
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "missing.gguf" in err and "does not exist" in err and "Traceback" not in err
+
+
+def _start_serving(folder) -> tuple[subprocess.Popen, int, int]:
+    """``kvserve serve`` on the tiny model: (the process, its core's pid, the port), once /health is 200."""
+    from server_helpers import free_port
+
+    port = free_port()
+    p = _serve(["--model", str(folder), "--dtype", "float32", "--kv-cache-memory", "0.01", "--max-model-len", "256",
+                "--port", str(port), "--no-access-log"])
+    try:
+        core_pid, lines = None, []
+        deadline = time.monotonic() + 180
+        while core_pid is None:
+            line = p.stderr.readline()
+            lines.append(line)
+            assert line and time.monotonic() < deadline, f"the server did not start: {''.join(lines)}"
+            if "engine core in process" in line:
+                core_pid = int(line.split("engine core in process ")[1].split(")")[0])
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    return p, core_pid, port
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.1)
+    except BaseException:
+        p.kill()
+        p.wait(10)
+        raise
+
+
+def test_cli_core_exits_when_the_api_process_dies(tiny_folder):
+    p, core_pid, port = _start_serving(tiny_folder)
+    try:
+        assert core_pid != p.pid
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+        assert r.status_code == 200
+        os.kill(p.pid, signal.SIGKILL)  # no shutdown: the core notices the closed pipe
+        p.wait(10)
+        assert _pid_gone(core_pid, timeout=10.0), "the core outlived the API process"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def test_cli_sigterm_stops_the_core(tiny_folder):
+    p, core_pid, port = _start_serving(tiny_folder)
+    try:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) in (0, -signal.SIGTERM)  # (uvicorn re-raises the signal after its graceful shutdown)
+        err = p.stderr.read()
+        assert "Traceback" not in err and "did not stop" not in err, err
+        assert _pid_gone(core_pid, timeout=1.0)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+# ------------------------------------------------------------------ SmolLM2
+SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def smol_server(smollm2_path):
+    with ServerThread(EngineArgs(dtype="float32", max_model_len=1024, kv_cache_memory=0.5), names=["smollm2"]) as s:
+        yield s
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_offline(smol_server, llm_fp32):
+    c = openai.OpenAI(base_url=smol_server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    refs = llm_fp32.generate(SMOL_PROMPTS, SamplingParams(max_tokens=16, temperature=0, logprobs=1))
+    r = c.completions.create(model="smollm2", prompt=SMOL_PROMPTS, max_tokens=16, temperature=0, logprobs=1)
+    got = sorted(r.choices, key=lambda ch: ch.index)
+    assert [ch.text for ch in got] == [o.text for o in refs]
+    assert [ch.finish_reason for ch in got] == [o.finish_reason for o in refs]
+    for ch, o in zip(got, refs):
+        assert ch.logprobs.token_logprobs == pytest.approx([e.logprob for e in o.outputs[0].logprobs], abs=1e-4)
+    stream = c.completions.create(model="smollm2", prompt=SMOL_PROMPTS[0], max_tokens=16, temperature=0, stream=True,
+                                  n=2)
+    texts = {0: "", 1: ""}
+    for ch in stream:
+        for x in ch.choices:
+            texts[x.index] += x.text
+    assert texts == {0: refs[0].text, 1: refs[0].text}
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = llm_fp32.chat(msgs, SamplingParams(max_tokens=24, temperature=0))
+    r = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == ref.text
+    smol_server.wait_idle()
+    assert smol_server.engine_call("stats")["kv_blocks_in_use"] == 0
