@@ -24,6 +24,7 @@ from server_helpers import ServerThread
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.args import EngineArgs
+from kvserve.sampling_params import StructuredOutputsParams
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -151,6 +152,20 @@ def test_greedy_chat_equals_offline(client, offline):
 
 
 # ------------------------------------------------------- across the boundary
+def test_structured_output_across_the_boundary(client, server, offline):
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0, structured_outputs=
+                                                    StructuredOutputsParams(choice=["red", "green", "blue"])))[0]
+    assert r.choices[0].text in ("red", "green", "blue") and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == ref.text  # the core followed the grammar, as offline
+    bad = httpx.post(server.base_url + "/v1/chat/completions",
+                     json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                           "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+
+
 def test_disconnects_abort_in_the_core_and_free_kv_blocks(server):
     server.wait_idle()
     before_stats = server.engine_call("stats")
@@ -283,9 +298,25 @@ def test_engine_calls_take_method_names(server):
 
 # --------------------------------------------------------------- the core dies
 def test_core_killed_mid_stream(tiny_folder):
-    args = EngineArgs(model=str(tiny_folder), num_blocks=96, **TINY)  # 96 blocks: 384 tokens
+    args = EngineArgs(model=str(tiny_folder), num_blocks=96, max_waiting=1, **TINY)  # 96 blocks: 384 tokens
     with ServerThread(args, names=["tiny"]) as s:
         base = s.base_url
+        # the waiting queue's limit is the core's: QueueFullError crosses the pipe as a 503
+        s.api.async_engine.pause()
+        try:
+            first_waiting = threading.Thread(target=lambda: httpx.post(
+                base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=30))
+            first_waiting.start()
+            deadline = time.monotonic() + 10
+            while s.engine_call("stats")["num_waiting"] != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            r = httpx.post(base + "/v1/completions", json={"prompt": [3, 4], "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        finally:
+            s.api.async_engine.resume()
+        first_waiting.join(30)
+        s.wait_idle()
         # the pool is smaller than max_model_len: a request that could never fit gets 400 at once
         r = httpx.post(base + "/v1/completions", json={"prompt": list(range(1, 301)), "max_tokens": 100})
         assert r.status_code == 400 and "KV" in r.json()["error"]["message"]

@@ -129,7 +129,7 @@ def run_engine_core(args, cmd_conn, out_conn, parent_pid: int, log_level: int = 
             out_conn.send(("failed", _picklable(e)))
         finally:
             out_conn.close()
-        return
+        _exit(1)
     out_conn.send(("ready", CoreInfo(engine.model_config, engine.model_path, engine.max_model_len,
                                      tuple(engine.eos_token_ids), engine.kv_spec.describe(), os.getpid())))
     try:
@@ -141,6 +141,21 @@ def run_engine_core(args, cmd_conn, out_conn, parent_pid: int, log_level: int = 
             out_conn.close()
         except OSError:
             pass
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Leave now: flush the logs and stdio, skip the interpreter's teardown (torch's takes
+    seconds, and nothing of the engine needs it), so a stopping server is not kept waiting."""
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
 
 
 class _CoreLoop:

@@ -106,9 +106,13 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
         kv_description = engine.kv_spec.describe()
         where = ""
     else:
-        from kvserve.engine.core_client import CoreClient
+        from kvserve.engine.core_client import CoreClient, CoreStartError
 
-        engine = CoreClient(args, log_level=logging.INFO if a.verbose else level)
+        try:
+            engine = CoreClient(args, log_level=logging.INFO if a.verbose else level)
+        except CoreStartError as e:  # (killed, out of memory...: its own log is above)
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         kv_description = engine.kv_spec_description
         where = f", engine core in process {engine.pid}"
     try:
