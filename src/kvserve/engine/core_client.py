@@ -108,8 +108,8 @@ class CoreClient:
             info = self._wait_ready()
             if tok_error is not None:
                 raise tok_error
-        except BaseException:
-            self.shutdown(timeout=5.0)
+        except BaseException:  # (Ctrl-C while loading included: the core is terminated at once)
+            self.shutdown(timeout=0.5)
             raise
         self._set_info(info, tokenizer)
 

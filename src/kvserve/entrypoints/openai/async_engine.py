@@ -675,7 +675,8 @@ class MPAsyncEngine(AsyncEngine):
                 entry[2].set()
             else:
                 self._resolve(entry[-1] if entry[0] == "add" else entry[1], error=err)
-        self._call_soon(self._fail_tracks, message)
+        if self._loop is not None:  # (never started: no request was ever tracked)
+            self._call_soon(self._fail_tracks, message)
 
     # ------------------------------------------------------ the event loop's side
     def _added(self, entry: tuple, error: Optional[BaseException]) -> None:
