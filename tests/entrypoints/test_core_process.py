@@ -95,6 +95,45 @@ def offline(tiny_folder):
     return llm
 
 
+# ------------------------------------------------------------- the wire format
+def test_logprobs_travel_as_deltas_and_come_back_whole():
+    import pickle
+
+    from kvserve.core.request import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+    from kvserve.engine.core_proc import ListDelta, OutputDecoder, OutputEncoder
+
+    lps = [TokenLogprob(i, -0.5 * i, 1, [(i, -0.5 * i)]) for i in range(6)]
+    beam = [TokenLogprob(9, -9.0, 3, [])]
+
+    def out(n, finished=False, replaced=False):
+        items = list(lps[:n]) if not replaced else lps[:1] + beam  # (a list that is not the old one + more)
+        return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", list(range(len(items))), logprobs=items)],
+                             finished, RequestMetrics(0.0), prompt_logprobs=[None, lps[0]])
+
+    enc, dec = OutputEncoder(), OutputDecoder()
+    wire = [pickle.loads(pickle.dumps(enc.encode([out(n)])[0])) for n in (2, 4, 5)]
+    assert not isinstance(wire[0].outputs[0].logprobs, ListDelta)
+    assert wire[1].outputs[0].logprobs == ListDelta(2, lps[2:4]) and wire[2].outputs[0].logprobs == ListDelta(4, lps[4:5])
+    assert wire[1].prompt_logprobs == ListDelta(2, [])
+    got = []
+    for w in wire:
+        dec.decode(w)
+        got.append(w.outputs[0].logprobs)
+    assert got == [lps[:2], lps[:4], lps[:5]]
+    assert got[1] is not got[2]  # each output has its own list (an earlier one still queued must not grow)
+    assert wire[2].prompt_logprobs == [None, lps[0]]
+    w = pickle.loads(pickle.dumps(enc.encode([out(0, replaced=True)])[0]))
+    assert w.outputs[0].logprobs == lps[:1] + beam  # replaced, not extended: sent whole
+    dec.decode(w)
+    assert w.outputs[0].logprobs == lps[:1] + beam
+    w = pickle.loads(pickle.dumps(enc.encode([out(6, finished=True)])[0]))
+    dec.decode(w)
+    assert w.outputs[0].logprobs == lps and not enc._sent and not dec._have  # (forgotten at the end)
+    with pytest.raises(RuntimeError, match="a bug"):
+        dec.decode(RequestOutput(
+            "x", None, [1], [CompletionOutput(0, "", [1], logprobs=ListDelta(3, []))], False, RequestMetrics(0.0)))
+
+
 # ------------------------------------------------------------- same outputs
 def test_core_runs_in_another_process(server):
     pid = server.api.async_engine.core_pid
@@ -137,6 +176,23 @@ def test_n_and_logprobs_equal_offline(client, offline):
         assert "".join(c.text for c in mine) == ref.text
         lps = [lp for c in mine if c.logprobs for lp in c.logprobs.token_logprobs]
         assert lps == pytest.approx([e.logprob for e in ref.outputs[0].logprobs], abs=1e-4)
+
+
+def test_beam_search_and_prompt_logprobs_equal_offline(client, offline):
+    ref = offline.generate([PROMPT], SamplingParams(n=2, use_beam_search=True, beam_width=3, max_tokens=6,
+                                                    ignore_eos=True))[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=6, temperature=0,
+                                  extra_body={"use_beam_search": True, "beam_width": 3, "ignore_eos": True})
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in ref.outputs]
+    ref = offline.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2))[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2,
+                                  extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ref.prompt_token_ids)
+    for entry, tid, e in zip(got[1:], ref.prompt_token_ids[1:], ref.prompt_logprobs[1:]):
+        assert entry[str(tid)]["logprob"] == pytest.approx(e.logprob, abs=1e-4)
+    assert r.choices[0].logprobs.token_logprobs[1:len(got)] == pytest.approx(
+        [e.logprob for e in ref.prompt_logprobs[1:]], abs=1e-4)
 
 
 def test_greedy_chat_equals_offline(client, offline):

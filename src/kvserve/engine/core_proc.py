@@ -17,7 +17,7 @@ API → core (``cmd`` pipe):
 core → API (``out`` pipe):
     ``("ready", CoreInfo)`` or ``("failed", exception)`` once, after construction;
     ``("added", cid, exception_or_None)``; ``("outputs", [RequestOutput, ...], stats)`` after
-    every step; ``("stats", stats)`` when idle; ``("reply", cid, ok, value_or_exception)``;
+    every step (logprobs lists as :class:`ListDelta` s, :class:`OutputEncoder`); ``("stats", stats)`` when idle; ``("reply", cid, ok, value_or_exception)``;
     ``("step_failed", message, stats)``: a step raised, every live request was aborted (the
     core goes on serving new ones); ``("stopped",)``.
 
@@ -33,7 +33,7 @@ import os
 import signal
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 logger = logging.getLogger("kvserve.engine.core_proc")
 
@@ -60,6 +60,87 @@ class CoreInfo:
     eos_token_ids: tuple
     kv_spec_description: str
     pid: int
+
+
+class ListDelta(NamedTuple):
+    """A list on the wire as its items after the first ``start``, which the receiver already has."""
+
+    start: int
+    tail: list
+
+
+class OutputEncoder:
+    """Sends a request's logprobs (``CompletionOutput.logprobs``, ``RequestOutput.prompt_logprobs``)
+    as :class:`ListDelta` s: the engine reports the whole lists at every step, and pickling them
+    again each step would cost O(tokens²) per request (5.3 s instead of 1.8 s for 480 tokens with
+    ``logprobs=20`` on the tiny test model). A list is sent whole the first time, and again
+    whenever it is not the previous one plus new items (its last sent item moved: beam search).
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[str, dict] = {}  # request id -> slot -> (items sent, the last one)
+
+    def _encode(self, slots: dict, slot, items: Optional[list]):
+        if not items:
+            slots.pop(slot, None)
+            return items
+        prev = slots.get(slot)
+        slots[slot] = (len(items), items[-1])
+        if prev is not None and len(items) >= prev[0] and items[prev[0] - 1] is prev[1]:
+            return ListDelta(prev[0], items[prev[0]:])
+        return items
+
+    def encode(self, outputs: list) -> list:
+        """``outputs`` with their logprobs lists replaced by deltas where possible (in place)."""
+        for out in outputs:
+            slots = self._sent.setdefault(out.request_id, {})
+            out.prompt_logprobs = self._encode(slots, None, out.prompt_logprobs)
+            for o in out.outputs:
+                o.logprobs = self._encode(slots, o.index, o.logprobs)
+            if out.finished:
+                del self._sent[out.request_id]
+        return outputs
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
+class OutputDecoder:
+    """The receiving end of :class:`OutputEncoder`: rebuilds the whole lists (each output gets
+    its own list, as the engine's own outputs have)."""
+
+    def __init__(self) -> None:
+        self._have: dict[str, dict] = {}  # request id -> slot -> the list so far
+
+    def _decode(self, slots: dict, slot, items):
+        if isinstance(items, ListDelta):
+            have = slots.get(slot)
+            if have is None or len(have) < items.start:
+                raise RuntimeError(f"logprobs delta from position {items.start} for a list of "
+                                   f"{0 if have is None else len(have)} items (a bug)")
+            del have[items.start:]
+            have.extend(items.tail)
+            return list(have)
+        if items:
+            slots[slot] = list(items)
+        else:
+            slots.pop(slot, None)
+        return items
+
+    def decode(self, out) -> None:
+        """Rebuild ``out``'s lists (in place)."""
+        slots = self._have.setdefault(out.request_id, {})
+        out.prompt_logprobs = self._decode(slots, None, out.prompt_logprobs)
+        for o in out.outputs:
+            o.logprobs = self._decode(slots, o.index, o.logprobs)
+        if out.finished:
+            del self._have[out.request_id]
+
+    def forget(self, request_id: str) -> None:
+        self._have.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._have.clear()
 
 
 def add_batch(engine, items: Sequence[tuple[str, Sequence[int]]], params, priority: int,
@@ -166,6 +247,7 @@ class _CoreLoop:
         self.parent_pid = parent_pid
         self.paused = False
         self.live: set[str] = set()  # ids of the requests added and not finished or aborted
+        self.encoder = OutputEncoder()
 
     def _parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
@@ -196,13 +278,15 @@ class _CoreLoop:
                         engine.abort_request(rid)
                     except Exception:  # noqa: BLE001 - the engine is already broken
                         logger.exception("abort of %s failed", rid)
+                for rid in self.live:
+                    self.encoder.forget(rid)
                 self.live.clear()
                 self.out.send(("step_failed", str(e) or type(e).__name__, engine.stats()))
                 continue
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.request_id)
-            self.out.send(("outputs", outputs, engine.stats()))
+            self.out.send(("outputs", self.encoder.encode(outputs), engine.stats()))
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
@@ -219,6 +303,7 @@ class _CoreLoop:
             for rid in cmd[1]:
                 self.engine.abort_request(rid)
                 self.live.discard(rid)
+                self.encoder.forget(rid)
         elif kind == "call":
             _, cid, name, args = cmd
             try:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from kvserve.engine.core_proc import add_batch
+from kvserve.engine.core_proc import OutputDecoder, add_batch
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.openai.metrics import ServerMetrics
 from kvserve.core.request import RequestOutput
@@ -497,6 +497,7 @@ class MPAsyncEngine(AsyncEngine):
         self._cids = itertools.count()
         self._dead = False
         self._started = False
+        self._decoder = OutputDecoder()
 
     # ------------------------------------------------------------ lifecycle
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
@@ -575,6 +576,7 @@ class MPAsyncEngine(AsyncEngine):
             self._call_soon(self._forget, request_id)
 
     def _forget(self, request_id: str) -> None:
+        self._decoder.forget(request_id)
         track = self._tracks.pop(request_id, None)
         if track is not None and self.metrics is not None:
             unfinished = track.num_samples - len(track.finished_indices)
@@ -692,7 +694,20 @@ class MPAsyncEngine(AsyncEngine):
         fut.set_result(None)
 
     def _on_outputs(self, outputs: list[RequestOutput], stats: dict) -> None:
-        self._dispatch(outputs)
+        live = []
+        for out in outputs:
+            if out.request_id not in self._tracks:  # (aborted here meanwhile)
+                continue
+            try:
+                self._decoder.decode(out)
+            except Exception as e:  # noqa: BLE001 - a bug: this request ends with an error, not a hang
+                logger.exception("request %s: bad output from the engine core", out.request_id)
+                track = self._tracks[out.request_id]
+                self.abort(out.request_id)
+                self._deliver([(track.queue, (track.tag, EngineStoppedError(f"the engine failed: {e}")))])
+                continue
+            live.append(out)
+        self._dispatch(live)
         self._apply_stats(stats)
 
     def _fail_tracks(self, message: str) -> None:
@@ -702,4 +717,5 @@ class MPAsyncEngine(AsyncEngine):
                 self.metrics.finished("error", track.num_samples - len(track.finished_indices))
             batch.append((track.queue, (track.tag, EngineStoppedError(message))))
         self._tracks.clear()
+        self._decoder.clear()
         self._deliver(batch)
