@@ -547,6 +547,46 @@ def test_cli_sigterm_stops_the_core(tiny_folder):
 
 
 # ------------------------------------------------------------------ SmolLM2
+def _rss_gb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / (1 << 20)
+
+
+@pytest.mark.slow
+def test_smollm2_api_process_holds_no_weights(smollm2_path):
+    from server_helpers import free_port
+
+    port = free_port()
+    p = _serve(["--dtype", "float32", "--kv-cache-memory", "0.5", "--port", str(port), "--no-access-log"])
+    try:
+        core_pid = None
+        deadline = time.monotonic() + 300
+        while core_pid is None:
+            line = p.stderr.readline()
+            assert line and time.monotonic() < deadline
+            if "engine core in process" in line:
+                core_pid = int(line.split("engine core in process ")[1].split(")")[0])
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200
+        api, core = _rss_gb(p.pid), _rss_gb(core_pid)
+        print(f"RSS after start (SmolLM2 float32, --kv-cache-memory 0.5): API {api:.2f} GB, core {core:.2f} GB")
+        # float32 weights (0.54 GB) and the KV pool (0.5 GiB) live in the core only
+        assert api < 0.6 and core > api + 0.9
+    finally:
+        p.terminate()
+        p.wait(30)
+    assert _pid_gone(core_pid, timeout=5.0)
+
+
 SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 

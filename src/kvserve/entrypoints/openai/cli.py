@@ -101,7 +101,8 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvserve.entrypoints.openai").setLevel(level)
-    if getattr(a, "engine_core", "process") == "in-process":
+    in_process = getattr(a, "engine_core", "process") == "in-process"
+    if in_process:
         engine = LLMEngine(args)
         kv_description = engine.kv_spec.describe()
         where = ""
@@ -125,6 +126,6 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
                     timeout_graceful_shutdown=5)
     finally:
-        if hasattr(engine, "shutdown"):  # the core process (already stopped by the app's lifespan)
+        if not in_process:  # the core process (already stopped by the app's lifespan; idempotent)
             engine.shutdown(timeout=10.0)
     return 0
