@@ -450,6 +450,7 @@ def test_server_stop_leaves_no_child_process(tiny_folder):
             s.thread.join(30)
     assert not s.thread.is_alive()
     assert _pid_gone(pid, timeout=1.0)
+    assert s.api.engine.exitcode == 0  # it stopped when told to (not terminated after a timeout)
     assert not s.api.async_engine.is_running
 
 

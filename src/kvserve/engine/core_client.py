@@ -91,6 +91,9 @@ class CoreClient:
         out_send.close()
         self.pid: int = self.process.pid
         self._closed = False
+        # Reaping (waitpid) from two threads at once loses the exit status in one of them (which
+        # then thinks the process still runs): the reader, shutdown and is_alive reap under this.
+        self._reap_lock = threading.Lock()
         self._sendq: queue.SimpleQueue = queue.SimpleQueue()
         self._writer: Optional[threading.Thread] = None
         self._reader: Optional[threading.Thread] = None
@@ -124,12 +127,12 @@ class CoreClient:
                 if msg is not None and msg[0] == "ready":
                     return msg[1]
                 if msg is not None and msg[0] == "failed":
-                    self.process.join(10)
+                    self._wait_exit(10.0)
                     raise msg[1]
             if self._out not in ready or msg is None:
-                self.process.join(10)
+                self._wait_exit(10.0)
                 raise CoreStartError(f"the engine core process exited while starting "
-                                     f"({describe_exit(self.process.exitcode)}); see its log above")
+                                     f"({describe_exit(self.exitcode)}); see its log above")
 
     def _set_info(self, info: CoreInfo, tokenizer) -> None:
         from kvserve.engine.input_processor import InputProcessor
@@ -200,12 +203,27 @@ class CoreClient:
                     logger.exception("handling the core's %r message failed", msg[0])
         except (OSError, ValueError):  # the pipe was closed under us (shutdown)
             pass
-        self.process.join(5.0)
-        on_exit(self.process.exitcode)
+        self._wait_exit(5.0)
+        on_exit(self.exitcode)
+
+    def _wait_exit(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the core to exit, and reap it; True once it has."""
+        if not wait([self.process.sentinel], timeout):
+            return False
+        with self._reap_lock:
+            self.process.join(1.0)  # (its sentinel closed: it is exiting)
+            return self.process.exitcode is not None
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        """The core's exit code (negative: killed by that signal), None while it runs."""
+        with self._reap_lock:
+            return self.process.exitcode
 
     def is_alive(self) -> bool:
         """Whether the core process is running."""
-        return not self._closed and self.process.is_alive()
+        with self._reap_lock:
+            return not self._closed and self.process.is_alive()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the core (``stop``, then SIGTERM, then SIGKILL) and wait for it; idempotent.
@@ -217,7 +235,7 @@ class CoreClient:
             return
         atexit.unregister(self._atexit)
         proc = self.process
-        if proc.is_alive():
+        if self.exitcode is None:
             if self._writer is not None and self._writer.is_alive():
                 self._sendq.put(("stop",))
             else:
@@ -225,14 +243,12 @@ class CoreClient:
                     self._cmd.send(("stop",))
                 except (OSError, ValueError):
                     pass
-            proc.join(timeout)
-            if proc.is_alive():
-                logger.warning("the engine core process did not stop within %.0f s; terminating it", timeout)
+            if not self._wait_exit(timeout):
+                logger.warning("the engine core process did not stop within %.1f s; terminating it", timeout)
                 proc.terminate()
-                proc.join(5.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5.0)
+                if not self._wait_exit(5.0):
+                    proc.kill()
+                    self._wait_exit(5.0)
         self._closed = True
         self._sendq.put(None)
         try:
