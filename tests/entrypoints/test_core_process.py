@@ -134,6 +134,139 @@ def test_logprobs_travel_as_deltas_and_come_back_whole():
             "x", None, [1], [CompletionOutput(0, "", [1], logprobs=ListDelta(3, []))], False, RequestMetrics(0.0)))
 
 
+class _FakeEngine:
+    """Just enough of LLMEngine for the core loop: a step that raises once asked to."""
+
+    def __init__(self) -> None:
+        self.groups: dict = {}
+        self.aborted: list = []
+        self.fail = False
+
+    def validate_request(self, ids, params):
+        if not ids:
+            raise ValueError("prompt is empty")
+
+    def add_request(self, ids, params, request_id, priority=0, cache_salt=None):
+        self.validate_request(ids, params)
+        if request_id == "full":
+            raise ValueError("the waiting queue is full")  # (passes validation, fails when added)
+        self.groups[request_id] = ids
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+        self.groups.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.groups)
+
+    def stats(self):
+        return {"num_running": len(self.groups)}
+
+    def step(self):
+        if self.fail:
+            raise RuntimeError("boom")
+        time.sleep(0.01)
+        return []
+
+
+def test_core_loop_step_failure_and_commands():
+    import multiprocessing
+
+    from kvserve.engine.core_proc import _CoreLoop
+
+    engine = _FakeEngine()
+    cmd_recv, cmd = multiprocessing.Pipe(duplex=False)
+    out, out_send = multiprocessing.Pipe(duplex=False)
+    loop = threading.Thread(target=_CoreLoop(engine, cmd_recv, out_send, os.getppid()).run, daemon=True)
+    loop.start()
+
+    def next_msg(kind):
+        deadline = time.monotonic() + 10
+        while True:
+            assert out.poll(max(0.0, deadline - time.monotonic())), f"no {kind!r} message"
+            msg = out.recv()
+            if msg[0] == kind:
+                return msg
+
+    params = SamplingParams(max_tokens=2)
+    cmd.send(("add", 1, [("a", [1, 2]), ("b", [])], params, 0, None))  # all or nothing: checked first
+    err = next_msg("added")[2]
+    assert isinstance(err, ValueError) and err.request_index == 1 and not engine.aborted and not engine.groups
+    cmd.send(("add", 5, [("a", [1, 2]), ("full", [3])], params, 0, None))  # ... or taken back
+    err = next_msg("added")[2]
+    assert isinstance(err, ValueError) and err.request_index == 1 and engine.aborted == ["a"] and not engine.groups
+    cmd.send(("add", 2, [("a", [1]), ("b", [2])], params, 0, None))
+    assert next_msg("added") == ("added", 2, None)
+    cmd.send(("call", 3, "stats", ()))
+    assert next_msg("reply") == ("reply", 3, True, {"num_running": 2})
+    cmd.send(("call", 4, "_private", ()))
+    assert isinstance(next_msg("reply")[3], AttributeError)
+    engine.fail = True
+    kind, message, stats = next_msg("step_failed")
+    assert message == "boom" and sorted(engine.aborted[1:]) == ["a", "b"] and stats == {"num_running": 0}
+    cmd.send(("stop",))
+    next_msg("stopped")
+    loop.join(5)
+    assert not loop.is_alive()
+
+
+def test_core_loop_exits_when_the_api_side_closes():
+    import multiprocessing
+
+    from kvserve.engine.core_proc import _CoreLoop
+
+    cmd_recv, cmd = multiprocessing.Pipe(duplex=False)
+    out, out_send = multiprocessing.Pipe(duplex=False)
+    errors = []
+
+    def run():
+        try:
+            _CoreLoop(_FakeEngine(), cmd_recv, out_send, os.getppid()).run()
+        except EOFError as e:  # (run_engine_core turns this into a quiet exit)
+            errors.append(e)
+
+    loop = threading.Thread(target=run, daemon=True)
+    loop.start()
+    cmd.close()  # the API process is gone
+    loop.join(5)
+    assert not loop.is_alive() and errors
+
+
+def test_mp_async_engine_fails_live_requests_when_a_step_fails():
+    import asyncio
+
+    from kvserve.entrypoints.openai.async_engine import EngineStoppedError, MPAsyncEngine, _Track
+
+    class Client:
+        args = EngineArgs()
+        sent: list = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+        def is_alive(self):
+            return True
+
+        def start_io(self, on_message, on_exit):
+            pass
+
+    async def main():
+        eng = MPAsyncEngine(Client())
+        eng.start()
+        q: asyncio.Queue = asyncio.Queue()
+        eng._tracks["r"] = _Track(q, 7, time.perf_counter(), 1)
+        eng._on_message(("step_failed", "boom", {}))
+        tag, err = await asyncio.wait_for(q.get(), 5)
+        assert tag == 7 and isinstance(err, EngineStoppedError) and str(err) == "the engine failed: boom"
+        assert eng.is_running  # the core goes on serving new requests
+        eng._on_exit(-9)
+        assert not eng.is_running and "SIGKILL" in str(eng.fatal_error)
+        with pytest.raises(EngineStoppedError, match="died"):
+            await eng.add_request("s", [1], SamplingParams(), q)
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------- same outputs
 def test_core_runs_in_another_process(server):
     pid = server.api.async_engine.core_pid
