@@ -162,6 +162,9 @@ class _FakeEngine:
     def stats(self):
         return {"num_running": len(self.groups)}
 
+    def lock(self):
+        return threading.Lock()  # (does not pickle)
+
     def step(self):
         if self.fail:
             raise RuntimeError("boom")
@@ -201,6 +204,9 @@ def test_core_loop_step_failure_and_commands():
     assert next_msg("reply") == ("reply", 3, True, {"num_running": 2})
     cmd.send(("call", 4, "_private", ()))
     assert isinstance(next_msg("reply")[3], AttributeError)
+    cmd.send(("call", 6, "lock", ()))
+    reply = next_msg("reply")
+    assert reply[:3] == ("reply", 6, False) and "cannot cross" in str(reply[3])
     engine.fail = True
     kind, message, stats = next_msg("step_failed")
     assert message == "boom" and sorted(engine.aborted[1:]) == ["a", "b"] and stats == {"num_running": 0}

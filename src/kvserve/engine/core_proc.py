@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import traceback
 from dataclasses import dataclass
@@ -174,8 +175,6 @@ def add_batch(engine, items: Sequence[tuple[str, Sequence[int]]], params, priori
 def _picklable(e: BaseException) -> BaseException:
     """``e`` itself when it pickles (its type importable, ``request_index`` kept), else a
     RuntimeError with its type and message."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return e
@@ -313,7 +312,11 @@ class _CoreLoop:
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 self.out.send(("reply", cid, False, _picklable(e)))
             else:
-                self.out.send(("reply", cid, True, value))
+                try:  # (pickled before anything is written: a value that does not pickle sends nothing)
+                    self.out.send(("reply", cid, True, value))
+                except (pickle.PicklingError, TypeError, AttributeError) as e:
+                    self.out.send(("reply", cid, False, TypeError(f"{name}() returned a {type(value).__name__}, "
+                                                                  f"which cannot cross to the API process: {e}")))
         elif kind == "pause":
             self.paused = True
         elif kind == "resume":
