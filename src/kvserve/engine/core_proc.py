@@ -307,7 +307,7 @@ class _CoreLoop:
             _, cid, name, args = cmd
             try:
                 if name.startswith("_"):
-                    raise AttributeError(f"{name!r} is private: only public engine methods can be called")
+                    raise ValueError(f"{name!r} is private: only public engine methods can be called")
                 value = getattr(self.engine, name)(*args)
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 self.out.send(("reply", cid, False, _picklable(e)))
