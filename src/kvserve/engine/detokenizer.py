@@ -20,9 +20,10 @@ Two layers, both O(1) amortized work per generated token:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from kvserve.sampling_params import SamplingParams
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Files whose presence marks a folder as holding a Hugging Face tokenizer.
 _HF_TOKENIZER_FILES = (
@@ -56,6 +59,8 @@ def load_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase:
             )
         return _load_gguf(path)
     if any((path / name).is_file() for name in _HF_TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
         try:
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # transformers raises many kinds; name the path
@@ -91,15 +96,42 @@ GEMMA_CHAT_TEMPLATE = (
 
 def _load_gguf(path: Path) -> PreTrainedTokenizerBase:
     try:
-        tok = AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
+        if _gguf_tokenizer_is_backend(path):
+            # What AutoTokenizer returns for these files, without its model-config step: that
+            # parses the whole GGUF again with the gguf package (~4.5 s on SmolLM2) and imports
+            # the Auto* machinery (~2 s) only to choose this class.
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            tok = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(
+                str(path.parent), gguf_file=path.name, local_files_only=True
+            )
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from the GGUF file {str(path)!r}: {e}") from e
     if not getattr(tok, "chat_template", None) and _has_tokens(tok, "<start_of_turn>", "<end_of_turn>"):
         # Gemma GGUFs converted without their template (llama.cpp falls back the same way)
         tok.chat_template = GEMMA_CHAT_TEMPLATE
     return tok
+
+
+def _gguf_tokenizer_is_backend(path: Path) -> bool:
+    """Whether ``AutoTokenizer`` builds a plain ``TokenizersBackend`` for this GGUF file: a
+    ``llama`` file (transformers registers no tokenizer class for that model type; a name
+    containing "mistral" makes it a Mistral, which does) with no ``tokenizer_config.json`` next
+    to it that could name another class. Other files go through ``AutoTokenizer``."""
+    from kvserve.worker.loader import gguf_metadata
+
+    if (path.parent / "tokenizer_config.json").exists():
+        return False
+    try:
+        meta = gguf_metadata(path)
+    except ValueError:  # (unreadable: AutoTokenizer gives its own error)
+        return False
+    name = meta.get("general.name")
+    return meta.get("general.architecture") == "llama" and not (isinstance(name, str) and "mistral" in name)
 
 
 def _has_tokens(tok: PreTrainedTokenizerBase, *tokens: str) -> bool:
