@@ -15,7 +15,7 @@ from kvserve.config import ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheSpec, allocate_kv_cache
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.worker.attention import default_backend
-from kvserve.worker.loader import load_weights
+from kvserve.worker.loader import load_weights, release_freed_memory
 from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from kvserve.worker.models import model_class
 
@@ -51,6 +51,7 @@ class Worker:
         self.model = model_class(cfg.architecture)(cfg, backend, self.dtype, self.device, max_positions=max_model_len)
         self.model.load_weights(state, quantization=quantization)
         del state
+        release_freed_memory()
         self.model.eval()
         return cfg
 

@@ -390,9 +390,12 @@ def load_decoder_weights(model: nn.Module, state: dict[str, torch.Tensor], quant
 
     put(model.embed_tokens.weight, "model.embed_tokens.weight")
     put(model.norm.weight, "model.norm.weight")
-    head = (state["model.embed_tokens.weight"] if cfg.tie_word_embeddings
-            else check("lm_head.weight", (cfg.vocab_size, H)))
-    model.lm_head = Linear(head.to(dev, dt), None)  # the LM head is never quantized
+    if cfg.tie_word_embeddings and model.embed_tokens.weight.dtype == dt:
+        head = model.embed_tokens.weight.detach()  # the same values: one copy (vocab x hidden) for both
+    else:
+        head = (state["model.embed_tokens.weight"] if cfg.tie_word_embeddings
+                else check("lm_head.weight", (cfg.vocab_size, H))).to(dev, dt)
+    model.lm_head = Linear(head, None)  # the LM head is never quantized
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         put(layer.input_layernorm.weight, p + "input_layernorm.weight")
