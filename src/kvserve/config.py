@@ -322,13 +322,14 @@ class CacheConfig:
 
     Attributes:
         block_size: tokens per KV block.
-        kv_cache_memory_gib: memory budget of the K and V pools together (GiB).
+        kv_cache_memory_gib: memory budget of the K and V pools together (GiB): the one given or
+            the default the engine sized from the machine; None when ``num_blocks`` sets the pool.
         num_blocks: if set, overrides the budget (tests use it for tiny pools).
         enable_prefix_caching: reuse the KV of earlier prompts through the radix cache.
     """
 
     block_size: int = 16
-    kv_cache_memory_gib: float = 2.0
+    kv_cache_memory_gib: Optional[float] = 2.0
     num_blocks: Optional[int] = None
     enable_prefix_caching: bool = True
 

@@ -60,6 +60,8 @@ class KVCacheSpec:
         dtype: the pools' dtype (the model dtype, ``torch.int8`` or ``torch.float8_e4m3fn``).
         capacity_tokens: ``num_blocks · block_size``.
         max_model_len: the longest sequence (tokens).
+        budget_note: how the budget was chosen when ``kv_cache_memory`` was not given
+            (:func:`default_kv_cache_memory`); "" otherwise.
     """
 
     bytes_per_token: int
@@ -67,6 +69,7 @@ class KVCacheSpec:
     block_size: int
     max_model_len: int
     dtype: Optional[torch.dtype] = None
+    budget_note: str = ""  # how the budget was chosen, when it was not given (ends the describe() line)
 
     @property
     def capacity_tokens(self) -> int:
@@ -82,6 +85,7 @@ class KVCacheSpec:
             f"KV cache: {kv_quant.describe('auto', self.dtype)}, {self.bytes_per_token} bytes/token, {self.num_blocks} blocks x {self.block_size} "
             f"tokens = {self.capacity_tokens} tokens ({self.num_blocks * self.block_size * self.bytes_per_token / GiB:.2f} GiB); "
             f"{self.max_concurrent_full_sequences:.1f} sequences of max_model_len={self.max_model_len} fit"
+            + (f" [{self.budget_note}]" if self.budget_note else "")
         )
 
 
@@ -105,6 +109,71 @@ def plan_kv_cache(cfg: ModelConfig, dtype: torch.dtype, memory_gib: float, block
             f"kv_cache_memory={memory_gib} GiB holds no block of {block_size} tokens at {bpt} bytes/token"
         )
     return KVCacheSpec(bpt, num_blocks, block_size, max_model_len, dtype)
+
+
+#: The default KV budget's ceiling (GiB): the fixed default of kvserve before it was sized from the machine.
+DEFAULT_KV_CACHE_MAX_GIB = 2.0
+#: Default share of the memory available after the model loads that the KV pool is given.
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
+
+
+def default_kv_cache_memory(bytes_per_token: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                            available: Optional[int], fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION, *,
+                            sliding_window: Optional[int] = None, max_num_batched_tokens: int = 2048,
+                            max_gib: float = DEFAULT_KV_CACHE_MAX_GIB, device: str = "cpu") -> tuple[float, str]:
+    """The KV budget when ``kv_cache_memory`` is not given (vLLM's ``--gpu-memory-utilization``
+    idea, applied to what is left once the model is loaded):
+
+    ``budget = max(one_sequence, min(fraction · available, max_gib, max_num_seqs · one_sequence))``
+
+    where ``one_sequence`` is the KV of one ``max_model_len``-token sequence (whole blocks; with
+    a sliding window over every layer, the blocks such a sequence holds at once), so that a
+    request of the full context always fits; ``max_gib`` keeps big machines at the old 2 GiB and
+    ``max_num_seqs · one_sequence`` is the most the scheduler could ever fill.
+
+    Args:
+        bytes_per_token: KV bytes per token (all layers, K and V; :meth:`ModelConfig.kv_bytes_per_token`).
+        block_size: tokens per block.
+        max_model_len: longest sequence (tokens).
+        max_num_seqs: most running sequences.
+        available: bytes that can still be allocated on the device (``MemAvailable`` on a CPU,
+            :func:`available_memory`); None where unknown (then ``max_gib``, at least one sequence).
+        fraction: share of ``available`` to take, in (0, 1].
+        sliding_window, max_num_batched_tokens: a window over every layer bounds one sequence's blocks.
+        max_gib: the ceiling (GiB).
+        device: named in the error.
+
+    Returns:
+        ``(budget in GiB, why)``: ``why`` says in words how it was chosen (for the capacity log line).
+
+    Raises:
+        ValueError: naming ``max_model_len``, when ``available`` does not hold even one sequence.
+    """
+    block_bytes = bytes_per_token * block_size
+    blocks = -(-max_model_len // block_size)
+    if sliding_window is not None:
+        blocks = min(blocks, -(-(sliding_window - 1 + max_num_batched_tokens) // block_size) + 1)
+    one = blocks * block_bytes
+    ceiling = min(max_gib * GiB, max_num_seqs * one)
+    if available is None:
+        budget = max(one, ceiling)
+        return budget / GiB, (f"kv_cache_memory auto: memory available on {device} unknown, "
+                              f"{budget / GiB:.2f} GiB (at most {max_gib:g} GiB, at least one sequence)")
+    if one > available:
+        raise ValueError(
+            f"max_model_len={max_model_len}: one sequence of {max_model_len} tokens needs {one / GiB:.3f} GiB of KV "
+            f"cache, but only {available / GiB:.3f} GiB of memory is available on {device} once the model is loaded; "
+            f"lower max_model_len (--max-model-len), store the KV cache in 8 bits (--kv-cache-dtype int8), "
+            f"or free memory")
+    share = fraction * available
+    budget = max(one, min(share, ceiling))
+    why = f"kv_cache_memory auto: {fraction:g} x {available / GiB:.2f} GiB available on {device} = {share / GiB:.2f} GiB"
+    if budget == one and share < one:
+        why += f", raised to one sequence of max_model_len={max_model_len}"
+    elif budget < share:
+        why += (f", capped at {budget / GiB:.2f} GiB" + (f" (max_num_seqs={max_num_seqs} full sequences)"
+                                                          if budget == max_num_seqs * one else ""))
+    return budget / GiB, why
 
 
 def available_memory(device: torch.device) -> Optional[int]:

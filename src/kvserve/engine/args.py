@@ -14,6 +14,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from kvserve.core.kv_cache_manager import DEFAULT_KV_CACHE_MEMORY_FRACTION
 from kvserve.core.kv_swap import check_swap_options
 from kvserve.spec_decode import SpeculativeConfig
 from kvserve.worker import kv_quant
@@ -69,7 +70,12 @@ class EngineArgs:
             K/V with a float32 scale per token and KV head (:mod:`kvserve.worker.kv_quant`), ~1.9x the
             tokens in the same ``kv_cache_memory``.
         device: "cpu", "cuda" or None (CUDA when available).
-        kv_cache_memory: KV pool budget in GiB.
+        kv_cache_memory: KV pool budget in GiB; None (default): ``kv_cache_memory_fraction`` of the
+            memory available once the model is loaded, at most 2 GiB and at least one
+            ``max_model_len`` sequence (:func:`kvserve.core.kv_cache_manager.default_kv_cache_memory`).
+        kv_cache_memory_fraction: with ``kv_cache_memory=None``, the share of the available memory
+            (``MemAvailable`` on a CPU, free memory on CUDA) given to the KV pool, in (0, 1]
+            (default 0.5); ignored when ``kv_cache_memory`` or ``num_blocks`` is set.
         num_gpu_blocks / num_blocks: explicit pool size (overrides the budget).
         block_size: tokens per KV block.
         max_model_len: longest sequence in tokens (default: min(model's context, 4096)).
@@ -99,7 +105,8 @@ class EngineArgs:
     dtype: str | torch.dtype = "bfloat16"
     kv_cache_dtype: str = "auto"
     device: Optional[str] = None
-    kv_cache_memory: float = 2.0
+    kv_cache_memory: Optional[float] = None
+    kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION
     num_blocks: Optional[int] = None
     block_size: int = 16
     max_model_len: Optional[int] = None
@@ -136,8 +143,13 @@ class EngineArgs:
                 raise ValueError(f"{name(field)} must be an integer{' or None' if optional else ''}, got {v!r}")
             if v is not None:
                 setattr(self, field, int(v))  # (a numpy integer would reach random.Random)
-        if not isinstance(self.kv_cache_memory, numbers.Real) or isinstance(self.kv_cache_memory, bool):
+        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, numbers.Real)
+                                                 or isinstance(self.kv_cache_memory, bool)):
             raise ValueError(f"{name('kv_cache_memory')} must be a number of GiB, got {self.kv_cache_memory!r}")
+        f = self.kv_cache_memory_fraction
+        if not isinstance(f, numbers.Real) or isinstance(f, bool) or not 0 < f <= 1:
+            raise ValueError(f"{name('kv_cache_memory_fraction')} must be in (0, 1] (a share of the available "
+                             f"memory), got {f!r}")
         if not isinstance(self.enable_prefix_caching, (bool, np.bool_)):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -150,7 +162,8 @@ class EngineArgs:
                 raise ValueError(f"{name(field)} must be ≥ 1, got {getattr(self, field)}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"{name('num_blocks')} must be ≥ 1, got {self.num_blocks}")
-        if self.num_blocks is None and not 0 < self.kv_cache_memory <= MAX_KV_CACHE_GIB:
+        if (self.num_blocks is None and self.kv_cache_memory is not None
+                and not 0 < self.kv_cache_memory <= MAX_KV_CACHE_GIB):
             raise ValueError(f"{name('kv_cache_memory')} must be in (0, {MAX_KV_CACHE_GIB}] GiB, got {self.kv_cache_memory}")
         if self.max_waiting < 0:
             raise ValueError(f"{name('max_waiting')} must be ≥ 0 (0: unbounded), got {self.max_waiting}")

