@@ -165,3 +165,19 @@ def test_gguf_tokenizer_is_the_one_autotokenizer_builds(smollm2_path):
         ref.bos_token_id, ref.eos_token_id, ref.pad_token_id, ref.chat_template)
     messages = [{"role": "user", "content": "hi"}]
     assert apply_chat_template(ours, messages) == apply_chat_template(ref, messages)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_torch_dequantize_is_bit_identical_to_gguf(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from kvserve.loader import _dequantize
+
+    q = GGMLQuantizationType[qtype]
+    w = (np.random.default_rng(0).standard_normal((48, 256)) * 3).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block (d = 0)
+    data = quantize(w, q)
+    ours, ref = _dequantize(data, q), np.asarray(dequantize(data, q), dtype=np.float32)
+    assert ours.dtype == np.float32 and ours.size == w.size
+    assert np.array_equal(ours.reshape(-1).view(np.uint32), ref.reshape(-1).view(np.uint32))
