@@ -14,6 +14,7 @@ prompt is computed once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -69,10 +70,14 @@ class EngineCore:
         t0 = time.perf_counter()
         self.max_model_len = max_len = self._check_config(load_model_config(path))  # before the weights load
         self.executor: Executor = UniProcExecutor(Worker(self.dtype, self.device))
-        cfg = self.executor.collective_rpc("load_model", (path, max_len, args.quantization))[0]
+        # the tokenizer (Python: transformers' import, the vocabulary's conversion) loads on a thread
+        # while the workers load the weights (GIL released); a weights error still comes first
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, path)
+            cfg = self.executor.collective_rpc("load_model", (path, max_len, args.quantization))[0]
+            self.tokenizer = tokenizer.result()
         self.model_config: ModelConfig = cfg
         self.model_path = path
-        self.tokenizer = load_tokenizer(path)
         self._init_kv_cache(cfg, path)
         self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, max_len)

@@ -15,7 +15,7 @@ from kvserve.config import ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheSpec, allocate_kv_cache
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.worker.attention import default_backend
-from kvserve.worker.loader import load_weights, release_freed_memory
+from kvserve.worker.loader import load_weights, release_freed_memory, torch_threads
 from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from kvserve.worker.models import model_class
 
@@ -46,10 +46,12 @@ class Worker:
         Raises:
             ModelLoadError: a corrupt file; UnsupportedModelError: an unknown architecture.
         """
-        cfg, state = load_weights(path)
+        with torch_threads(1):  # (on a busy 2-core machine two OpenMP threads made loading 4x slower)
+            cfg, state = load_weights(path)
         backend = default_backend(self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.model = model_class(cfg.architecture)(cfg, backend, self.dtype, self.device, max_positions=max_model_len)
-        self.model.load_weights(state, quantization=quantization)
+        with torch_threads(1):
+            self.model.load_weights(state, quantization=quantization)
         del state
         release_freed_memory()
         self.model.eval()

@@ -204,7 +204,9 @@ class Gemma3ForCausalLM(nn.Module):
         fused = fused_cpu_ops and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
             and cpu_ops.available()
         self.fused_cpu_ops = fused
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        # (left uninitialized: load_weights always fills it, so a random init of vocab x hidden values is wasted)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
         self.embed_tokens.weight.requires_grad_(False)
         # transformers: torch.tensor(sqrt(hidden)) (float32) cast to the weight dtype
         self.register_buffer("embed_scale", torch.tensor(cfg.embedding_multiplier).to(dtype).to(device),

@@ -243,7 +243,9 @@ class LlamaForCausalLM(nn.Module):
         fused = fused_cpu_ops and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
             and cpu_ops.available()
         self.fused_cpu_ops = fused
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        # (left uninitialized: load_weights always fills it, so a random init of vocab x hidden values is wasted)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary_emb = RotaryEmbedding(rope_inv_freq(cfg), max_positions, dtype, device, fused)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, self.rotary_emb, dtype, device, fused)
