@@ -172,7 +172,7 @@ def test_torch_dequantize_is_bit_identical_to_gguf(qtype):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from kvserve.loader import _dequantize
+    from kvserve.worker.loader import _dequantize
 
     q = GGMLQuantizationType[qtype]
     w = (np.random.default_rng(0).standard_normal((48, 256)) * 3).astype(np.float32)
