@@ -8,10 +8,8 @@ start first):
 * ``kvserve serve`` and ``llama-server``, default flags: seconds to ready (first 200 on
   ``/health``), seconds from the command to the first streamed token of a completion sent as
   soon as it is ready, resident set (``VmRSS``) once ready and after ``--requests`` completions
-  of 32 tokens, and the peak (``VmHWM``).
-
-With ``--kernel-compile`` it also times one ``kvserve generate`` with an empty kernel cache
-(``KVSERVE_CACHE_DIR`` pointed at a new folder: the C kernels are compiled first).
+  of 32 tokens, and the peak (``VmHWM``), each summed over the server's processes (kvserve's API
+  process and its engine-core process).
 
 Usage::
 
@@ -35,26 +33,58 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Optional
 
 PROMPT = "The capital of France is"
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (``kvserve serve`` runs its engine core in a child process)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
 def rss_mb(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) of a process in MB (10^6 bytes)."""
-    with open(f"/proc/{pid}/status") as f:
-        st = {line.split(":")[0]: line.split(":")[1] for line in f}
-    return int(st["VmRSS"].split()[0]) * 1024 / 1e6, int(st["VmHWM"].split()[0]) * 1024 / 1e6
+    """(VmRSS, VmHWM) in MB (10^6 bytes), summed over the process and its descendants (the peak
+    is the sum of each process's own peak: an upper bound on the tree's)."""
+    rss = hwm = 0.0
+    for q in process_tree(pid):
+        try:
+            with open(f"/proc/{q}/status") as f:
+                st = {line.split(":")[0]: line.split(":")[1] for line in f}
+        except OSError:
+            continue
+        rss += int(st["VmRSS"].split()[0]) * 1024 / 1e6
+        hwm += int(st["VmHWM"].split()[0]) * 1024 / 1e6
+    return rss, hwm
 
 
 def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a process has used so far: on a busy machine
-    the wall-clock figures grow with the load, this much less."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds (user + system, all threads) the process and its descendants have used so
+    far: on a busy machine the wall-clock figures grow with the load, this much less."""
+    total = 0.0
+    for q in process_tree(pid):
+        try:
+            with open(f"/proc/{q}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def load_average() -> float:
@@ -163,8 +193,6 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="measured starts of each command (median; default 3)")
     ap.add_argument("--requests", type=int, default=4, help="completions sent before the second RSS reading")
     ap.add_argument("--label", default="kvserve", help="name of the kvserve rows (e.g. a branch; default kvserve)")
-    ap.add_argument("--kernel-compile", action="store_true",
-                    help="also time one generate with an empty kernel cache (the C kernels compiled first)")
     a = ap.parse_args()
     if a.runs < 1 or a.requests < 0:
         ap.error("--runs must be >= 1 and --requests >= 0")
@@ -178,16 +206,11 @@ def main() -> int:
 
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"{name}", file=sys.stderr)
-    generate_ttft(a.python, model, env)  # warm the file cache (and the kernel cache)
+    generate_ttft(a.python, model, env)  # warm the file cache
     gen = [generate_ttft(a.python, model, env) for _ in range(a.runs)]
     gen_wall, gen_cpu = statistics.median(g[0] for g in gen), statistics.median(g[1] for g in gen)
     print(f"kvserve generate: first token {gen_wall:.2f} s, {gen_cpu:.2f} CPU s (runs "
           f"{', '.join(f'{w:.2f}' for w, _ in gen)}; load average {load_average():.1f})", file=sys.stderr)
-    compile_s = None
-    if a.kernel_compile:
-        with tempfile.TemporaryDirectory() as d:
-            compile_s = generate_ttft(a.python, model, {**env, "KVSERVE_CACHE_DIR": d})[0]
-        print(f"kvserve generate, empty kernel cache: first token {compile_s:.2f} s", file=sys.stderr)
 
     rows = {}
     port = free_port()
@@ -204,8 +227,7 @@ def main() -> int:
         print(f"llama-server: {rows['llama-server']}", file=sys.stderr)
 
     print(f"\n{a.label}: `kvserve generate \"{PROMPT}\" --max-tokens 8`: first token **{gen_wall:.2f} s** after the "
-          f"command ({gen_cpu:.2f} CPU s; median of {a.runs}; warm file and kernel caches)"
-          + (f"; {compile_s:.1f} s with an empty kernel cache" if compile_s is not None else "") + ".\n")
+          f"command ({gen_cpu:.2f} CPU s; median of {a.runs}; warm file cache).\n")
     print("| server (default flags) | ready (s) | CPU to ready (s) | first token (s) | RSS ready (MB) "
           f"| RSS after {a.requests} requests (MB) | peak RSS (MB) | load average |")
     print("|---|---|---|---|---|---|---|---|")

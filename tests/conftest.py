@@ -1,9 +1,15 @@
 import functools
 import json
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP threads that spin ~300k times between parallel regions collapse when other processes
+# want the same cores (a test of a few decode steps took minutes next to three other jobs on
+# 2 cores): the wait policy kvserve's CLI sets, before torch loads libgomp (see kvserve/__init__)
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(2)
 
