@@ -719,8 +719,9 @@ def test_smollm2_api_process_holds_no_weights(smollm2_path):
         assert r.status_code == 200
         api, core = _rss_gb(p.pid), _rss_gb(core_pid)
         print(f"RSS after start (SmolLM2 float32, --kv-cache-memory 0.5): API {api:.2f} GB, core {core:.2f} GB")
-        # float32 weights (0.54 GB) and the KV pool (0.5 GiB) live in the core only
-        assert api < 0.6 and core > api + 0.9
+        # the float32 weights (0.54 GB) live in the core only (its KV pool, 0.5 GiB, is committed
+        # only as tokens are written: kv_cache_manager.allocate_kv_cache)
+        assert api < 0.6 and core > api + 0.5
     finally:
         p.terminate()
         p.wait(30)
