@@ -24,7 +24,7 @@ import threading
 import weakref
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from kvserve.engine.core_proc import CoreInfo, run_engine_core
 
