@@ -86,6 +86,29 @@ def test_failing_request_fails_alone(folder, expected, caplog, where):
     assert again.error is None and again.outputs[0].token_ids == expected["greedy"][1]
 
 
+def test_failing_output_processing_fails_its_request_alone(folder, expected):
+    """A request whose detokenization raises in the front end (a tokenizer that chokes on its
+    tokens) ends with an error output there and is aborted in the core; the others go on."""
+    engine = _engine(folder)
+    proc = engine.output_processor
+    orig = proc._apply
+
+    def faulty(state, out):
+        if state.prompt_token_ids[:3] == MARK and len(state.samples[0].token_ids) >= FAIL_AT:
+            raise RuntimeError("injected fault")
+        return orig(state, out)
+
+    proc._apply = faulty
+    outs = _run(engine, PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == [expected["greedy"][0], expected["greedy"][2]]
+    bad = outs[1]
+    assert bad.finished and bad.finish_reason == "error" and bad.error == "RuntimeError: injected fault"
+    assert bad.outputs[0].token_ids == expected["greedy"][1][: len(bad.outputs[0].token_ids)]
+    assert FAIL_AT <= len(bad.outputs[0].token_ids) < 8
+    assert not engine.core.groups and not proc.requests
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def test_failing_sample_fails_its_group_alone(folder, expected):
     engine = _engine(folder)
     _inject_fault(engine)

@@ -4,7 +4,6 @@ exactly as the target's (chi-square against the distribution enumerated from the
 logits); stop conditions inside an accepted run; rejected drafts never reach the prefix
 cache; configuration errors name the field."""
 
-import itertools
 
 import numpy as np
 import pytest
@@ -252,14 +251,33 @@ def test_stop_conditions_inside_an_accepted_run(folder):
 
 
 def test_a_run_appended_at_once_ends_where_one_at_a_time_does(folder):
-    """The engine's multi-token append (a verified run) against appending the same tokens
-    one by one: same kept tokens, text, finish reason and stop reason, for stop strings
-    (cut inside the run: the detokenizer's num_new_tokens_kept), stop token ids, EOS,
-    min_tokens and max_tokens drawn at random."""
+    """The engine's multi-token append (a verified run: the core's token checks, then the
+    front end's detokenization and stop strings) against appending the same tokens one by
+    one: same kept tokens, text, finish reason and stop reason, for stop strings (cut inside
+    the run: the detokenizer's num_new_tokens_kept), stop token ids, EOS, min_tokens and
+    max_tokens drawn at random."""
+    from kvserve.core.request import TokenLogprob
+    from kvserve.engine.core_output import EngineCoreOutput
+    from kvserve.engine.output_processor import OutputProcessor
+
     eng = _engine(folder)
+    core = eng.core
     rng = np.random.default_rng(0)
     tok = eng.tokenizer
+    front = OutputProcessor(tok)
     cut = 0
+
+    def lp(t):
+        return TokenLogprob(t, -1.0, 1)
+
+    def append(req, toks, last):
+        """One step's append for ``req`` through the core and the front end (as LLMEngine.step)."""
+        core._append_tokens(req, toks, [lp(t) for t in toks], 0.0)
+        out = EngineCoreOutput(req.parent_id, [core._deltas.pop(req.request_id)], req.is_finished, req.metrics)
+        processed = front.process_outputs([out])
+        core.finish_samples(processed.finished_samples)
+        last[req.request_id] = processed.request_outputs[0]
+
     for trial in range(300):
         run = rng.integers(3, 384, size=int(rng.integers(2, 7))).tolist()
         text = tok.decode(run)
@@ -276,27 +294,28 @@ def test_a_run_appended_at_once_ends_where_one_at_a_time_does(folder):
         prefix = rng.integers(3, 384, size=int(rng.integers(0, 3))).tolist()  # tokens before the run
         reqs = []
         for _ in range(2):
-            rid = eng.add_request([5, 6, 7], SamplingParams(**kw))
-            reqs.append(eng.groups[rid].seqs[0])
-        from kvserve.core.request import TokenLogprob
-
-        def lp(t):
-            return TokenLogprob(t, -1.0, 1)
+            rid = core.add_request(eng.input_processor.process([5, 6, 7], SamplingParams(**kw)))
+            front.add_request(rid, [5, 6, 7], None, core.groups[rid].params)
+            reqs.append(core.groups[rid].seqs[0])
         a, b = reqs
+        last: dict = {}
         for t in prefix:
             for r in (a, b):
                 if not r.is_finished:
-                    eng._append_tokens(r, [t], [lp(t)], 0.0)
+                    append(r, [t], last)
         if not a.is_finished:
-            eng._append_tokens(a, run, [lp(t) for t in run], 0.0)
+            append(a, run, last)
         for t in run:
             if not b.is_finished:
-                eng._append_tokens(b, [t], [lp(t)], 0.0)
-        assert (a.output_token_ids, a.output_text, a.status, a.stop_reason, a.cumulative_logprob) == \
-               (b.output_token_ids, b.output_text, b.status, b.stop_reason, b.cumulative_logprob), (run, kw)
-        cut += len(a.output_token_ids) < len(prefix) + len(run) and isinstance(a.stop_reason, str)
+                append(b, [t], last)
+        assert a.is_finished == b.is_finished, (run, kw)
+        oa, ob = last[a.request_id].outputs[0], last[b.request_id].outputs[0]
+        assert (oa.token_ids, oa.text, oa.finish_reason, oa.stop_reason, oa.cumulative_logprob) == \
+               (ob.token_ids, ob.text, ob.finish_reason, ob.stop_reason, ob.cumulative_logprob), (run, kw)
+        cut += len(oa.token_ids) < len(prefix) + len(run) and isinstance(oa.stop_reason, str)
         for r in (a, b):
-            eng.abort_request(r.parent_id)
+            core.abort_request(r.parent_id)
+            front.abort_request(r.parent_id)
     assert cut > 20  # stop strings ended many runs early
 
 

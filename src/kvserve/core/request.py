@@ -116,12 +116,9 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[Optional[TokenLogprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    output_text: str = ""
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
-    detokenizer: Any = None
     parent_id: Optional[str] = None
     sample_index: int = 0
-    last_delta: str = ""  # text of the latest token, until an output reports it
     token_history: Any = field(default=None, repr=False, compare=False)  # sampler.TokenHistory, for penalties
     grammar: Any = field(default=None, repr=False, compare=False)  # structured_output.StructuredOutputGrammar
     # speculative decoding: draft tokens proposed after the last output token (not output yet;

@@ -2,9 +2,12 @@
 
 ``step()`` is schedule → execute (the executor runs the model and the sampler on its
 workers) → update (num_computed_tokens, prefix-cache insertion, forks, appended tokens with
-their stop checks, beams, speculative verification and drafts) → outputs. Requests come in
-already tokenized (:class:`~kvserve.engine.input_processor.EngineCoreRequest`); the core
-checks them against the pool and the queue.
+their token-level stop checks, beams, speculative verification and drafts) → outputs: per
+request, the tokens each sample gained (:class:`~kvserve.engine.core_output.EngineCoreOutput`).
+Requests come in already tokenized (:class:`~kvserve.engine.input_processor.EngineCoreRequest`);
+the core checks them against the pool and the queue. Text (detokenization, stop strings) is the
+front end's (:class:`~kvserve.engine.output_processor.OutputProcessor`): it ends a sample at a
+stop string through :meth:`EngineCore.finish_samples`.
 
 A user request with ``n`` (or ``best_of``) > 1 becomes a group of sequences: the first
 computes the prompt; the others are forked from it once its prompt is computed (they share
@@ -25,12 +28,11 @@ from typing import Optional, Sequence
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, available_memory, default_kv_cache_memory, plan_kv_cache
 from kvserve.core.kv_swap import KVSwapSpace, check_swap_options, num_host_blocks
-from kvserve.core.request import Request, RequestOutput, RequestStatus, TokenLogprob
+from kvserve.core.request import Request, RequestStatus, TokenLogprob
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.args import EngineArgs, parse_device, parse_dtype
-from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.core_output import BeamOutput, EngineCoreOutput, SampleDelta, append_output_tokens
 from kvserve.engine.input_processor import EngineCoreRequest
-from kvserve.engine.output_processor import OutputProcessor, RequestGroup
 from kvserve.engine.tokenizer import eos_token_ids, load_tokenizer
 from kvserve.executor import Executor, UniProcExecutor
 from kvserve.sample.beam_search import BeamSearchState
@@ -47,8 +49,26 @@ from kvserve.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 
+class RequestGroup:
+    """The sequences of one user request (n / best_of samples, or the live beams)."""
+
+    def __init__(self, request_id: str, params: SamplingParams, seqs: list[Request],
+                 beam: Optional[BeamSearchState] = None) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.seqs = seqs
+        self.pending_forks: list[Request] = seqs[1:]
+        self.beam = beam
+        self.beam_rows: dict[str, tuple[list[int], list[float]]] = {}
+        self.num_prompt_logprobs_sent = 0
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending_forks and all(s.is_finished for s in self.seqs)
+
+
 class EngineCore:
-    """The engine core: :class:`EngineCoreRequest` in, :class:`RequestOutput` per step out.
+    """The engine core: :class:`EngineCoreRequest` in, :class:`EngineCoreOutput` per step out.
 
     It owns the scheduler, the KV cache manager and the executor, and its :meth:`step` is the
     loop: schedule, execute, update. It runs in the caller's process (offline :class:`LLM`,
@@ -80,10 +100,10 @@ class EngineCore:
         self.model_path = path
         self._init_kv_cache(cfg, path)
         self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer, max_len)
         self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, RequestGroup] = {}
+        self._deltas: dict[str, SampleDelta] = {}  # sequence id -> its tokens of this step, until output
         self._rng = random.Random(args.seed)
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -286,7 +306,6 @@ class EngineCore:
                 parent_id=rid,
                 sample_index=i,
             )
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params)
             if params.structured_outputs is not None:  # each sample follows the grammar on its own
                 seq.grammar = self.structured_output.new_grammar(params.structured_outputs)
             seqs.append(seq)
@@ -300,6 +319,32 @@ class EngineCore:
         for s in seqs:
             self._seq_to_group[s.request_id] = group
         return rid
+
+    def add_requests(self, requests: Sequence[EngineCoreRequest]) -> list[str]:
+        """Queue every request of ``requests``, or none; returns their ids.
+
+        With more than one request every one is checked (:meth:`validate_request`) before any
+        is added; one that still fails when added (e.g. the batch overfills the waiting queue)
+        takes back those added before it (no step runs in between).
+
+        Raises:
+            ValueError, TypeError, QueueFullError: as :meth:`add_request`; the exception's
+                ``request_index`` attribute is the position in ``requests`` of the one at fault.
+        """
+        added: list[str] = []
+        index: Optional[int] = None
+        try:
+            if len(requests) > 1:  # check them all first: a bad one must not start the others
+                for index, r in enumerate(requests):
+                    self.validate_request(r.prompt_token_ids, r.sampling_params)
+            for index, r in enumerate(requests):
+                added.append(self.add_request(r))
+        except Exception as e:
+            for rid in added:
+                self.abort_request(rid)
+            e.request_index = index
+            raise
+        return added
 
     def _seq_id(self, request_id: str) -> str:
         """A new sequence id ``"{request_id}#{k}"``, ``k`` an engine-wide counter: read from the
@@ -316,18 +361,37 @@ class EngineCore:
             if not s.is_finished:
                 self.scheduler.finish_request(s, RequestStatus.FINISHED_ABORTED)
             self._seq_to_group.pop(s.request_id, None)
+            self._deltas.pop(s.request_id, None)
+
+    def finish_samples(self, samples: Sequence[tuple[str, int]]) -> None:
+        """Finish samples that the front end ended at a stop string (``finish_reason
+        "stop"``): ``(request_id, sample index)`` each. Their blocks are freed (full ones stay
+        in the prefix cache); a request none of whose samples runs any more is retired
+        without a further output. Unknown ids, and samples already finished, are ignored."""
+        now = time.perf_counter()
+        for rid, index in samples:
+            group = self.groups.get(rid)
+            if group is None or group.beam is not None:
+                continue
+            for s in group.seqs:
+                if s.sample_index == index and not s.is_finished:
+                    s.metrics.finished_time = now
+                    self.scheduler.finish_request(s, RequestStatus.FINISHED_STOPPED)
+                    self._deltas.pop(s.request_id, None)
+            if group.finished:
+                self._retire(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
     # ------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step; returns an output for every request that changed.
 
         Schedule, execute, update. A request whose own part of the step raises (its forward:
         when the batched forward raises, each request group's part is rerun alone to find the
-        one at fault; sampling results, stop checks, detokenization, forking, its output)
-        finishes with ``finish_reason="error"`` and the message in ``RequestOutput.error``; its
+        one at fault; sampling results, stop checks, forking, its output) finishes with an
+        error output (``EngineCoreOutput.error``, ``finish_reason="error"`` downstream); its
         blocks are freed (not cached) and the other requests go on. An exception in scheduling
         still propagates.
         """
@@ -522,7 +586,7 @@ class EngineCore:
         for s in group.seqs:
             self._seq_to_group.pop(s.request_id, None)
 
-    def _fail_group(self, group: RequestGroup, error: Exception) -> RequestOutput:
+    def _fail_group(self, group: RequestGroup, error: Exception) -> EngineCoreOutput:
         """Finish every sequence of a group whose bookkeeping raised: ``finish_reason="error"``,
         the message in ``RequestOutput.error``; its KV blocks are freed (not cached)."""
         logger.error("request %s failed; the engine goes on without it", group.request_id, exc_info=error)
@@ -534,19 +598,26 @@ class EngineCore:
             if not s.is_finished:
                 s.metrics.finished_time = now
                 self.scheduler.finish_request(s, RequestStatus.FINISHED_ERROR)
+        samples = [d for s in group.seqs if (d := self._deltas.pop(s.request_id, None)) is not None]
         self._retire(group)
-        return self.output_processor.error_output(group, msg, error.param if isinstance(error, GrammarLimitError)
-                                                  else None)
+        lead = group.seqs[0]
+        return EngineCoreOutput(group.request_id, samples, True, lead.metrics, lead.num_cached_tokens, error=msg,
+                                error_param=error.param if isinstance(error, GrammarLimitError) else None)
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprob, now: float) -> None:
         self._append_tokens(req, [tok], [lp], now)
 
     def _append_tokens(self, req: Request, toks: list[int], lps: list[TokenLogprob], now: float) -> None:
-        """Append generated tokens through the output processor (stop checks, detokenization:
-        :meth:`OutputProcessor.append_tokens`) and finish the request where they end it."""
-        n0 = len(req.output_token_ids)
-        status = self.output_processor.append_tokens(req, toks, lps, now)
-        self.num_generated_tokens += len(req.output_token_ids) - n0
+        """Append generated tokens with their token-level stop checks
+        (:func:`~kvserve.engine.core_output.append_output_tokens`), finish the request where
+        they end it, and keep the delta for the step's output."""
+        status, delta = append_output_tokens(req, toks, lps, now, self.max_model_len)
+        self.num_generated_tokens += len(delta.new_token_ids)
+        prev = self._deltas.get(req.request_id)
+        if prev is None:
+            self._deltas[req.request_id] = delta
+        else:
+            prev.extend(delta)
         if status is not None:
             self.scheduler.finish_request(req, status)
 
@@ -633,8 +704,22 @@ class EngineCore:
         if not self.kv.fork(src, dst):
             dst.num_computed_tokens = 0
 
-    def _make_output(self, group: RequestGroup) -> RequestOutput:
-        return self.output_processor.make_output(group)
+    def _make_output(self, group: RequestGroup) -> EngineCoreOutput:
+        """The group's :class:`EngineCoreOutput`: its samples' deltas of this step, the prompt
+        logprobs not reported yet, and for a beam search the best ``n`` beams."""
+        lead = group.seqs[0]
+        params = group.params
+        samples = [d for s in group.seqs if (d := self._deltas.pop(s.request_id, None)) is not None]
+        new_plp = None
+        if params.prompt_logprobs is not None:
+            new_plp = lead.prompt_logprobs[group.num_prompt_logprobs_sent:]
+            group.num_prompt_logprobs_sent = len(lead.prompt_logprobs)
+        beams = None
+        if group.beam is not None:
+            beams = [BeamOutput(list(h.token_ids), h.cum_logprob, h.finished_by_eos)
+                     for h in group.beam.best(params.n)]
+        return EngineCoreOutput(group.request_id, samples, group.finished, lead.metrics, lead.num_cached_tokens,
+                                new_plp, beams)
 
     # --------------------------------------------------------------- metrics
     def spec_stats(self) -> dict:

@@ -1,7 +1,7 @@
 """The API process's end of the engine core process (:mod:`kvserve.engine.core_proc`).
 
 :class:`CoreClient` starts the core (``multiprocessing``, "spawn" context: the child imports
-kvserve afresh, CUDA-safe), waits until it has built its :class:`LLMEngine` (or re-raises the
+kvserve afresh, CUDA-safe), waits until it has built its :class:`EngineCore` (or re-raises the
 error it failed with), and then exposes what the API process needs without any weights: the
 tokenizer, the model config, ``max_model_len``, an :class:`InputProcessor` (``encode``,
 ``truncate_prompt``) and a :class:`StructuredOutputManager` for the early schema checks.
@@ -55,20 +55,20 @@ class CoreClient:
 
     Args:
         args: the :class:`~kvserve.engine.args.EngineArgs` (picklable) the core builds its
-            :class:`LLMEngine` from.
+            :class:`EngineCore` from.
         log_level: the level of the ``kvserve`` loggers in the core process (default: this
             process's).
 
     Attributes:
         args, tokenizer, model_config, model_path, max_model_len, eos_token_ids,
-        input_processor, structured_output: as on :class:`LLMEngine` (the same values: the
+        input_processor, structured_output: as on :class:`EngineCore` (the same values: the
             numbers come from the core's engine, the tokenizer is loaded here from the same path).
         kv_spec_description: the core's ``kv_spec.describe()``.
         pid: the core process's id.
 
     Raises (at construction; the core process is gone by then):
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, ValueError...: what
-            :class:`LLMEngine` raised in the core (the same type and message where it pickles,
+            :class:`EngineCore` raised in the core (the same type and message where it pickles,
             else a RuntimeError naming the type).
         CoreStartError: the core process died without a message (e.g. killed, out of memory).
     """

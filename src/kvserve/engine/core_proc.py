@@ -1,23 +1,26 @@
-"""The engine core's own process: an :class:`LLMEngine` stepping behind two pipes.
+"""The engine core's own process: an :class:`EngineCore` stepping behind two pipes.
 
-``kvserve serve`` runs the engine (scheduler, model, sampling, detokenization) in a child
-process started with :mod:`multiprocessing`'s "spawn" context; the API process keeps HTTP,
-tokenization of prompts and the metrics. :func:`run_engine_core` is the child's entry point,
-:class:`kvserve.engine.core_client.CoreClient` the parent's end.
+``kvserve serve`` runs the engine core (scheduler, KV cache manager, executor: the model and
+the sampler) in a child process started with :mod:`multiprocessing`'s "spawn" context; the API
+process keeps HTTP, input processing (tokenization, chat templates), output processing
+(detokenization, stop strings, ``RequestOutput`` s) and the metrics. :func:`run_engine_core` is
+the child's entry point, :class:`kvserve.engine.core_client.CoreClient` the parent's end.
 
 Messages (tuples, pickled by :mod:`multiprocessing.connection`):
 
 API → core (``cmd`` pipe):
-    ``("add", cid, [(request_id, prompt_token_ids), ...], params, priority, cache_salt)``:
-    add the batch all or nothing (:func:`add_batch`);
-    ``("abort", [request_id, ...])``; ``("call", cid, method_name, args)``: run a public
-    :class:`LLMEngine` method (``stats``, ``has_unfinished_requests``...) between steps;
-    ``("pause",)`` / ``("resume",)``: stop / restart stepping; ``("stop",)``.
+    ``("add", cid, [EngineCoreRequest, ...])``: add the batch all or nothing
+    (:meth:`EngineCore.add_requests`); ``("abort", [request_id, ...])``;
+    ``("finish", [(request_id, sample_index), ...])``: samples the API process ended at a
+    stop string (:meth:`EngineCore.finish_samples`); ``("call", cid, method_name, args)``: run
+    a public :class:`EngineCore` method (``stats``, ``has_unfinished_requests``...) between
+    steps; ``("pause",)`` / ``("resume",)``: stop / restart stepping; ``("stop",)``.
 
 core → API (``out`` pipe):
     ``("ready", CoreInfo)`` or ``("failed", exception)`` once, after construction;
-    ``("added", cid, exception_or_None)``; ``("outputs", [RequestOutput, ...], stats)`` after
-    every step (logprobs lists as :class:`ListDelta` s, :class:`OutputEncoder`); ``("stats", stats)`` when idle; ``("reply", cid, ok, value_or_exception)``;
+    ``("added", cid, exception_or_None)``; ``("outputs", [EngineCoreOutput, ...], stats)`` after
+    every step (token deltas: what a step sends does not grow with the sequences' length);
+    ``("stats", stats)`` when idle; ``("reply", cid, ok, value_or_exception)``;
     ``("step_failed", message, stats)``: a step raised, every live request was aborted (the
     core goes on serving new ones); ``("stopped",)``.
 
@@ -34,7 +37,7 @@ import pickle
 import signal
 import traceback
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any
 
 logger = logging.getLogger("kvserve.engine.core_proc")
 
@@ -63,115 +66,6 @@ class CoreInfo:
     pid: int
 
 
-class ListDelta(NamedTuple):
-    """A list on the wire as its items after the first ``start``, which the receiver already has."""
-
-    start: int
-    tail: list
-
-
-class OutputEncoder:
-    """Sends a request's logprobs (``CompletionOutput.logprobs``, ``RequestOutput.prompt_logprobs``)
-    as :class:`ListDelta` s: the engine reports the whole lists at every step, and pickling them
-    again each step would cost O(tokens²) per request (5.3 s instead of 1.8 s for 480 tokens with
-    ``logprobs=20`` on the tiny test model). A list is sent whole the first time, and again
-    whenever it is not the previous one plus new items (its last sent item moved: beam search).
-    """
-
-    def __init__(self) -> None:
-        self._sent: dict[str, dict] = {}  # request id -> slot -> (items sent, the last one)
-
-    def _encode(self, slots: dict, slot, items: Optional[list]):
-        if not items:
-            slots.pop(slot, None)
-            return items
-        prev = slots.get(slot)
-        slots[slot] = (len(items), items[-1])
-        if prev is not None and len(items) >= prev[0] and items[prev[0] - 1] is prev[1]:
-            return ListDelta(prev[0], items[prev[0]:])
-        return items
-
-    def encode(self, outputs: list) -> list:
-        """``outputs`` with their logprobs lists replaced by deltas where possible (in place)."""
-        for out in outputs:
-            slots = self._sent.setdefault(out.request_id, {})
-            out.prompt_logprobs = self._encode(slots, None, out.prompt_logprobs)
-            for o in out.outputs:
-                o.logprobs = self._encode(slots, o.index, o.logprobs)
-            if out.finished:
-                del self._sent[out.request_id]
-        return outputs
-
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
-
-
-class OutputDecoder:
-    """The receiving end of :class:`OutputEncoder`: rebuilds the whole lists (each output gets
-    its own list, as the engine's own outputs have)."""
-
-    def __init__(self) -> None:
-        self._have: dict[str, dict] = {}  # request id -> slot -> the list so far
-
-    def _decode(self, slots: dict, slot, items):
-        if isinstance(items, ListDelta):
-            have = slots.get(slot)
-            if have is None or len(have) < items.start:
-                raise RuntimeError(f"logprobs delta from position {items.start} for a list of "
-                                   f"{0 if have is None else len(have)} items (a bug)")
-            del have[items.start:]
-            have.extend(items.tail)
-            return list(have)
-        if items:
-            slots[slot] = list(items)
-        else:
-            slots.pop(slot, None)
-        return items
-
-    def decode(self, out) -> None:
-        """Rebuild ``out``'s lists (in place)."""
-        slots = self._have.setdefault(out.request_id, {})
-        out.prompt_logprobs = self._decode(slots, None, out.prompt_logprobs)
-        for o in out.outputs:
-            o.logprobs = self._decode(slots, o.index, o.logprobs)
-        if out.finished:
-            del self._have[out.request_id]
-
-    def forget(self, request_id: str) -> None:
-        self._have.pop(request_id, None)
-
-    def clear(self) -> None:
-        self._have.clear()
-
-
-def add_batch(engine, items: Sequence[tuple[str, Sequence[int]]], params, priority: int,
-              cache_salt: Optional[str]) -> None:
-    """Add every request ``(request_id, prompt_token_ids)`` of ``items`` to ``engine``, or none.
-
-    With more than one request every one is checked (:meth:`LLMEngine.validate_request`)
-    before any is added; one that still fails when added (e.g. the batch overfills the waiting
-    queue) takes back those added before it (no step ran in between).
-
-    Raises:
-        ValueError, TypeError, QueueFullError: from the engine; the exception's
-            ``request_index`` attribute is the position in ``items`` of the request at fault.
-    """
-    added: list[str] = []
-    index: Optional[int] = None
-    try:
-        if len(items) > 1:  # check them all first: a bad one must not start the others
-            for index, (rid, ids) in enumerate(items):
-                engine.validate_request(ids, params)
-        for index, (rid, ids) in enumerate(items):
-            engine.add_request(ids, params, request_id=rid, priority=priority, cache_salt=cache_salt)
-            added.append(rid)
-    except Exception as e:
-        for rid in added:
-            engine.abort_request(rid)
-        e.request_index = index
-        raise
-
-
 def _picklable(e: BaseException) -> BaseException:
     """``e`` itself when it pickles (its type importable, ``request_index`` kept), else a
     RuntimeError with its type and message."""
@@ -189,7 +83,7 @@ def run_engine_core(args, cmd_conn, out_conn, parent_pid: int, log_level: int = 
     """The core process's main function (the target of the "spawn" process).
 
     Args:
-        args: the :class:`~kvserve.engine.args.EngineArgs` to build the :class:`LLMEngine` from.
+        args: the :class:`~kvserve.engine.args.EngineArgs` to build the :class:`EngineCore` from.
         cmd_conn: the receiving end of the command pipe.
         out_conn: the sending end of the output pipe.
         parent_pid: the API process's pid (the core exits when it is gone).
@@ -200,9 +94,9 @@ def run_engine_core(args, cmd_conn, out_conn, parent_pid: int, log_level: int = 
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s (core): %(message)s")
     try:
-        from kvserve.engine.llm_engine import LLMEngine
+        from kvserve.engine.core import EngineCore
 
-        engine = LLMEngine(args)
+        engine = EngineCore(args)
     except BaseException as e:  # noqa: BLE001 - the parent re-raises it with its message
         logger.debug("engine core failed to start:\n%s", traceback.format_exc())
         try:
@@ -246,7 +140,6 @@ class _CoreLoop:
         self.parent_pid = parent_pid
         self.paused = False
         self.live: set[str] = set()  # ids of the requests added and not finished or aborted
-        self.encoder = OutputEncoder()
 
     def _parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
@@ -277,32 +170,32 @@ class _CoreLoop:
                         engine.abort_request(rid)
                     except Exception:  # noqa: BLE001 - the engine is already broken
                         logger.exception("abort of %s failed", rid)
-                for rid in self.live:
-                    self.encoder.forget(rid)
                 self.live.clear()
                 self.out.send(("step_failed", str(e) or type(e).__name__, engine.stats()))
                 continue
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.request_id)
-            self.out.send(("outputs", self.encoder.encode(outputs), engine.stats()))
+            self.out.send(("outputs", outputs, engine.stats()))
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, cid, items, params, priority, salt = cmd
+            _, cid, requests = cmd
             try:
-                add_batch(self.engine, items, params, priority, salt)
+                rids = self.engine.add_requests(requests)
             except Exception as e:  # noqa: BLE001 - the request's error, handed back
                 self.out.send(("added", cid, _picklable(e)))
             else:
-                self.live.update(rid for rid, _ in items)
+                self.live.update(rids)
                 self.out.send(("added", cid, None))
         elif kind == "abort":
             for rid in cmd[1]:
                 self.engine.abort_request(rid)
                 self.live.discard(rid)
-                self.encoder.forget(rid)
+        elif kind == "finish":
+            self.engine.finish_samples(cmd[1])
+            self.live.intersection_update(self.engine.groups)
         elif kind == "call":
             _, cid, name, args = cmd
             try:

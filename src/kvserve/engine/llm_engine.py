@@ -1,11 +1,14 @@
-"""LLMEngine: input processing and the engine core in one process.
+"""LLMEngine: input processing, the engine core and output processing in one process.
 
 :class:`LLMEngine` is what the offline :class:`~kvserve.entrypoints.llm.LLM` drives and what
 most tests build: a prompt in any accepted form goes through the
 :class:`~kvserve.engine.input_processor.InputProcessor` (tokenize, truncate, request-level
-checks) into the :class:`~kvserve.engine.core.EngineCore` (validate against the pool, queue),
-and :meth:`step` is the core's step. ``kvserve serve`` puts the same two pieces in two
-processes instead (the API process processes inputs, the core process steps).
+checks) into the :class:`~kvserve.engine.core.EngineCore` (validate against the pool, queue);
+:meth:`step` is the core's step, whose token deltas the
+:class:`~kvserve.engine.output_processor.OutputProcessor` turns into text and
+:class:`RequestOutput` s (a sample it ends at a stop string is finished in the core before
+the next step). ``kvserve serve`` puts the same pieces in two processes instead: the API
+process processes inputs and outputs, the core process steps.
 
 The core's state (``scheduler``, ``kv``, ``executor``, ``model``, ``runner``, ``kv_caches``,
 ``groups``, ``tokenizer``, ``model_config``, ``max_model_len``, ...) is reachable as
@@ -19,6 +22,7 @@ from typing import Optional, Sequence
 from kvserve.engine.args import DTYPES, MAX_KV_CACHE_GIB, EngineArgs, parse_device, parse_dtype
 from kvserve.engine.core import EngineCore, QueueFullError
 from kvserve.engine.input_processor import EngineCoreRequest, InputProcessor
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.core.request import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -41,6 +45,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.core = EngineCore(args)
         self.input_processor = InputProcessor(self.core.model_config, self.core.tokenizer, self.core.max_model_len)
+        self.output_processor = OutputProcessor(self.core.tokenizer)
 
     def __getattr__(self, name: str):  # the core's state, read through the engine
         if name == "core":  # (not built yet: __init__ failed)
@@ -84,22 +89,38 @@ class LLMEngine:
                 unaffected.
             QueueFullError: the waiting queue holds ``max_waiting`` requests.
         """
-        return self.core.add_request(self.input_processor.process(prompt, params, request_id, priority, cache_salt))
+        return self.add_core_request(self.input_processor.process(prompt, params, request_id, priority, cache_salt))
 
     def add_core_request(self, request: EngineCoreRequest) -> str:
         """Queue a request already processed by an :class:`InputProcessor` (:meth:`EngineCore.add_request`)."""
-        return self.core.add_request(request)
+        rid = self.core.add_request(request)
+        self.output_processor.add_request(rid, request.prompt_token_ids, request.prompt, request.sampling_params)
+        return rid
+
+    def add_core_requests(self, requests: Sequence[EngineCoreRequest]) -> list[str]:
+        """Queue every request of ``requests`` or none (:meth:`EngineCore.add_requests`)."""
+        rids = self.core.add_requests(requests)
+        for rid, r in zip(rids, requests):
+            self.output_processor.add_request(rid, r.prompt_token_ids, r.prompt, r.sampling_params)
+        return rids
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed at once. Unknown ids are ignored."""
         self.core.abort_request(request_id)
+        self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One step of the engine core (:meth:`EngineCore.step`)."""
-        return self.core.step()
+        """One step of the engine core (:meth:`EngineCore.step`), its outputs processed
+        (:meth:`OutputProcessor.process_outputs`): an output for every request that changed."""
+        processed = self.output_processor.process_outputs(self.core.step())
+        if processed.finished_samples:
+            self.core.finish_samples(processed.finished_samples)
+        for rid in processed.failed:
+            self.core.abort_request(rid)
+        return processed.request_outputs
 
     def stats(self) -> dict:
         """The engine core's counters (:meth:`EngineCore.stats`)."""

@@ -1,188 +1,278 @@
-"""Output processing: sampled tokens → request state → :class:`RequestOutput`.
+"""Output processing (the front end's): the engine core's token deltas → :class:`RequestOutput`.
 
-* :meth:`OutputProcessor.append_tokens`: the stop checks (EOS, stop token ids, ``max_tokens``,
-  ``max_model_len``, a completed grammar) and incremental detokenization with stop strings, for
-  one token or a verified speculative run, which stops exactly where one-token steps would;
-* :meth:`OutputProcessor.make_output`: a request group (``n`` samples, ``best_of``, beams) as
-  one :class:`RequestOutput`.
+The engine core reports, per request and step, the tokens each sample gained
+(:class:`~kvserve.engine.core_output.EngineCoreOutput`). The :class:`OutputProcessor` keeps
+each request's text: it detokenizes the new tokens incrementally (UTF-8 safe,
+:class:`~kvserve.engine.detokenizer.IncrementalDetokenizer`), ends a sample at a stop string
+(the tokens after the one that completes it are dropped, so a verified speculative run stops
+exactly where one-token steps would) and builds the request's ``n`` samples, ``best_of``
+selection or beams into one :class:`RequestOutput`.
 
-The engine core calls them for the requests of each step; they touch no KV block and no
-scheduler queue (the core finishes a request whose status :meth:`append_tokens` returns).
+It runs where requests arrive: in the offline engine's process, and in the API process of
+``kvserve serve`` while the core runs in its own. A sample it ends at a stop string is one the
+core does not know has ended: :meth:`OutputProcessor.process_outputs` returns those samples,
+and the caller has the core finish them (:meth:`EngineCore.finish_samples`); until that
+arrives, the core's further tokens for them are ignored here.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass, field
 from typing import Optional
 
-from kvserve.core.request import CompletionOutput, Request, RequestOutput, RequestStatus, TokenLogprob
-from kvserve.sample.beam_search import BeamSearchState
+from kvserve.core.request import CompletionOutput, RequestOutput, TokenLogprob
+from kvserve.engine.core_output import BeamOutput, EngineCoreOutput, SampleDelta
+from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 
-class RequestGroup:
-    """The sequences of one user request (n / best_of samples, or the live beams)."""
 
-    def __init__(self, request_id: str, params: SamplingParams, seqs: list[Request],
-                 beam: Optional[BeamSearchState] = None) -> None:
-        self.request_id = request_id
-        self.params = params
-        self.seqs = seqs
-        self.pending_forks: list[Request] = seqs[1:]
-        self.beam = beam
-        self.beam_rows: dict[str, tuple[list[int], list[float]]] = {}
+class _Sample:
+    """The front end's state of one sample: its kept tokens, text and finish."""
+
+    __slots__ = ("index", "detokenizer", "token_ids", "logprobs", "cumulative_logprob", "finish_reason",
+                 "stop_reason", "delta")
+
+    def __init__(self, index: int, detokenizer: IncrementalDetokenizer, logprobs: bool) -> None:
+        self.index = index
+        self.detokenizer = detokenizer
+        self.token_ids: list[int] = []
+        self.logprobs: Optional[list[TokenLogprob]] = [] if logprobs else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: Optional[str] = None
+        self.stop_reason = None
+        self.delta = ""  # text gained since the request's previous output
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.output_text
+
+
+@dataclass
+class RequestState:
+    """A request as the front end tracks it, from its arrival to its final output."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    beams: list[BeamOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
-        return not self.pending_forks and all(s.is_finished for s in self.seqs)
+        return bool(self.samples) and all(s.finish_reason is not None for s in self.samples)
+
+
+@dataclass
+class ProcessedOutputs:
+    """What :meth:`OutputProcessor.process_outputs` made of a step's core outputs.
+
+    Attributes:
+        request_outputs: one :class:`RequestOutput` per request that changed.
+        finished_samples: ``(request_id, sample index)`` of the samples that a stop string
+            ended here while the core still runs them: the core must finish them.
+        failed: ids of requests whose output processing raised (they got an error output):
+            the core must abort them.
+    """
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    finished_samples: list[tuple[str, int]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
-    """Stop checks, detokenization and output building for the engine core.
+    """Detokenization, stop strings and :class:`RequestOutput` building.
 
     Args:
-        tokenizer: the model's tokenizer (decodes finished beams).
-        max_model_len: the context window: a sequence that reaches it finishes with "length".
+        tokenizer: the model's tokenizer.
     """
 
-    def __init__(self, tokenizer, max_model_len: int) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.requests: dict[str, RequestState] = {}
 
-    def append_tokens(self, req: Request, toks: list[int], lps: list[TokenLogprob], now: float
-                      ) -> Optional[RequestStatus]:
-        """Append generated tokens (one, or a verified run of several), stopping exactly
-        where appending them one at a time would: at the first EOS / stop token (once
-        ``min_tokens`` is reached), at ``max_tokens`` / ``max_model_len``, or at the token
-        whose text completes a stop string (the detokenizer's ``num_new_tokens_kept``); the
-        tokens after it are dropped.
+    def add_request(self, request_id: str, prompt_token_ids: list[int], prompt: Optional[str],
+                    params: SamplingParams) -> None:
+        """Track a request the core accepted under ``request_id`` (its params as the core
+        resolved them)."""
+        samples = [] if params.use_beam_search else [
+            _Sample(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params), params.logprobs is not None)
+            for i in range(params.num_samples)]
+        self.requests[request_id] = RequestState(
+            request_id, params, prompt, prompt_token_ids, samples,
+            [] if params.prompt_logprobs is not None else None)
 
-        Returns:
-            The status that finishes the request (its ``finished_time`` set; the caller
-            finishes it in the scheduler), or None while it goes on.
+    def abort_request(self, request_id: str) -> None:
+        """Forget a request (unknown ids are ignored)."""
+        self.requests.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Apply a step's core outputs; outputs of requests not tracked here (aborted, or
+        ended by a stop string before the core heard of it) are ignored.
+
+        A request whose processing raises (a bug, a tokenizer that chokes on its tokens) ends
+        with ``finish_reason="error"`` alone; the others go on.
         """
-        p = req.sampling_params
-        n0, len0 = len(req.output_token_ids), req.num_tokens
-        status, reason, end = None, None, len(toks)
-        grammar_end = False
-        for i, tok in enumerate(toks):
-            n_out = n0 + i + 1
-            if req.grammar is not None:  # structured output: the grammar follows every token kept
-                # (a verified run's accepted drafts and its last token; the loop stops at the end of
-                # the output, and tokens a stop string drops after this finish the request)
-                req.grammar.accept_token(tok)
-            if n_out >= p.min_tokens:
-                if tok in req.eos_token_ids and not p.ignore_eos:
-                    status = RequestStatus.FINISHED_STOPPED
-                elif p.stop_token_ids and tok in p.stop_token_ids:
-                    status, reason = RequestStatus.FINISHED_STOPPED, tok
-            if status is None and req.grammar is not None and req.grammar.is_terminated():
-                # the token completed the output (nothing but EOS could follow): it ends it, as a stop
-                status, grammar_end = RequestStatus.FINISHED_STOPPED, True
-            if status is None and (n_out >= p.max_tokens or len0 + i + 1 >= self.max_model_len):
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                end = i + 1
-                break
-        toks = toks[:end]
-        # As in vLLM, an EOS or stop token that ends the sequence adds no text unless
-        # include_stop_str_in_output (its id stays in token_ids); a token that completes a
-        # grammar is text, unless it is EOS (under ignore_eos)
-        hide = (status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output
-                and (not grammar_end or toks[-1] in req.eos_token_ids))
-        detok = req.detokenizer
-        if hide:  # the tokens before it, then a flush (which may still complete a stop string)
+        res = ProcessedOutputs()
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:
+                continue
+            try:
+                if out.error is not None:
+                    res.request_outputs.append(self._error_output(state, out))
+                    continue
+                stopped = self._apply(state, out)
+                if state.finished or out.finished:
+                    del self.requests[out.request_id]
+                    if not out.finished:  # the core still runs every sample the stop strings ended
+                        res.finished_samples.extend((out.request_id, i) for i in stopped)
+                elif stopped:
+                    res.finished_samples.extend((out.request_id, i) for i in stopped)
+                res.request_outputs.append(self._make_output(state, out))
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                logger.error("request %s failed in output processing", out.request_id, exc_info=e)
+                self.requests.pop(out.request_id, None)
+                res.failed.append(out.request_id)
+                res.request_outputs.append(self._error_output(state, out, f"{type(e).__name__}: {e}"))
+        return res
+
+    # ------------------------------------------------------------ internals
+    def _apply(self, state: RequestState, out: EngineCoreOutput) -> list[int]:
+        """Take in ``out``'s deltas; returns the indices of the samples a stop string ended."""
+        if out.new_prompt_logprobs and state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(out.new_prompt_logprobs)
+        if out.beams is not None:
+            state.beams = out.beams
+        stopped = []
+        for d in out.samples:
+            s = state.samples[d.index]
+            if s.finish_reason is not None:
+                continue  # ended here by a stop string; the core had not heard of it yet
+            if self._append(s, d, state.params):
+                stopped.append(d.index)
+        if out.finished:  # (aborted in the core meanwhile, or the end of a beam search)
+            for s in state.samples:
+                if s.finish_reason is None:
+                    s.finish_reason = "abort"
+        return stopped
+
+    @staticmethod
+    def _append(s: _Sample, d: SampleDelta, p: SamplingParams) -> bool:
+        """Detokenize ``d``'s tokens into ``s``, cut at a stop string; True when a stop string
+        ended the sample while the core goes on with it."""
+        toks, n0 = d.new_token_ids, len(s.token_ids)
+        detok = s.detokenizer
+        finish, reason = d.finish_reason, d.stop_reason
+        if d.stop_token and not p.include_stop_str_in_output:
+            # the tokens before it, then a flush (which may still complete a stop string)
             upd = detok.update(toks[:-1], n0 + len(toks) - 1) if len(toks) > 1 else None
             delta, kept = (upd.text_delta, max(upd.num_new_tokens_kept or 0, 1)) if upd else ("", 0)
             if upd is None or upd.stop_str is None:
                 upd = detok.update([], n0 + len(toks), finished=True)
                 delta, kept = delta + upd.text_delta, len(toks)
         else:
-            upd = detok.update(toks, n0 + len(toks), finished=status is not None)
+            upd = detok.update(toks, n0 + len(toks), finished=finish is not None)
             delta, kept = upd.text_delta, max(upd.num_new_tokens_kept or 0, 1)
         if upd.stop_str is not None:
             if kept < len(toks):  # the stop string ends before the run does: drop the rest
-                toks, status, reason = toks[:kept], RequestStatus.FINISHED_STOPPED, upd.stop_str
-            elif status in (None, RequestStatus.FINISHED_LENGTH):
+                toks, finish, reason = toks[:kept], "stop", upd.stop_str
+            elif finish in (None, "length"):
                 # a stop string completed by the last allowed token still ends it as "stop" (vLLM)
-                status, reason = RequestStatus.FINISHED_STOPPED, upd.stop_str
-        req.output_token_ids.extend(toks)
-        if reason is not None:
-            req.stop_reason = reason
-        for lp in lps[: len(toks)]:
-            req.cumulative_logprob += lp.logprob
-        if p.logprobs is not None:
-            req.output_logprobs.extend(lps[: len(toks)])
-        m = req.metrics
-        m.num_generated_tokens = len(req.output_token_ids)
-        if m.first_token_time is None:
-            m.first_token_time = now
-        req.output_text = req.detokenizer.output_text
-        req.last_delta = delta
-        # (a verification counts its accepted drafts computed: never more than the tokens kept)
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
-        if status is not None:
-            m.finished_time = now
-        return status
+                finish, reason = "stop", upd.stop_str
+        k = len(toks)
+        s.token_ids += toks
+        s.cumulative_logprob += sum(d.new_logprobs[:k])
+        if s.logprobs is not None and d.new_token_logprobs is not None:
+            s.logprobs += d.new_token_logprobs[:k]
+        s.delta += delta
+        if finish is not None:
+            s.finish_reason, s.stop_reason = finish, reason
+        return finish is not None and d.finish_reason is None
 
-    def make_output(self, group: RequestGroup) -> RequestOutput:
-        """The group's :class:`RequestOutput`: the beams (best ``n``, decoded whole), the ``n``
-        samples, or under ``best_of`` the ``n`` with the highest cumulative logprob once the
-        group finished; each sample's ``delta_text`` is reported once."""
-        seqs, params = group.seqs, group.params
-        lead = seqs[0]
-        if group.beam is not None:
+    def _make_output(self, state: RequestState, out: EngineCoreOutput) -> RequestOutput:
+        """The request's :class:`RequestOutput`: the beams (best ``n``, decoded whole), the
+        ``n`` samples, or under ``best_of`` the ``n`` with the highest cumulative logprob once
+        every sample finished; each sample's ``delta_text`` is reported once."""
+        params = state.params
+        finished = state.finished or out.finished
+        metrics = out.metrics
+        if metrics is not None and state.samples:
+            metrics.num_generated_tokens = len(state.samples[0].token_ids)
+            if finished and metrics.finished_time is None:
+                metrics.finished_time = time.perf_counter()
+        if params.use_beam_search:
             outs = [
                 CompletionOutput(
                     index=i,
-                    text=self.tokenizer.decode(list(h.token_ids), skip_special_tokens=params.skip_special_tokens),
-                    token_ids=list(h.token_ids),
-                    finish_reason="stop" if h.finished_by_eos else "length",
-                    cumulative_logprob=h.cum_logprob,
+                    text=self.tokenizer.decode(b.token_ids, skip_special_tokens=params.skip_special_tokens),
+                    token_ids=list(b.token_ids),
+                    finish_reason="stop" if b.finished_by_eos else "length",
+                    cumulative_logprob=b.cumulative_logprob,
                 )
-                for i, h in enumerate(group.beam.best(params.n))
+                for i, b in enumerate(state.beams)
             ]
-            return RequestOutput(group.request_id, lead.prompt, lead.prompt_token_ids, outs,
-                                 group.finished, lead.metrics, num_cached_tokens=lead.num_cached_tokens)
-        if params.num_samples == params.n:
-            chosen = seqs
-        elif group.finished:  # best_of: the n samples with the highest cumulative logprob
-            chosen = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
         else:
-            chosen = []  # best_of results are only known at the end
-        outs = [
-            CompletionOutput(
-                index=idx,
-                text=s.output_text,
-                token_ids=list(s.output_token_ids),
-                finish_reason=s.status.value if s.is_finished else None,
-                stop_reason=s.stop_reason,
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.output_logprobs) if params.logprobs is not None else None,
-                delta_text=s.last_delta,
-            )
-            for idx, s in enumerate(chosen)
-        ]
-        for s in chosen:  # a delta is reported once: a sequence that did not move adds nothing
-            s.last_delta = ""
+            if params.num_samples == params.n:
+                chosen = state.samples
+            elif finished:  # best_of: the n samples with the highest cumulative logprob
+                chosen = sorted(state.samples, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+            else:
+                chosen = []  # best_of results are only known at the end
+            outs = [
+                CompletionOutput(
+                    index=idx,
+                    text=s.text,
+                    token_ids=list(s.token_ids),
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    cumulative_logprob=s.cumulative_logprob,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    delta_text=s.delta,
+                )
+                for idx, s in enumerate(chosen)
+            ]
+            for s in chosen:  # a delta is reported once: a sample that did not move adds nothing
+                s.delta = ""
         return RequestOutput(
-            request_id=group.request_id,
-            prompt=lead.prompt,
-            prompt_token_ids=lead.prompt_token_ids,
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
             outputs=outs,
-            finished=group.finished,
-            metrics=lead.metrics,
+            finished=finished,
+            metrics=metrics,
             # (a one-token prompt has no scored position: just the leading None)
-            prompt_logprobs=(list(lead.prompt_logprobs) or [None]) if params.prompt_logprobs is not None else None,
-            num_cached_tokens=lead.num_cached_tokens,
+            prompt_logprobs=(list(state.prompt_logprobs) or [None]) if state.prompt_logprobs is not None else None,
+            num_cached_tokens=out.num_cached_tokens,
         )
 
-    @staticmethod
-    def error_output(group: RequestGroup, msg: str, error_param: Optional[str] = None) -> RequestOutput:
-        """The final output of a group that failed: every sample ``finish_reason="error"``, the
-        text and tokens it had, ``msg`` in ``RequestOutput.error``."""
-        lead = group.seqs[0]
-        outs = [CompletionOutput(index=i, text=s.output_text, token_ids=list(s.output_token_ids),
-                                 finish_reason="error", cumulative_logprob=s.cumulative_logprob)
-                for i, s in enumerate(group.seqs[: group.params.n])]
-        return RequestOutput(group.request_id, lead.prompt, lead.prompt_token_ids, outs, True, lead.metrics,
-                             num_cached_tokens=lead.num_cached_tokens, error=msg, error_param=error_param)
+    def _error_output(self, state: RequestState, out: EngineCoreOutput, msg: Optional[str] = None) -> RequestOutput:
+        """The final output of a request that failed (in the core: ``out.error``; here:
+        ``msg``): every sample ``finish_reason="error"``, the text it had and every token the
+        core appended, the message in ``RequestOutput.error``."""
+        self.requests.pop(state.request_id, None)
+        if state.params.use_beam_search:
+            outs = [CompletionOutput(i, self.tokenizer.decode(b.token_ids), list(b.token_ids), "error",
+                                     cumulative_logprob=b.cumulative_logprob) for i, b in enumerate(state.beams)]
+            return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                                 outs or [CompletionOutput(0, "", [], "error")], True, out.metrics,
+                                 num_cached_tokens=out.num_cached_tokens, error=msg or out.error,
+                                 error_param=out.error_param if msg is None else None)
+        by_index = {d.index: d for d in out.samples}
+        outs = []
+        for s in state.samples[: state.params.n]:
+            d = by_index.get(s.index)
+            extra = d.new_token_ids if d is not None and s.finish_reason is None else []
+            outs.append(CompletionOutput(index=s.index, text=s.text, token_ids=s.token_ids + extra,
+                                         finish_reason="error", cumulative_logprob=s.cumulative_logprob))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, True, out.metrics,
+                             num_cached_tokens=out.num_cached_tokens, error=msg or out.error,
+                             error_param=out.error_param if msg is None else None)

@@ -31,8 +31,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from kvserve.engine.core_proc import OutputDecoder, add_batch
+from kvserve.engine.input_processor import EngineCoreRequest, InputProcessor
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.entrypoints.openai.metrics import ServerMetrics
 from kvserve.core.request import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -42,6 +43,25 @@ logger = logging.getLogger("kvserve.entrypoints.openai")
 
 class EngineStoppedError(RuntimeError):
     """The engine loop stopped (shutdown) or failed; the request cannot complete."""
+
+
+def core_requests(input_processor: InputProcessor, items: Sequence[tuple[str, Sequence[int]]],
+                  params: SamplingParams, priority: int, cache_salt: Optional[str]) -> list[EngineCoreRequest]:
+    """The :class:`EngineCoreRequest` of each ``(request_id, prompt_token_ids)`` of ``items``
+    (:meth:`InputProcessor.process`).
+
+    Raises:
+        ValueError, TypeError: from :meth:`InputProcessor.process`; the exception's
+            ``request_index`` attribute is the position in ``items`` of the request at fault.
+    """
+    out = []
+    for index, (rid, ids) in enumerate(items):
+        try:
+            out.append(input_processor.process(ids, params, rid, priority, cache_salt))
+        except Exception as e:
+            e.request_index = index
+            raise
+    return out
 
 
 def _as_callable(fn: Callable[[LLMEngine], Any] | str, args: tuple) -> Callable[[LLMEngine], Any]:
@@ -298,7 +318,9 @@ class AsyncEngine:
              priority: int, salt: Optional[str], arrival: float, prompt_only: bool, fut: asyncio.Future) -> None:
         """Add every request of ``items`` or none (see :meth:`add_requests`)."""
         try:
-            add_batch(self.engine, [(rid, ids) for rid, ids, _ in items], params, priority, salt)
+            requests = core_requests(self.engine.input_processor, [(rid, ids) for rid, ids, _ in items], params,
+                                     priority, salt)
+            self.engine.add_core_requests(requests)
         except Exception as e:  # noqa: BLE001 - handed to the handler (with its request_index)
             self._resolve(fut, error=e)
             return
@@ -474,15 +496,17 @@ class MPAsyncEngine(AsyncEngine):
              ▲                                                         │ drain commands, step()
              └── per-request asyncio.Queue ◄── event loop ◄── reader thread ◄──pipe── outputs + stats
 
-    The core (:mod:`kvserve.engine.core_proc`) adds, aborts and steps; this side keeps the
-    per-request queues and records the metrics from the outputs and the ``stats()`` the core
-    sends after every step (request bookkeeping runs on the event loop, in the order the
-    core's messages arrive). When the core process dies, :attr:`is_running` turns False at
+    The core (:mod:`kvserve.engine.core_proc`) adds, aborts and steps; this side processes
+    the requests' inputs (:class:`~kvserve.engine.input_processor.InputProcessor`) and their
+    outputs (:class:`~kvserve.engine.output_processor.OutputProcessor`: detokenization, stop
+    strings, whose ends it sends back to the core), keeps the per-request queues and records
+    the metrics from the outputs and the ``stats()`` the core sends after every step (request
+    bookkeeping runs on the event loop, in the order the core's messages arrive). When the core process dies, :attr:`is_running` turns False at
     once (``/health`` answers 503), every live request gets an :class:`EngineStoppedError`
     and waiting commands fail with it; new requests are refused with it.
 
-    ``call``/``call_sync`` take only the name of a public :class:`LLMEngine` method (and
-    picklable arguments): a function cannot cross the process boundary.
+    ``call``/``call_sync`` take only the name of a public :class:`~kvserve.engine.core.EngineCore`
+    method (and picklable arguments): a function cannot cross the process boundary.
 
     Args:
         client: the started :class:`~kvserve.engine.core_client.CoreClient`.
@@ -497,7 +521,7 @@ class MPAsyncEngine(AsyncEngine):
         self._cids = itertools.count()
         self._dead = False
         self._started = False
-        self._decoder = OutputDecoder()
+        self.output_processor = OutputProcessor(client.tokenizer)
 
     # ------------------------------------------------------------ lifecycle
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
@@ -551,8 +575,10 @@ class MPAsyncEngine(AsyncEngine):
         fut = asyncio.get_running_loop().create_future()
         arrival = time.perf_counter() if arrival is None else arrival
         items = [(rid, list(ids), tag) for rid, ids, tag in requests]
-        cid = self._register(("add", items, params, out_queue, arrival, prompt_only, fut))
-        self.client.send(("add", cid, [(rid, ids) for rid, ids, _ in items], params, priority, cache_salt))
+        reqs = core_requests(self.client.input_processor, [(rid, ids) for rid, ids, _ in items], params,
+                             priority, cache_salt)
+        cid = self._register(("add", items, reqs, out_queue, arrival, prompt_only, fut))
+        self.client.send(("add", cid, reqs))
         try:
             await fut
         except asyncio.CancelledError:
@@ -576,7 +602,7 @@ class MPAsyncEngine(AsyncEngine):
             self._call_soon(self._forget, request_id)
 
     def _forget(self, request_id: str) -> None:
-        self._decoder.forget(request_id)
+        self.output_processor.abort_request(request_id)
         track = self._tracks.pop(request_id, None)
         if track is not None and self.metrics is not None:
             unfinished = track.num_samples - len(track.finished_indices)
@@ -584,7 +610,8 @@ class MPAsyncEngine(AsyncEngine):
                 self.metrics.finished("abort", unfinished)
 
     async def call(self, fn: str, *args) -> Any:
-        """Run the public :class:`LLMEngine` method ``fn`` with ``args`` in the core, between steps.
+        """Run the public :class:`~kvserve.engine.core.EngineCore` method ``fn`` with ``args`` in
+        the core, between steps.
 
         Raises:
             TypeError: ``fn`` is not a method name.
@@ -682,32 +709,29 @@ class MPAsyncEngine(AsyncEngine):
 
     # ------------------------------------------------------ the event loop's side
     def _added(self, entry: tuple, error: Optional[BaseException]) -> None:
-        _, items, params, out_queue, arrival, prompt_only, fut = entry
+        _, items, reqs, out_queue, arrival, prompt_only, fut = entry
         if fut.done():  # the handler was cancelled: it aborts these requests itself
             return
         if error is not None:
             fut.set_exception(error)
             return
-        for rid, _, tag in items:
+        for (rid, _, tag), r in zip(items, reqs):
+            params = r.sampling_params
+            self.output_processor.add_request(rid, r.prompt_token_ids, r.prompt, params)
             self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, beam=params.use_beam_search,
                                        prompt_only=prompt_only)
         fut.set_result(None)
 
-    def _on_outputs(self, outputs: list[RequestOutput], stats: dict) -> None:
-        live = []
-        for out in outputs:
-            if out.request_id not in self._tracks:  # (aborted here meanwhile)
-                continue
-            try:
-                self._decoder.decode(out)
-            except Exception as e:  # noqa: BLE001 - a bug: this request ends with an error, not a hang
-                logger.exception("request %s: bad output from the engine core", out.request_id)
-                track = self._tracks[out.request_id]
-                self.abort(out.request_id)
-                self._deliver([(track.queue, (track.tag, EngineStoppedError(f"the engine failed: {e}")))])
-                continue
-            live.append(out)
-        self._dispatch(live)
+    def _on_outputs(self, outputs: list, stats: dict) -> None:
+        """A step's :class:`~kvserve.engine.core_output.EngineCoreOutput` s: detokenized here
+        (:class:`OutputProcessor`); samples ended at a stop string are finished in the core,
+        requests whose output processing failed are aborted there."""
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.finished_samples:
+            self.client.send(("finish", processed.finished_samples))
+        if processed.failed:
+            self.client.send(("abort", processed.failed))
+        self._dispatch(processed.request_outputs)
         self._apply_stats(stats)
 
     def _fail_tracks(self, message: str) -> None:
@@ -717,5 +741,5 @@ class MPAsyncEngine(AsyncEngine):
                 self.metrics.finished("error", track.num_samples - len(track.finished_indices))
             batch.append((track.queue, (track.tag, EngineStoppedError(message))))
         self._tracks.clear()
-        self._decoder.clear()
+        self.output_processor.requests.clear()
         self._deliver(batch)
