@@ -85,3 +85,23 @@ def hf_smollm2(smollm2_path):
         str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tp_pool():
+    """``get(world_size=2)``: a :class:`tp_harness.RankPool` of that many spawned ranks in one gloo
+    group, started on first use (a few seconds) and again after a failure killed it; closed at
+    the end of the session."""
+    from tp_harness import RankPool
+
+    pools = {}
+
+    def get(world_size: int = 2):
+        pool = pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = pools[world_size] = RankPool(world_size)
+        return pool
+
+    yield get
+    for pool in pools.values():
+        pool.close()
