@@ -292,7 +292,9 @@ class Linear(nn.Module):
 
     Args:
         weight: ``[out_features, in_features]`` (the ``nn.Linear`` layout), float32 or bfloat16
-            (any dtype ``F.linear`` takes on the eager path), on any device.
+            (any dtype ``F.linear`` takes on the eager path), on any device; or None, for a layer
+            whose weight comes later (:meth:`set_weight`; the tensor-parallel layers of
+            :mod:`kvserve.worker.layers.parallel_linear` set their shard so).
         bias: optional ``[out_features]``, same dtype and device.
         quantization: ``None`` (default: the weight is used as given and results match
             ``F.linear``) or ``"int8"``: weight-only symmetric per-output-channel int8
@@ -320,19 +322,40 @@ class Linear(nn.Module):
         ValueError: on a malformed weight/bias, unknown backend or quantization.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+    def __init__(self, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                  quantization: Optional[str] = None, backend: str = "auto") -> None:
         super().__init__()
-        if weight.dim() != 2:
-            raise ValueError(f"weight must be [out_features, in_features], got shape {tuple(weight.shape)}")
-        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"bias must be [{weight.shape[0]}], got shape {tuple(bias.shape)}")
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.quantization = quantization
+        self.requested_backend = backend
+        self.out_features = self.in_features = 0
+        self.weight = self.bias = None
+        self._packed = self._amx = None
+        self._gemv_max_m = 0
+        self.backend = "eager"
+        if weight is not None:
+            self.set_weight(weight, bias)
+        elif bias is not None:
+            raise ValueError("a bias needs a weight")
+
+    def set_weight(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        """Use ``weight [out_features, in_features]`` and ``bias [out_features]`` (or None): kept as
+        given (contiguous), int8-quantized if the layer is, and packed for the kernels of the
+        layer's backend. Called once, by the constructor or by the loader of a layer built
+        without its weight.
+
+        Raises:
+            ValueError: a weight that is not 2-D, a bias of the wrong shape.
+        """
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be [out_features, in_features], got shape {tuple(weight.shape)}")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+        backend, quantization = self.requested_backend, self.quantization
+        self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
         self._packed: Optional[torch.Tensor] = None  # oneDNN layout; not a buffer (opaque tensor)
         self._amx: Optional[torch.Tensor] = None  # AMX tile layout (amx_pack)
