@@ -289,14 +289,43 @@ class ModelConfig:
             name=name,
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV cache bytes per token: ``2 · num_layers · num_kv_heads · head_dim · dtype_bytes`` for a
-        pool of ``dtype`` (the model dtype), and for an 8-bit pool (``torch.int8``,
+    def heads_per_rank(self, tp_size: int = 1) -> tuple[int, int]:
+        """``(query heads, KV heads)`` each of ``tp_size`` tensor-parallel ranks holds: the query
+        heads split evenly, the KV heads split evenly or, with more ranks than KV heads, one
+        replicated KV head per rank (:func:`kvserve.distributed.parallel_state.tp_head_counts`).
+
+        Raises:
+            ValueError: head counts ``tp_size`` cannot split (the message names
+                ``tensor_parallel_size`` and the counts).
+        """
+        from kvserve.distributed.parallel_state import tp_head_counts
+
+        h, k, _ = tp_head_counts(self.num_heads, self.num_kv_heads, tp_size)
+        return h, k
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise unless the model splits over ``tp_size`` ranks (Megatron-style): the heads
+        (:meth:`heads_per_rank`) and the MLP's ``intermediate_size`` (split evenly). The
+        vocabulary always splits (it is padded).
+
+        Raises:
+            ValueError: naming ``tensor_parallel_size`` and the counts it does not divide.
+        """
+        self.heads_per_rank(tp_size)
+        if self.intermediate_size % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's intermediate_size "
+                             f"({self.intermediate_size})")
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """KV cache bytes per token (on each of ``tp_size`` tensor-parallel ranks, whose pools hold
+        their KV heads only: :meth:`heads_per_rank`): ``2 · num_layers · num_kv_heads · head_dim ·
+        dtype_bytes`` for a pool of ``dtype`` (the model dtype), and for an 8-bit pool (``torch.int8``,
         ``torch.float8_e4m3fn``: :mod:`kvserve.worker.kv_quant`) ``2 · num_layers · num_kv_heads ·
         (head_dim + 4)``: one byte per value plus a float32 scale per token and KV head."""
         from kvserve.worker.kv_quant import bytes_per_head_token
 
-        return 2 * self.num_layers * self.num_kv_heads * bytes_per_head_token(self.head_dim, dtype)
+        kv_heads = self.num_kv_heads if tp_size == 1 else self.heads_per_rank(tp_size)[1]
+        return 2 * self.num_layers * kv_heads * bytes_per_head_token(self.head_dim, dtype)
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Number of weights (the LM head counted once when tied)."""

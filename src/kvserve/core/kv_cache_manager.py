@@ -62,6 +62,9 @@ class KVCacheSpec:
         max_model_len: the longest sequence (tokens).
         budget_note: how the budget was chosen when ``kv_cache_memory`` was not given
             (:func:`default_kv_cache_memory`); "" otherwise.
+        tp_size: tensor-parallel ranks: each holds ``num_blocks`` blocks of its own KV heads
+            (:meth:`kvserve.config.ModelConfig.heads_per_rank`), and ``bytes_per_token`` is per
+            rank. The block ids are the same on every rank.
     """
 
     bytes_per_token: int
@@ -70,6 +73,7 @@ class KVCacheSpec:
     max_model_len: int
     dtype: Optional[torch.dtype] = None
     budget_note: str = ""  # how the budget was chosen, when it was not given (ends the describe() line)
+    tp_size: int = 1
 
     @property
     def capacity_tokens(self) -> int:
@@ -82,7 +86,9 @@ class KVCacheSpec:
 
     def describe(self) -> str:
         return (
-            f"KV cache: {kv_quant.describe('auto', self.dtype)}, {self.bytes_per_token} bytes/token, {self.num_blocks} blocks x {self.block_size} "
+            f"KV cache: {kv_quant.describe('auto', self.dtype)}, {self.bytes_per_token} bytes/token"
+            + (f" on each of {self.tp_size} tensor-parallel ranks" if self.tp_size > 1 else "")
+            + f", {self.num_blocks} blocks x {self.block_size} "
             f"tokens = {self.capacity_tokens} tokens ({self.num_blocks * self.block_size * self.bytes_per_token / GiB:.2f} GiB); "
             f"{self.max_concurrent_full_sequences:.1f} sequences of max_model_len={self.max_model_len} fit"
             + (f" [{self.budget_note}]" if self.budget_note else "")
@@ -90,16 +96,17 @@ class KVCacheSpec:
 
 
 def plan_kv_cache(cfg: ModelConfig, dtype: torch.dtype, memory_gib: float, block_size: int,
-                  max_model_len: int, num_blocks: Optional[int] = None) -> KVCacheSpec:
+                  max_model_len: int, num_blocks: Optional[int] = None, tp_size: int = 1) -> KVCacheSpec:
     """Size the pool: ``num_blocks = floor(budget / (bytes_per_token · block_size))``.
 
     ``dtype`` is the pools' dtype: the model dtype, or ``torch.int8``/``torch.float8_e4m3fn`` for
-    an 8-bit cache (~1.9x the tokens of bf16 in the same budget, scales included).
+    an 8-bit cache (~1.9x the tokens of bf16 in the same budget, scales included). With
+    ``tp_size`` ranks, the budget and ``bytes_per_token`` are each rank's (its KV heads only).
 
     Raises:
         ValueError: if the budget holds no block, or ``memory_gib`` is not positive.
     """
-    bpt = cfg.kv_bytes_per_token(dtype)
+    bpt = cfg.kv_bytes_per_token(dtype, tp_size)
     if num_blocks is None:
         if not memory_gib > 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {memory_gib}")
@@ -108,7 +115,7 @@ def plan_kv_cache(cfg: ModelConfig, dtype: torch.dtype, memory_gib: float, block
         raise ValueError(
             f"kv_cache_memory={memory_gib} GiB holds no block of {block_size} tokens at {bpt} bytes/token"
         )
-    return KVCacheSpec(bpt, num_blocks, block_size, max_model_len, dtype)
+    return KVCacheSpec(bpt, num_blocks, block_size, max_model_len, dtype, tp_size=tp_size)
 
 
 #: The default KV budget's ceiling (GiB): the fixed default of kvserve before it was sized from the machine.
@@ -222,7 +229,8 @@ def allocate_kv_cache(cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
     Returns:
         ``num_layers`` pairs of ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors of
         ``dtype`` (8-bit pools, ``dtype`` int8 or float8_e4m3fn: ``head_dim + 4`` last, the codes
-        and the scale of each token and head; :mod:`kvserve.worker.kv_quant`).
+        and the scale of each token and head; :mod:`kvserve.worker.kv_quant`). ``num_kv_heads``
+        is one rank's (:meth:`~kvserve.config.ModelConfig.heads_per_rank` of ``spec.tp_size``).
 
     Raises:
         ValueError: the pool (``num_blocks · block_size · bytes_per_token`` bytes) is larger than
@@ -234,7 +242,8 @@ def allocate_kv_cache(cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
         raise ValueError(f"kv_cache_memory: the KV pool needs {need / GiB:.2f} GiB ({spec.num_blocks} blocks), "
                          f"but only {have / GiB:.2f} GiB is available on {torch.device(device)}; lower "
                          f"kv_cache_memory (--kv-cache-memory), or num_blocks if you set it")
-    shape = (spec.num_blocks, spec.block_size, cfg.num_kv_heads, kv_quant.row_elements(cfg.head_dim, dtype))
+    kv_heads = cfg.num_kv_heads if spec.tp_size == 1 else cfg.heads_per_rank(spec.tp_size)[1]
+    shape = (spec.num_blocks, spec.block_size, kv_heads, kv_quant.row_elements(cfg.head_dim, dtype))
     zeros = zeroed_host_tensor if torch.device(device).type == "cpu" else (
         lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
     try:

@@ -253,6 +253,8 @@ class ModelRunner:
         structured-output grammar under its token bitmask)."""
         batch = self.prepare_inputs(sched)
         logits = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, batch.logits_indices)
+        if logits is None:  # a tensor-parallel rank the logits are not gathered to: nothing to sample
+            return ModelRunnerOutput(sample_requests=[], sampler_output=None)
         out = ModelRunnerOutput(sample_requests=batch.sample_requests, sampler_output=None)
         sample_logits = logits
         if batch.prompt_logprob_spans:

@@ -33,6 +33,10 @@ attention is the engine's backend (on CPU its C decode kernel serves every layer
 the last ``sliding_window`` positions on the local layers). Every KV block is kept: the global
 layers read the whole context (per-layer-group block tables, vLLM's hybrid allocator, which
 could free the local layers' old blocks, are not implemented).
+
+Tensor parallelism splits the model as :mod:`kvserve.worker.models.llama` does (heads,
+intermediate units and vocabulary; the norms, QK-norms included, are per head or per hidden
+unit and replicated).
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ from torch import nn
 from kvserve.worker.attention import AttentionBackend, AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.kernels import cpu_ops
-from kvserve.worker.layers.linear import Linear
+from kvserve.worker.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                                   resolve_tp)
+from kvserve.worker.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from kvserve.worker.models.llama import RotaryEmbedding, load_decoder_weights, rope_inv_freq
 
 
@@ -78,21 +84,24 @@ class Gemma3Attention(nn.Module):
     Args:
         rotary: the layer type's :class:`RotaryEmbedding`; when it is fused, QK-norm and RoPE
             run in place on the QKV output (:func:`cpu_ops.gemma_qk_norm_rope_`).
+        tp_size: tensor-parallel ranks: the layer holds this rank's heads
+            (:meth:`ModelConfig.heads_per_rank`), its output projection all-reduces.
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 dtype, device) -> None:
+                 dtype, device, tp_size: int = 1) -> None:
         super().__init__()
         self.rotary = [rotary]  # shared with the other layers of its type; a list keeps it out of children
         self.eps = cfg.rms_norm_eps
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.heads_per_rank(tp_size)
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.attention_scale
         self.window = cfg.layer_window(layer_idx)
         self.backend = backend
-        self.qkv_proj: Optional[Linear] = None  # set by load_weights (fused q, k, v)
-        self.o_proj: Optional[Linear] = None
+        self.qkv_proj: Optional[QKVParallelLinear] = None  # set by load_weights (fused q, k, v)
+        self.o_proj: Optional[RowParallelLinear] = None
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
 
@@ -115,14 +124,15 @@ class Gemma3Attention(nn.Module):
 
 class Gemma3MLP(nn.Module):
     """GeGLU MLP (Shazeer 2020): ``down(gelu_tanh(gate(x)) * up(x))`` with gate/up fused
-    (``fused``: the activation on :func:`cpu_ops.gelu_tanh_and_mul`)."""
+    (``fused``: the activation on :func:`cpu_ops.gelu_tanh_and_mul`), over this rank's
+    ``intermediate_size / tp_size`` hidden units."""
 
-    def __init__(self, cfg: ModelConfig, fused: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, fused: bool = False, tp_size: int = 1) -> None:
         super().__init__()
         self.fused = fused
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj: Optional[Linear] = None
-        self.down_proj: Optional[Linear] = None
+        self.intermediate_size = cfg.intermediate_size // tp_size
+        self.gate_up_proj: Optional[MergedColumnParallelLinear] = None
+        self.down_proj: Optional[RowParallelLinear] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -140,16 +150,16 @@ class Gemma3DecoderLayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend, rotary: RotaryEmbedding, dtype, device,
-                 fused: bool = False) -> None:
+                 fused: bool = False, tp_size: int = 1) -> None:
         super().__init__()
         eps, H = cfg.rms_norm_eps, cfg.hidden_size
         self.eps = eps
         self.is_local = cfg.layer_window(layer_idx) is not None
         self.input_layernorm = GemmaRMSNorm(H, eps, dtype, device)
-        self.self_attn = Gemma3Attention(cfg, layer_idx, backend, rotary, dtype, device)
+        self.self_attn = Gemma3Attention(cfg, layer_idx, backend, rotary, dtype, device, tp_size)
         self.post_attention_layernorm = GemmaRMSNorm(H, eps, dtype, device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(H, eps, dtype, device)
-        self.mlp = Gemma3MLP(cfg, fused)
+        self.mlp = Gemma3MLP(cfg, fused, tp_size)
         self.post_feedforward_layernorm = GemmaRMSNorm(H, eps, dtype, device)
 
     def forward(self, h: torch.Tensor, rope_inputs, kv_cache, meta) -> torch.Tensor:
@@ -194,20 +204,28 @@ class Gemma3ForCausalLM(nn.Module):
         fused_cpu_ops: on CPU in float32/bfloat16, run the norms (with the residual adds),
             QK-norm + RoPE and GeGLU on the fused kernels of :mod:`kvserve.kernels.cpu_ops`
             when they are available (``self.fused_cpu_ops`` says whether they are used).
+        tp_rank, tp_size, logits_dst: tensor parallelism, as for
+            :class:`~kvserve.worker.models.llama.LlamaForCausalLM`.
+
+    Raises:
+        ValueError: a model ``tp_size`` does not split (:meth:`ModelConfig.check_tensor_parallel`).
     """
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 device: torch.device, max_positions: int, fused_cpu_ops: bool = True) -> None:
+                 device: torch.device, max_positions: int, fused_cpu_ops: bool = True,
+                 tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
+                 logits_dst: Optional[int] = None) -> None:
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
+        cfg.check_tensor_parallel(self.tp_size)
+        self.logits_dst = logits_dst
         self.attn_backend = backend
         fused = fused_cpu_ops and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
             and cpu_ops.available()
         self.fused_cpu_ops = fused
-        # (left uninitialized: load_weights always fills it, so a random init of vocab x hidden values is wasted)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
+                                                   tp_rank=self.tp_rank, tp_size=self.tp_size)
         # transformers: torch.tensor(sqrt(hidden)) (float32) cast to the weight dtype
         self.register_buffer("embed_scale", torch.tensor(cfg.embedding_multiplier).to(dtype).to(device),
                              persistent=False)
@@ -215,10 +233,10 @@ class Gemma3ForCausalLM(nn.Module):
         self.rotary_local = RotaryEmbedding(rope_inv_freq(cfg, local=True), max_positions, dtype, device, fused)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, i, backend, self.rotary_local if cfg.layer_window(i) is not None
-                               else self.rotary_global, dtype, device, fused)
+                               else self.rotary_global, dtype, device, fused, self.tp_size)
             for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head: Optional[Linear] = None
+        self.lm_head: Optional[ParallelLMHead] = None
 
     @torch.inference_mode()
     def load_weights(self, state: dict[str, torch.Tensor], quantization: Optional[str] = None) -> None:
@@ -244,7 +262,7 @@ class Gemma3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the decoder over a flat batch: the contract of :meth:`LlamaForCausalLM.forward`
         (``[T]`` ids and positions in, ``[S, vocab_size]`` logits in the model dtype out for
-        the ``S`` rows of ``logits_indices``)."""
+        the ``S`` rows of ``logits_indices``; None on a rank other than ``logits_dst``)."""
         h = self.embed_tokens(input_ids) * self.embed_scale
         rope = {False: self.rotary_global.prepare(positions), True: self.rotary_local.prepare(positions)}
         if self.fused_cpu_ops:

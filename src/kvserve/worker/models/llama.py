@@ -5,6 +5,15 @@ Reads like the paper (Touvron et al. 2023, "LLaMA"): RMSNorm → attention with 
 only for serving: the batch is a flat list of tokens from many requests (no padding), K/V go
 to a paged cache through the attention backend, q/k/v and gate/up projections are fused into
 one matmul each, and logits are computed only for the positions that need them.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): with ``tp_size`` ranks each holds its
+share of every layer (:mod:`kvserve.worker.layers.parallel_linear`,
+:mod:`kvserve.worker.layers.vocab_parallel_embedding`): its query and KV heads (KV heads
+replicated when there are fewer than ranks) in a column-parallel fused QKV, its slice of the
+MLP's hidden units in a column-parallel fused gate/up, row-parallel output and down projections
+(an all-reduce each), and its slice of the vocabulary in the embedding and the LM head. Attention
+and its KV pool cover this rank's heads only. At ``tp_size == 1`` every layer is the whole layer
+and nothing communicates.
 """
 
 from __future__ import annotations
@@ -20,7 +29,10 @@ from kvserve.worker.attention import AttentionBackend, AttentionMetadata, CPUPag
 from kvserve.config import ModelConfig
 from kvserve.kernels import cpu_ops
 from kvserve.worker.layers import linear
-from kvserve.worker.layers.linear import Linear, cpu_kernels
+from kvserve.worker.layers.linear import cpu_kernels
+from kvserve.worker.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                                   resolve_tp)
+from kvserve.worker.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -153,17 +165,28 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding, dtype, device) -> None:
+    """Self-attention of one layer over this rank's heads (all of them at ``tp_size == 1``):
+    ``forward(x [T, hidden], rope_inputs, kv_cache, meta) -> [T, hidden]`` (model dtype), the
+    output projection's all-reduce included.
+
+    Attributes:
+        num_heads, num_kv_heads: this rank's query and KV heads (:meth:`ModelConfig.heads_per_rank`).
+        q_size, kv_size: their widths (``heads · head_dim``) in the fused QKV output.
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding, dtype, device,
+                 tp_size: int = 1) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.heads_per_rank(tp_size)
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.uniform_window  # Mistral: every layer attends over (p - window, p]
         self.backend = backend
         self.rotary = [rotary]  # shared by all layers; a list keeps it out of this module's children
-        self.qkv_proj: Optional[Linear] = None  # set by load_weights (fused q, k, v)
-        self.o_proj: Optional[Linear] = None
+        self.qkv_proj: Optional[QKVParallelLinear] = None  # set by load_weights (fused q, k, v)
+        self.o_proj: Optional[RowParallelLinear] = None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, rotary.fused) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, rotary.fused) if cfg.qk_norm else None
 
@@ -181,13 +204,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))`` with gate/up fused."""
+    """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))`` with gate/up fused, over this
+    rank's ``intermediate_size / tp_size`` hidden units (the down projection's all-reduce sums the ranks')."""
 
-    def __init__(self, cfg: ModelConfig, fused: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, fused: bool = False, tp_size: int = 1) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj: Optional[Linear] = None
-        self.down_proj: Optional[Linear] = None
+        self.intermediate_size = cfg.intermediate_size // tp_size
+        self.gate_up_proj: Optional[MergedColumnParallelLinear] = None
+        self.down_proj: Optional[RowParallelLinear] = None
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,12 +226,12 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder layer; the residual stream is carried separately (vLLM style) so that
     each residual add fuses into the following RMSNorm."""
 
-    def __init__(self, cfg: ModelConfig, backend, rotary, dtype, device, fused: bool) -> None:
+    def __init__(self, cfg: ModelConfig, backend, rotary, dtype, device, fused: bool, tp_size: int = 1) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
-        self.self_attn = LlamaAttention(cfg, backend, rotary, dtype, device)
+        self.self_attn = LlamaAttention(cfg, backend, rotary, dtype, device, tp_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
-        self.mlp = LlamaMLP(cfg, fused)
+        self.mlp = LlamaMLP(cfg, fused, tp_size)
 
     def forward(self, h, residual, rope_inputs, kv_cache, meta):
         """``(h, residual) -> (h', residual')`` with the layer's output ``= h' + residual'``."""
@@ -226,32 +250,45 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         cfg: the model's :class:`ModelConfig`.
-        backend: attention implementation (see :mod:`kvserve.worker.attention`).
+        backend: attention implementation (see :mod:`kvserve.worker.attention`), built for this
+            rank's heads (:meth:`ModelConfig.heads_per_rank`).
         dtype: compute and weight dtype (``torch.float32`` or ``torch.bfloat16``).
         device: where weights live.
         max_positions: length of the precomputed RoPE table (tokens).
         fused_cpu_ops: on CPU in float32/bfloat16, run RMSNorm (+ residual add), RoPE and
             SiLU-and-mul on the fused kernels of :mod:`kvserve.kernels.cpu_ops` when they are
             available (``self.fused_cpu_ops`` says whether they are used).
+        tp_rank, tp_size: the tensor-parallel rank this model is the shard of, and the number of
+            ranks (None: this process's, :mod:`kvserve.distributed.parallel_state`; 1 when it has
+            no group). With ``tp_size > 1`` the forward runs collectives on the process's group.
+        logits_dst: None: every rank gets the logits (all-gather); a rank: only that one does
+            (gather; the others' forward returns None).
+
+    Raises:
+        ValueError: a model ``tp_size`` does not split (:meth:`ModelConfig.check_tensor_parallel`).
     """
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype,
-                 device: torch.device, max_positions: int, fused_cpu_ops: bool = True) -> None:
+                 device: torch.device, max_positions: int, fused_cpu_ops: bool = True,
+                 tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
+                 logits_dst: Optional[int] = None) -> None:
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.tp_rank, self.tp_size = resolve_tp(tp_rank, tp_size)
+        cfg.check_tensor_parallel(self.tp_size)
+        self.logits_dst = logits_dst
         self.attn_backend = backend
         fused = fused_cpu_ops and torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
             and cpu_ops.available()
         self.fused_cpu_ops = fused
-        # (left uninitialized: load_weights always fills it, so a random init of vocab x hidden values is wasted)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
+                                                   tp_rank=self.tp_rank, tp_size=self.tp_size)
         self.rotary_emb = RotaryEmbedding(rope_inv_freq(cfg), max_positions, dtype, device, fused)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, self.rotary_emb, dtype, device, fused)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, self.rotary_emb, dtype, device, fused,
+                                                      self.tp_size)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, fused)
-        self.lm_head: Optional[Linear] = None
+        self.lm_head: Optional[ParallelLMHead] = None
         self._decode_step: Optional[cpu_ops.DecodeStep] = None  # built on first use, per KV pool
         self._decode_step_caches = None
 
@@ -285,7 +322,8 @@ class LlamaForCausalLM(nn.Module):
 
         Returns:
             ``[S, vocab_size]`` logits in the model dtype (the sampler upcasts what it needs to
-            float32; a greedy step reads bf16 logits as they are).
+            float32; a greedy step reads bf16 logits as they are); None on a rank other than
+            ``logits_dst`` when that is set.
         """
         h = self.embed_tokens(input_ids)
         T = h.shape[0]
@@ -307,8 +345,8 @@ class LlamaForCausalLM(nn.Module):
         """The one-call C decode step, when it computes exactly what the modules would: fused CPU
         ops and C attention, and every linear layer on the gemv kernel (or, above its limit, the
         AMX kernel) for ``num_tokens`` rows."""
-        if not self.fused_cpu_ops or not isinstance(self.attn_backend, CPUPagedAttentionBackend):
-            return None
+        if not self.fused_cpu_ops or not isinstance(self.attn_backend, CPUPagedAttentionBackend) or self.tp_size > 1:
+            return None  # (the C step has no collectives: tensor parallelism runs the modules)
         if self._decode_step_caches is not kv_caches:  # first use, new KV pool or new weights
             self._decode_step, self._decode_step_caches = None, kv_caches
             lins = [self.lm_head] + [m for layer in self.layers for m in (
@@ -346,13 +384,15 @@ def load_decoder_weights(model: nn.Module, state: dict[str, torch.Tensor], quant
     """Load the weights every Llama-style decoder shares: embeddings, final norm, LM head (tied
     or not), and per layer the input and post-attention norms, q/k/v fused into ``qkv_proj``
     (with biases when ``attention_bias``), ``o_proj``, q/k norms (``qk_norm``), gate/up fused
-    into ``gate_up_proj`` and ``down_proj``.
+    into ``gate_up_proj`` and ``down_proj``. Each tensor-parallel layer keeps this rank's shard
+    of the full checkpoint tensors (its ``weight_loader``); the norms are replicated.
 
     Args:
-        model: has ``cfg``, ``dtype``, ``device``, ``embed_tokens``, ``norm``, ``lm_head`` and
+        model: has ``cfg``, ``dtype``, ``device``, ``tp_rank``, ``tp_size``, ``logits_dst``,
+            ``embed_tokens`` (a :class:`VocabParallelEmbedding`), ``norm``, ``lm_head`` and
             ``layers`` (each with ``input_layernorm``, ``post_attention_layernorm``,
             ``self_attn`` and ``mlp`` as in :class:`LlamaDecoderLayer`).
-        state: Hugging Face names -> float32 tensors.
+        state: Hugging Face names -> float32 tensors (the whole model's).
 
     Returns:
         ``put(param, name)``: copies ``state[name]`` into ``param`` after a shape check, for
@@ -369,9 +409,7 @@ def load_decoder_weights(model: nn.Module, state: dict[str, torch.Tensor], quant
     if missing:
         raise ModelLoadError(f"weights are missing {len(missing)} tensors, e.g. {missing[:3]}")
     dt, dev = model.dtype, model.device
-
-    def lin(w, b=None):
-        return Linear(w.to(dev, dt), None if b is None else b.to(dev, dt), quantization=quantization)
+    tp = dict(dtype=dt, device=dev, tp_rank=model.tp_rank, tp_size=model.tp_size)
 
     def check(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = state[name]
@@ -388,32 +426,37 @@ def load_decoder_weights(model: nn.Module, state: dict[str, torch.Tensor], quant
     if beyond:
         raise ModelLoadError(f"the weights have layers beyond the config's num_hidden_layers="
                              f"{cfg.num_layers} (e.g. {beyond[0]!r})")
-    H, I = cfg.hidden_size, cfg.intermediate_size
+    H, I, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    Q, KV = cfg.num_heads * hd, cfg.num_kv_heads * hd
 
-    put(model.embed_tokens.weight, "model.embed_tokens.weight")
+    model.embed_tokens.weight_loader(check("model.embed_tokens.weight", (V, H)))
     put(model.norm.weight, "model.norm.weight")
-    if cfg.tie_word_embeddings and model.embed_tokens.weight.dtype == dt:
-        head = model.embed_tokens.weight.detach()  # the same values: one copy (vocab x hidden) for both
+    head = ParallelLMHead(V, H, gather_dst=model.logits_dst, **tp)  # the LM head is never quantized
+    if cfg.tie_word_embeddings:
+        head.tie_weights(model.embed_tokens)  # the same values: one copy (vocab x hidden) for both
     else:
-        head = (state["model.embed_tokens.weight"] if cfg.tie_word_embeddings
-                else check("lm_head.weight", (cfg.vocab_size, H))).to(dev, dt)
-    model.lm_head = Linear(head, None)  # the LM head is never quantized
+        head.weight_loader(check("lm_head.weight", (V, H)))
+    model.lm_head = head
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         put(layer.input_layernorm.weight, p + "input_layernorm.weight")
         put(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
         a = layer.self_attn
-        expect = [a.q_size, a.kv_size, a.kv_size]
+        expect = [Q, KV, KV]
         ws = [check(p + f"self_attn.{n}_proj.weight", (e, H)) for n, e in zip("qkv", expect)]
-        bias = (torch.cat([check(p + f"self_attn.{n}_proj.bias", (e,)) for n, e in zip("qkv", expect)])
+        bias = ([check(p + f"self_attn.{n}_proj.bias", (e,)) for n, e in zip("qkv", expect)]
                 if cfg.attention_bias else None)
-        a.qkv_proj = lin(torch.cat(ws), bias)
-        a.o_proj = lin(check(p + "self_attn.o_proj.weight", (H, a.q_size)))
+        a.qkv_proj = QKVParallelLinear(H, hd, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias,
+                                       quantization=quantization, **tp)
+        a.qkv_proj.weight_loader(ws, bias)
+        a.o_proj = RowParallelLinear(Q, H, quantization=quantization, **tp)
+        a.o_proj.weight_loader(check(p + "self_attn.o_proj.weight", (H, Q)))
         if cfg.qk_norm:
             put(a.q_norm.weight, p + "self_attn.q_norm.weight")
             put(a.k_norm.weight, p + "self_attn.k_norm.weight")
         m = layer.mlp
-        m.gate_up_proj = lin(torch.cat([check(p + "mlp.gate_proj.weight", (I, H)),
-                                        check(p + "mlp.up_proj.weight", (I, H))]))
-        m.down_proj = lin(check(p + "mlp.down_proj.weight", (H, I)))
+        m.gate_up_proj = MergedColumnParallelLinear(H, [I, I], quantization=quantization, **tp)
+        m.gate_up_proj.weight_loader([check(p + "mlp.gate_proj.weight", (I, H)), check(p + "mlp.up_proj.weight", (I, H))])
+        m.down_proj = RowParallelLinear(I, H, quantization=quantization, **tp)
+        m.down_proj.weight_loader(check(p + "mlp.down_proj.weight", (H, I)))
     return put
