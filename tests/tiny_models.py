@@ -55,6 +55,9 @@ def _config(arch: str):
         return tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
+    if arch == "llama_mqa":  # one KV head (replicated under tensor parallelism), tied, an odd vocabulary
+        common.update(num_key_value_heads=1, vocab_size=VOCAB + 1, tie_word_embeddings=True)
+        return tf.LlamaConfig(**common, rope_theta=10000.0)
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=None)
     if arch == "mistral_window":  # every layer windowed (Mistral v0.1), a window of 16 tokens
