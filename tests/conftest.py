@@ -87,11 +87,11 @@ def hf_smollm2(smollm2_path):
     return model.eval()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tp_pool():
     """``get(world_size=2)``: a :class:`tp_harness.RankPool` of that many spawned ranks in one gloo
     group, started on first use (a few seconds) and again after a failure killed it; closed at
-    the end of the session."""
+    the end of the test module (no rank outlives the tests that use it)."""
     from tp_harness import RankPool
 
     pools = {}

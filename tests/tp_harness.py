@@ -102,16 +102,18 @@ class RankPool:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout_s
+        grace = False
         while len(results) + len(errors) < self.world_size:
-            if errors:  # the others may wait in a collective for the failed rank: a short grace
-                deadline = min(deadline, time.monotonic() + 2.0)
+            if errors and not grace:  # the others may wait in a collective for the failed rank: a short grace
+                deadline, grace = min(deadline, time.monotonic() + 2.0), True
             try:
                 rank, ok, value = self._out.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
                 dead = [p.name for p in self.procs if p.exitcode is not None]
                 if dead or time.monotonic() >= deadline:
                     self.close(kill=True)
-                    why = f"ranks {dead} died" if dead else f"timed out after {timeout_s} s"
+                    why = f"ranks {dead} died" if dead else ("a rank failed, the others did not return" if errors
+                                                            else f"timed out after {timeout_s} s")
                     raise RankError(f"{why}; errors: {errors}") from None
                 continue
             (results if ok else errors)[rank] = value
@@ -144,14 +146,17 @@ class RankPool:
 
 def drive_worker(worker, folder: str, prompts: list[list[int]], max_new: int, *, dtype: torch.dtype = torch.float32,
                  quantization: Optional[str] = None, block_size: int = 4, chunk: int = 5,
-                 fused_cpu_ops: bool = True) -> dict:
+                 fused_cpu_ops: bool = True, logits_dst: Optional[int] = None) -> dict:
     """Load ``folder`` in ``worker`` and run ``prompts`` greedily for ``max_new`` tokens each, by
     hand: chunked prefill (``chunk`` tokens a step) batched with the decodes of the requests
     already past their prompt, every token through the paged KV cache (``block_size`` tokens a
-    block). The same schedule on every rank and at every tensor-parallel size.
+    block). The same schedule on every rank and at every tensor-parallel size: each step, rank
+    0's sampled tokens are broadcast (what an executor's engine core does), so the ranks agree
+    also when only rank ``logits_dst`` gets logits (set on the loaded model).
 
     Returns:
-        ``{"logits": [per step, the model's logits rows (float32, CPU)], "tokens": [per prompt,
+        ``{"logits": [per step, the model's logits rows (float32, CPU); none on a rank the logits
+        are not gathered to], "tokens": [per prompt,
         the generated ids], "kv_heads": KV heads in this worker's pool, "num_heads": query heads
         of its attention}``.
     """
@@ -161,20 +166,23 @@ def drive_worker(worker, folder: str, prompts: list[list[int]], max_new: int, *,
     if not fused_cpu_ops:
         cpu_ops.available = lambda: False  # the PyTorch path (model and attention backend), until we return
     try:
-        return _drive(worker, folder, prompts, max_new, dtype, quantization, block_size, chunk)
+        return _drive(worker, folder, prompts, max_new, dtype, quantization, block_size, chunk, logits_dst)
     finally:
         cpu_ops.available = avail
 
 
-def _drive(worker, folder, prompts, max_new, dtype, quantization, block_size, chunk) -> dict:
+def _drive(worker, folder, prompts, max_new, dtype, quantization, block_size, chunk, logits_dst) -> dict:
     from pathlib import Path
 
     from kvserve.core.kv_cache_manager import plan_kv_cache
+    from kvserve.distributed import broadcast_object
     from kvserve.core.request import Request
     from kvserve.core.scheduler import SchedulerOutput
     from kvserve.sampling_params import SamplingParams
 
     cfg = worker.load_model(Path(folder), 128, quantization)
+    if logits_dst is not None:
+        worker.model.logits_dst = worker.model.lm_head.gather_dst = logits_dst
     per_req = -(-(max(len(p) for p in prompts) + max_new) // block_size)
     spec = plan_kv_cache(cfg, dtype, 1.0, block_size, 128, num_blocks=per_req * len(prompts),
                          tp_size=worker.world_size)
@@ -184,7 +192,12 @@ def _drive(worker, folder, prompts, max_new, dtype, quantization, block_size, ch
     tables = {r.request_id: list(range(i * per_req, (i + 1) * per_req)) for i, r in enumerate(reqs)}
     worker.init_model_runner(tables, block_size, None)
     logits: list[torch.Tensor] = []
-    hook = worker.model.register_forward_hook(lambda m, a, out: logits.append(out.float().clone()))
+
+    def keep(module, args, out) -> None:
+        if out is not None:  # (None: a rank the logits are not gathered to)
+            logits.append(out.float().clone())
+
+    hook = worker.model.register_forward_hook(keep)
     try:
         while any(len(r.output_token_ids) < max_new for r in reqs):
             sched = SchedulerOutput()
@@ -194,9 +207,12 @@ def _drive(worker, folder, prompts, max_new, dtype, quantization, block_size, ch
             out = worker.execute_model(sched)
             for r, n in sched.scheduled:
                 r.num_computed_tokens += n
-            if out.sampler_output is not None:
-                for r, t in zip(out.sample_requests, out.sampler_output.sampled_token_ids.tolist()):
-                    r.output_token_ids.append(t)
+            sampled = [] if out.sampler_output is None else list(
+                zip([r.request_id for r in out.sample_requests], out.sampler_output.sampled_token_ids.tolist()))
+            sampled = broadcast_object(sampled, src=0)  # (a no-op with one rank)
+            by_id = {r.request_id: r for r in reqs}
+            for rid, t in sampled:
+                by_id[rid].output_token_ids.append(t)
     finally:
         hook.remove()
     attn = worker.model.layers[0].self_attn
@@ -205,7 +221,8 @@ def _drive(worker, folder, prompts, max_new, dtype, quantization, block_size, ch
 
 
 def tp_generate(folder: str, prompts: list[list[int]], max_new: int, dtype: str = "float32",
-                quantization: Optional[str] = None, fused_cpu_ops: bool = True) -> dict:
+                quantization: Optional[str] = None, fused_cpu_ops: bool = True,
+                logits_dst: Optional[int] = None) -> dict:
     """(A rank job.) Build this rank's :class:`~kvserve.worker.worker.Worker` in the pool's group and
     :func:`drive_worker` it; the worker leaves its model when done (the group stays)."""
     from kvserve.distributed import get_tp_rank, get_tp_world_size
@@ -215,7 +232,7 @@ def tp_generate(folder: str, prompts: list[list[int]], max_new: int, dtype: str 
     w = Worker(getattr(torch, dtype), torch.device("cpu"), get_tp_rank(), get_tp_world_size(), "joined://")
     assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // get_tp_world_size())
     return drive_worker(w, folder, prompts, max_new, dtype=getattr(torch, dtype), quantization=quantization,
-                        fused_cpu_ops=fused_cpu_ops)
+                        fused_cpu_ops=fused_cpu_ops, logits_dst=logits_dst)
 
 
 def local_generate(folder: str, prompts: list[list[int]], max_new: int, dtype: str = "float32",

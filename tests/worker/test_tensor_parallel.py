@@ -232,6 +232,18 @@ def test_tp2_pytorch_path_equals_tp1(tiny_model_dir, tp_pool):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def test_tp2_logits_gathered_to_rank0_only(tiny_model_dir, tp_pool):
+    """logits_dst=0: rank 0 gets TP = 1's logits, rank 1 none (its runner samples nothing); the
+    tokens rank 0 samples, broadcast to rank 1 each step, keep the ranks in step."""
+    folder, _ = tiny_model_dir("llama")
+    ref = local_generate(str(folder), PROMPTS, 3)
+    rank0, rank1 = tp_pool(2).run(tp_generate, str(folder), PROMPTS, 3, "float32", None, True, 0)
+    assert rank0["tokens"] == rank1["tokens"] == ref["tokens"]
+    assert rank1["logits"] == [] and len(rank0["logits"]) == len(ref["logits"])
+    for a, b in zip(rank0["logits"], ref["logits"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float32", "int8")])
 def test_tp2_bf16_and_int8_close_to_tp1(tiny_model_dir, tp_pool, dtype, quantization):
     """bf16 (gloo all-reduces bf16) and int8 weights (row-parallel shards have their own scales):

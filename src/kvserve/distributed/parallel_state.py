@@ -75,12 +75,15 @@ def init_distributed(world_size: int, rank: int, init_method: str, backend: Opti
             dist.init_process_group(backend or default_backend_for(device), init_method=init_method,
                                     world_size=world_size, rank=rank, **kwargs)
         _TP_GROUP = dist.group.WORLD
+    else:
+        _TP_GROUP = None
     _TP_RANK, _TP_WORLD_SIZE, _DEVICE = rank, world_size, device
     return device
 
 
 def destroy_distributed() -> None:
-    """Leave the process group (if this process joined one) and reset to world size 1."""
+    """Leave the process group (the one :func:`init_distributed` started or found) and reset to
+    world size 1."""
     global _TP_RANK, _TP_WORLD_SIZE, _TP_GROUP, _DEVICE
     if _TP_GROUP is not None and dist.is_initialized():
         dist.destroy_process_group()
