@@ -1,0 +1,158 @@
+"""Block operations on the KV pools, recorded by the engine core and applied by the workers.
+
+The engine core keeps the books of the paged KV cache (block tables, reference counts, the
+prefix cache, the swap space's host blocks) but holds no KV tensor: the pools live on the
+workers, and with tensor parallelism each worker holds a shard of every layer's pool (its KV
+heads) and a shard of the host pool. Where the books say that K/V must move, the
+:class:`~kvserve.core.kv_cache_manager.KVCacheManager` and the
+:class:`~kvserve.core.kv_swap.KVSwapSpace` record the move in a :class:`KVCacheOps`; the engine
+core hands the ops recorded since the last forward to the workers with the next step's
+:class:`~kvserve.core.scheduler.SchedulerOutput` (``kv_ops``), and every worker applies them to
+its own pools, in order, before that forward
+(:class:`kvserve.worker.kv_block_mover.KVBlockMover`). The moves are:
+
+* ``copy``: device block ``src`` → device block ``dst``, slots ``0 .. num_tokens - 1`` (a fork's
+  or a beam clone's copy-on-write of a partial block, a partial prefix-cache hit);
+* ``swap_out``: device block → host block (a preempted request's computed blocks);
+* ``swap_in``: host block → device block (the same request resumed).
+
+Semantics: the ops of a :class:`KVCacheOps` mean exactly what applying them one by one, in the
+order recorded, would do. For speed, consecutive moves of one kind are kept together in a
+:class:`BlockMoves` batch that a worker applies with one gather (``index_select``) and one
+scatter (``index_copy_``) per layer and K/V: every source is read before any destination is
+written. That equals the one-by-one order unless a move reads a block that an earlier move of
+the batch wrote, or writes a block that an earlier move of the batch wrote (the scatter of
+duplicate indices is unordered); the recorder then starts a new batch. (A move that writes a
+block an earlier move read is fine: the gather reads it first.)
+
+Why the order is enough: every op recorded before a forward is applied before it, so the pools
+a forward reads are those an immediate copy would have left. Ops recorded after a step (forks,
+beam clones) or around an abort wait for the next forward; they are never dropped (a block an
+op writes may enter the prefix cache, e.g. a swapped-in request's blocks when it is freed), and
+a later op or forward on a block that was freed and reused in between runs after them.
+
+Everything here is plain ints in lists: cheap to record and to pickle to another process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+#: Move kinds (:attr:`BlockMoves.kind`).
+COPY = "copy"
+SWAP_OUT = "swap_out"
+SWAP_IN = "swap_in"
+KINDS = (COPY, SWAP_OUT, SWAP_IN)
+
+
+class KVCacheOpsError(RuntimeError):
+    """A worker failed to apply a step's KV ops: its pools no longer match the core's books (an
+    engine fault, not one request's; the engine core does not retry the step without them)."""
+
+
+@dataclass(slots=True)
+class BlockMoves:
+    """One batch of moves of one kind, applied at once (gather every source, then scatter).
+
+    Attributes:
+        kind: :data:`COPY` (device → device), :data:`SWAP_OUT` (device → host) or
+            :data:`SWAP_IN` (host → device).
+        src, dst: block ids, one per move (device or host block ids as ``kind`` says).
+        num_tokens: :data:`COPY` only: the leading slots of each block moved (``1 ..
+            block_size``); empty for swaps, which move whole blocks.
+    """
+
+    kind: str
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+@dataclass(slots=True)
+class KVCacheOps:
+    """An ordered record of block moves (module docstring): ``batches`` in order, each a
+    :class:`BlockMoves`. Falsy when empty.
+
+    The recording methods (:meth:`copy`, :meth:`swap_out`, :meth:`swap_in`) are the core's;
+    :meth:`take` hands what was recorded to a step and leaves the recorder empty.
+    """
+
+    batches: list[BlockMoves] = field(default_factory=list)
+    # blocks the last batch writes (its destination space): the hazard check (not sent along)
+    _written: set[int] = field(default_factory=set, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ recording
+    def _batch(self, kind: str, reads_written_space: Sequence[int], dst: Sequence[int]) -> BlockMoves:
+        """The batch to append moves of ``kind`` to: the last one if it has that kind and none of
+        ``reads_written_space`` (sources in its destination space) nor ``dst`` was written by
+        it, else a new one."""
+        last = self.batches[-1] if self.batches else None
+        w = self._written
+        if last is None or last.kind != kind or any(b in w for b in reads_written_space) or any(b in w for b in dst):
+            last = BlockMoves(kind)
+            self.batches.append(last)
+            w.clear()
+        return last
+
+    def copy(self, src: int, dst: int, num_tokens: int) -> None:
+        """Record a copy of slots ``0 .. num_tokens - 1`` of device block ``src`` into device
+        block ``dst`` (``1 <= num_tokens <= block_size``; ``src != dst``)."""
+        if src == dst or num_tokens < 1:
+            raise ValueError(f"copy of block {src} into {dst} ({num_tokens} tokens)")
+        b = self._batch(COPY, (src,), (dst,))
+        b.src.append(src)
+        b.dst.append(dst)
+        b.num_tokens.append(num_tokens)
+        self._written.add(dst)
+
+    def swap_out(self, device_blocks: Sequence[int], host_blocks: Sequence[int]) -> None:
+        """Record the copy of whole device blocks into host blocks, pairwise."""
+        self._swap(SWAP_OUT, device_blocks, host_blocks)
+
+    def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
+        """Record the copy of whole host blocks into device blocks, pairwise."""
+        self._swap(SWAP_IN, host_blocks, device_blocks)
+
+    def _swap(self, kind: str, src: Sequence[int], dst: Sequence[int]) -> None:
+        if len(src) != len(dst):
+            raise ValueError(f"{kind}: {len(src)} source blocks for {len(dst)} destination blocks")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"{kind}: a destination block repeats: {list(dst)}")
+        if not src:
+            return
+        b = self._batch(kind, (), dst)  # (sources are in the other space: never written by this batch)
+        b.src.extend(src)
+        b.dst.extend(dst)
+        self._written.update(dst)
+
+    # ------------------------------------------------------------------ handing over
+    def take(self) -> "KVCacheOps":
+        """The ops recorded so far (a new object, to send with a step); this recorder is left
+        empty and starts a new batch next."""
+        out = KVCacheOps(self.batches)
+        self.batches = []
+        self._written.clear()
+        return out
+
+    # ------------------------------------------------------------------ reading
+    def __len__(self) -> int:
+        """The number of moves (blocks moved)."""
+        return sum(len(b) for b in self.batches)
+
+    def __bool__(self) -> bool:
+        return bool(self.batches)
+
+    def moves(self) -> list[tuple]:
+        """Every move in order, one tuple each: ``("copy", src, dst, num_tokens)``,
+        ``("swap_out", device_block, host_block)``, ``("swap_in", host_block, device_block)``."""
+        out: list[tuple] = []
+        for b in self.batches:
+            if b.kind == COPY:
+                out.extend((COPY, s, d, n) for s, d, n in zip(b.src, b.dst, b.num_tokens))
+            else:
+                out.extend((b.kind, s, d) for s, d in zip(b.src, b.dst))
+        return out

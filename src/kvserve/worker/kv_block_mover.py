@@ -1,0 +1,155 @@
+"""A worker's side of the KV block operations: its host (swap) pool and the moves between its
+pools (:class:`KVBlockMover`).
+
+The engine core records block copies and swaps (:mod:`kvserve.core.kv_ops`); each worker
+applies them to the pools it holds (with tensor parallelism, its shard of every layer: its KV
+heads), in the order recorded, before the step's forward. The host pool of the swap space lives
+here too, one per worker (each rank its own shard); the core only counts its blocks
+(:class:`kvserve.core.kv_swap.KVSwapSpace`).
+
+The host pool has the device pool's row format: per layer one K and one V tensor
+``[num_host_blocks, block_size, num_kv_heads, row]`` of the device pools' dtype (``row`` is
+``head_dim``, or ``head_dim + 4`` for the 8-bit caches, whose rows carry their float32 scale:
+:mod:`kvserve.worker.kv_quant`), so a block moves as raw bytes. On CUDA it is pinned CPU memory
+and the copies are ``non_blocking``; on CPU it is one more tensor in RAM.
+
+Each batch of moves (:class:`kvserve.core.kv_ops.BlockMoves`) is one ``index_select`` and one
+``index_copy_`` per layer and K/V: swaps index whole blocks, copies index the token slots of the
+pools seen as ``[num_blocks · block_size, num_kv_heads, row]`` (a copy may move a block's first
+slots only).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from kvserve.core.kv_ops import COPY, SWAP_IN, SWAP_OUT, KVCacheOps
+
+GiB = 1 << 30
+
+KVPools = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVBlockMover:
+    """Applies :class:`~kvserve.core.kv_ops.KVCacheOps` to one worker's pools.
+
+    Args:
+        kv_caches: the device pools, per layer ``(K, V)``, each ``[num_blocks, block_size,
+            num_kv_heads, row]`` (any dtype, 8-bit rows with their scales included; contiguous).
+
+    Attributes:
+        host_caches: the host pool (:meth:`allocate_host`), per layer ``(K, V)``, each
+            ``[num_host_blocks, block_size, num_kv_heads, row]`` of the device pools' dtype on
+            the CPU; None without a swap space.
+        pin: the host pool is pinned memory (a CUDA device).
+        block_bytes: bytes of one block, all layers, K and V.
+    """
+
+    def __init__(self, kv_caches: KVPools) -> None:
+        self.kv_caches = kv_caches
+        k0 = kv_caches[0][0]
+        self.device = k0.device
+        self.block_size = k0.shape[1]
+        self.pin = self.device.type == "cuda"
+        self.block_bytes = math.prod(k0.shape[1:]) * k0.element_size() * 2 * len(kv_caches)
+        self.host_caches: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+
+    def allocate_host(self, num_blocks: int) -> None:
+        """Allocate the host pool of ``num_blocks`` blocks (zero-filled; pinned on CUDA).
+
+        Raises:
+            ValueError: ``num_blocks`` below 1, or the host pool (``num_blocks · block_bytes``) is
+                larger than the memory available (``MemAvailable``), or cannot be allocated; the
+                message names ``swap_space``.
+        """
+        from kvserve.core.kv_cache_manager import available_memory
+
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be ≥ 1, got {num_blocks}")
+        need = num_blocks * self.block_bytes
+        have = available_memory(torch.device("cpu"))
+        if have is not None and need > have:
+            raise ValueError(f"swap_space: the host pool needs {need / GiB:.2f} GiB ({num_blocks} blocks), but only "
+                             f"{have / GiB:.2f} GiB of host memory is available; lower swap_space (--swap-space)")
+        try:
+            self.host_caches = [
+                tuple(torch.zeros((num_blocks, *c.shape[1:]), dtype=c.dtype, device="cpu", pin_memory=self.pin)
+                      for c in pair)
+                for pair in self.kv_caches
+            ]
+        except (RuntimeError, MemoryError) as e:
+            raise ValueError(f"swap_space: could not allocate the host pool of {need / GiB:.2f} GiB ({e}); lower "
+                             f"swap_space (--swap-space)") from e
+
+    # ------------------------------------------------------------------ moves
+    def apply(self, ops: KVCacheOps) -> None:
+        """Apply every batch of ``ops``, in order (:mod:`kvserve.core.kv_ops`).
+
+        Raises:
+            ValueError: an unknown kind, or a swap without a host pool.
+            IndexError, RuntimeError: a block id out of range (torch's error).
+        """
+        for b in ops.batches:
+            if not b.src:
+                continue
+            if b.kind == COPY:
+                self._copy(b.src, b.dst, b.num_tokens)
+            elif b.kind in (SWAP_OUT, SWAP_IN):
+                if self.host_caches is None:
+                    raise ValueError(f"{b.kind} of {len(b.src)} blocks, but this worker has no host pool")
+                (self._swap_out if b.kind == SWAP_OUT else self._swap_in)(b.src, b.dst)
+            else:
+                raise ValueError(f"unknown KV op kind {b.kind!r}")
+
+    def _copy(self, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
+        """Copy slots ``0 .. num_tokens[i] - 1`` of device block ``src[i]`` into ``dst[i]``, all at
+        once: one gather and one scatter of token rows per layer and K/V."""
+        bs = self.block_size
+        src_slots = [s * bs + j for s, n in zip(src, num_tokens) for j in range(n)]
+        dst_slots = [d * bs + j for d, n in zip(dst, num_tokens) for j in range(n)]
+        src_i = torch.tensor(src_slots, dtype=torch.long, device=self.device)
+        dst_i = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
+        for pair in self.kv_caches:
+            for c in pair:
+                rows = c.view(-1, *c.shape[2:])  # [num_blocks · block_size, heads, row] (a view: raises if not one)
+                rows.index_copy_(0, dst_i, rows.index_select(0, src_i))
+
+    def _swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        """Copy whole device blocks into host blocks (on CUDA: gathered into pinned staging
+        buffers asynchronously, one wait, then the host scatter)."""
+        n = len(device_blocks)
+        src = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
+        dst = torch.tensor(host_blocks, dtype=torch.long)
+        if self.pin:
+            staged = []
+            for pair in self.kv_caches:
+                for c in pair:
+                    buf = torch.empty((n, *c.shape[1:]), dtype=c.dtype, pin_memory=True)
+                    buf.copy_(c.index_select(0, src), non_blocking=True)
+                    staged.append(buf)
+            torch.cuda.current_stream(self.device).synchronize()
+            for host_c, buf in zip((h for pair in self.host_caches for h in pair), staged):
+                host_c.index_copy_(0, dst, buf)
+        else:
+            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+                hk.index_copy_(0, dst, k.index_select(0, src))
+                hv.index_copy_(0, dst, v.index_select(0, src))
+
+    def _swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Copy whole host blocks into device blocks (on CUDA: gathered into pinned memory and
+        copied asynchronously; PyTorch's caching host allocator keeps the buffer until the copy
+        is done)."""
+        n = len(host_blocks)
+        src = torch.tensor(host_blocks, dtype=torch.long)
+        dst = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
+            for c, h in ((k, hk), (v, hv)):
+                if self.pin:
+                    buf = torch.empty((n, *h.shape[1:]), dtype=h.dtype, pin_memory=True)
+                    rows = torch.index_select(h, 0, src, out=buf).to(self.device, non_blocking=True)
+                else:
+                    rows = h.index_select(0, src)
+                c.index_copy_(0, dst, rows)
