@@ -140,7 +140,7 @@ def test_int8_kv_cache_swaps_rows_with_their_scales(llama):
     ref_engine = _engine(llama, num_blocks=256, kv_cache_dtype="int8")
     ref = _run(ref_engine, prompts, params)
     eng = _engine(llama, num_blocks=20, kv_cache_dtype="int8", swap_space=1e-4)
-    hk = eng.swap.host_caches[0][0]
+    hk = eng.executor.driver_worker.host_caches[0][0]  # (the host pool is the worker's)
     assert hk.dtype == torch.int8 and hk.shape[1:] == eng.kv_caches[0][0].shape[1:] and hk.shape[-1] == 16 + 4
     assert _run(eng, prompts, params) == ref
     _assert_swapped(eng, ref_engine)

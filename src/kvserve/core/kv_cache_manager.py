@@ -31,7 +31,9 @@ from typing import Optional, Sequence
 import torch
 
 from kvserve.worker import kv_quant
+from kvserve.worker.kv_block_mover import KVBlockMover
 from kvserve.core.block_pool import BlockPool
+from kvserve.core.kv_ops import KVCacheOps
 from kvserve.config import ModelConfig
 from kvserve.core.radix_cache import Namespace, PartialMatch, RadixCache, RadixNode, make_namespace
 from kvserve.core.request import Request
@@ -333,7 +335,8 @@ class KVCacheManager:
       prompt still gets a one-token prefill and its first logits). Full matched blocks
       are shared (one more reference each) and the matched node is locked; where the match
       continues into a cached block for ``1..block_size-1`` tokens, those tokens' K/V are
-      copied into the request's first new block (token-granular reuse).
+      copied into the request's first new block (token-granular reuse; the copy is recorded
+      in :attr:`ops` and done by the workers before the forward, like every block copy here).
     * **After each step** (:meth:`cache_computed`): the request's newly *computed* full
       blocks are inserted into the tree and its lock moves down to the new node.
     * **Finish / preemption** (:meth:`free`): the same insert, then unlock and drop the
@@ -353,9 +356,13 @@ class KVCacheManager:
     Args:
         num_blocks, block_size: pool geometry.
         enable_prefix_caching: keep and reuse computed KV blocks.
-        kv_caches: the per-layer ``(K, V)`` pools, each ``[num_blocks, block_size,
-            num_kv_heads, head_dim]``; needed to copy partial blocks (without them only
-            full blocks are reused) and to fork prompts.
+        kv_caches: None (the engine core: the pools are the workers'): the block copies
+            (partial prefix-cache hits, forks, beam clones) are recorded in :attr:`ops`
+            (:mod:`kvserve.core.kv_ops`) for the caller to hand to the workers before the next
+            forward. Or pools in this process, per layer ``(K, V)``, each ``[num_blocks,
+            block_size, num_kv_heads, head_dim]`` (unit tests, a draft model's own pool): the
+            manager then applies each copy to them at once
+            (:class:`~kvserve.worker.kv_block_mover.KVBlockMover`) and :attr:`ops` stays empty.
         namespace_model: the model part of the cache namespace (model path or name; the
             tokenizer comes from the same path).
         hit_rate_window: requests covered by the recent hit rate.
@@ -369,6 +376,11 @@ class KVCacheManager:
         ValueError: ``hit_rate_window`` < 1, ``sliding_window`` < 1, or ``sliding_window`` with
             prefix caching (the radix cache keeps whole prefixes locked while a request runs,
             so its early blocks could not be freed).
+
+    Attributes:
+        ops: the block copies recorded and not yet handed over (:meth:`KVCacheOps.take`); the
+            engine core's swap space records its swaps here too, so that one list holds them
+            all in order.
     """
 
     def __init__(
@@ -393,6 +405,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_tables: dict[str, list[int]] = {}
         self.kv_caches = kv_caches
+        self.ops = KVCacheOps()
+        self._mover = None if kv_caches is None else KVBlockMover(kv_caches)
         self.namespace_model = namespace_model
         self.partial_block_reuse = partial_block_reuse
         self.cache: Optional[RadixCache] = RadixCache(self.pool) if enable_prefix_caching else None
@@ -574,7 +588,7 @@ class KVCacheManager:
             node, blocks = m.node, m.blocks
             cache.lock(node)
             self.pool.incref(blocks)
-            if m.partial is not None and self.partial_block_reuse and self.kv_caches is not None:
+            if m.partial is not None and self.partial_block_reuse:
                 partial = m.partial
                 cache.lock(partial.node)  # the copy source must outlive the eviction below
         computed = len(blocks) * self.block_size + (partial.num_tokens if partial else 0)
@@ -614,11 +628,11 @@ class KVCacheManager:
         return num_new
 
     def _copy_block_prefix(self, src: int, dst: int, num_tokens: int) -> None:
-        """Copy the K/V of slots ``0..num_tokens-1`` of block ``src`` into block ``dst``."""
-        assert self.kv_caches is not None
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst, :num_tokens] = k_cache[src, :num_tokens]
-            v_cache[dst, :num_tokens] = v_cache[src, :num_tokens]
+        """Record the copy of the K/V of slots ``0..num_tokens-1`` of block ``src`` into block
+        ``dst`` (in :attr:`ops`; applied here at once with local pools)."""
+        self.ops.copy(src, dst, num_tokens)
+        if self._mover is not None:
+            self._mover.apply(self.ops.take())
 
     # ------------------------------------------------------------------ caching
     def cache_computed(self, request: Request) -> None:
@@ -706,7 +720,7 @@ class KVCacheManager:
         self.pool.incref(held_blocks(shared))
         table = list(shared)
         if rem:
-            if self.kv_caches is None or not self._make_room(1):
+            if not self._make_room(1):
                 self.pool.decref(held_blocks(shared))
                 if node is not None:
                     self.cache.unlock(node)  # type: ignore[union-attr]
@@ -775,7 +789,7 @@ class KVCacheManager:
         shared = table[:num_full]  # (freed entries stay freed in the clone)
         new: list[int] = []
         if rem:
-            if self.kv_caches is None or table[num_full] == FREED_BLOCK or not self._make_room(1):
+            if table[num_full] == FREED_BLOCK or not self._make_room(1):
                 return None
             new = self.pool.allocate(1)
             self._copy_block_prefix(table[num_full], new[0], rem)

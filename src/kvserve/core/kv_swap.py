@@ -3,17 +3,20 @@
 When the block pool runs out, the scheduler preempts a running request. With
 ``preemption_mode="recompute"`` it frees the request's blocks and later recomputes prompt + output
 so far (a prefill). With ``preemption_mode="swap"`` it first copies the request's computed blocks
-(every layer, K and V) into a host-memory pool (:class:`KVSwapSpace`), then frees the device
-blocks; when the request is resumed, it gets new device blocks, the host copy is written back and
-it goes on decoding where it was (no prefill).
+(every layer, K and V) into a host-memory pool, then frees the device blocks; when the request is
+resumed, it gets new device blocks, the host copy is written back and it goes on decoding where
+it was (no prefill).
 
-The host pool has the device pool's row format: per layer one K and one V tensor
-``[num_host_blocks, block_size, num_kv_heads, row]`` of the device pools' dtype (``row`` is
-``head_dim``, or ``head_dim + 4`` for the 8-bit caches, whose rows carry their float32 scale:
-:mod:`kvserve.worker.kv_quant`), so a block moves as raw bytes. On CUDA it is pinned CPU memory and the
-copies are ``non_blocking``; on CPU it is one more tensor in RAM (the device pool is RAM too:
-swapping then trades recomputation for two memory copies and lets a small pool serve more
-requests at once). Each move is one ``index_select`` and one ``index_copy_`` per layer and K/V.
+This module keeps the books (:class:`KVSwapSpace`: which host blocks each swapped request holds,
+its ``num_computed_tokens``, the capacity and the counters); the host pool itself is the
+workers' (:class:`kvserve.worker.kv_block_mover.KVBlockMover`: each tensor-parallel rank holds
+its shard), and the swaps are recorded as ops (:mod:`kvserve.core.kv_ops`) that the workers apply
+in order before the next forward: a swap-out is read before anything written later (the same
+step's new K/V in the freed blocks) overwrites its blocks. The host pool has the device pool's
+row format (a block moves as raw bytes); on CUDA it is pinned CPU memory, on CPU one more tensor
+in RAM (the device pool is RAM too: swapping then trades recomputation for two memory copies and
+lets a small pool serve more requests at once). A request's swap is one ``index_select`` and one
+``index_copy_`` per layer and K/V.
 
 Host blocks are owned by one swapped request each (no sharing, no prefix cache): a request whose
 prompt blocks were shared swaps out its own copy of them, and gets its own device copy back.
@@ -21,19 +24,20 @@ Invariant after every operation: ``num_free + num_used == num_blocks``, and the 
 requests hold are exactly the used ones (:meth:`KVSwapSpace.check_invariants`).
 
 Data flows one way: the scheduler decides (swap out a victim, swap in a resumed request, fall back
-on recompute) and calls into this module, which moves bytes between the pools it is given; it never
-calls back into the scheduler or the KV cache manager.
+on recompute) and calls into this module, which allocates host blocks and records the moves; it
+never calls back into the scheduler or the KV cache manager.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+
+from kvserve.core.kv_ops import KVCacheOps
 
 GiB = 1 << 30
 #: ``preemption_mode`` values (vLLM's names).
@@ -150,43 +154,40 @@ class SwappedKV:
 
 
 class KVSwapSpace:
-    """The host pool and the copies between it and the device pools.
+    """The host pool's books, and the swaps between it and the device pools, recorded.
 
     Args:
-        kv_caches: the device pools, per layer ``(K, V)``, each ``[num_blocks, block_size,
-            num_kv_heads, row]`` (any dtype, 8-bit rows with their scales included).
+        kv_caches: None (the engine core: the host pool is the workers',
+            :meth:`kvserve.worker.worker.Worker.initialize_swap_space`): the swaps are recorded in
+            ``ops`` for the caller to hand to the workers. Or device pools in this process, per
+            layer ``(K, V)``, each ``[num_blocks, block_size, num_kv_heads, row]`` (any dtype,
+            8-bit rows with their scales included; unit tests): the swap space then allocates a
+            host pool beside them and applies each swap at once.
         num_blocks: host blocks (see :func:`num_host_blocks`).
+        ops: the record to append the swaps to (the engine core passes its KV manager's
+            :attr:`~kvserve.core.kv_cache_manager.KVCacheManager.ops`, so that copies and swaps
+            keep one order); a new one if None.
+        block_bytes: bytes of one block, all layers, K and V (for :meth:`stats` readers and the
+            log; taken from ``kv_caches`` when given).
 
     Raises:
-        ValueError: ``num_blocks`` below 1, or the host pool (``num_blocks · block bytes``) is larger
-            than the memory available (``MemAvailable``), or cannot be allocated; the message names
-            ``swap_space``.
+        ValueError: ``num_blocks`` below 1; with ``kv_caches``, the host pool (``num_blocks ·
+            block bytes``) is larger than the memory available (``MemAvailable``), or cannot be
+            allocated; the message names ``swap_space``.
     """
 
-    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], num_blocks: int) -> None:
-        from kvserve.core.kv_cache_manager import available_memory
+    def __init__(self, kv_caches: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]], num_blocks: int,
+                 ops: Optional[KVCacheOps] = None, block_bytes: int = 0) -> None:
+        self._mover = None
+        if kv_caches is not None:  # (the host pool is allocated, and checked, before the allocator's queue)
+            from kvserve.worker.kv_block_mover import KVBlockMover
 
-        self.kv_caches = kv_caches
-        k0 = kv_caches[0][0]
-        self.device = k0.device
-        self.pin = self.device.type == "cuda"
-        block_shape = tuple(k0.shape[1:])
-        self.block_bytes = math.prod(block_shape) * k0.element_size() * 2 * len(kv_caches)  # K and V, all layers
-        need = num_blocks * self.block_bytes
-        have = available_memory(torch.device("cpu"))
-        if have is not None and need > have:
-            raise ValueError(f"swap_space: the host pool needs {need / GiB:.2f} GiB ({num_blocks} blocks), but only "
-                             f"{have / GiB:.2f} GiB of host memory is available; lower swap_space (--swap-space)")
-        self.allocator = HostBlockAllocator(num_blocks)  # (after the check: its queue has num_blocks entries)
-        try:
-            self.host_caches = [
-                tuple(torch.zeros((num_blocks, *block_shape), dtype=c.dtype, device="cpu", pin_memory=self.pin)
-                      for c in pair)
-                for pair in kv_caches
-            ]
-        except (RuntimeError, MemoryError) as e:
-            raise ValueError(f"swap_space: could not allocate the host pool of {need / GiB:.2f} GiB ({e}); lower "
-                             f"swap_space (--swap-space)") from e
+            self._mover = KVBlockMover(kv_caches)
+            self._mover.allocate_host(num_blocks)
+            block_bytes = self._mover.block_bytes
+        self.block_bytes = block_bytes
+        self.ops = ops if ops is not None else KVCacheOps()
+        self.allocator = HostBlockAllocator(num_blocks)
         self.swapped: dict[str, SwappedKV] = {}
         # counters (blocks are KV blocks of all layers, K and V)
         self.num_swap_outs = 0
@@ -195,6 +196,11 @@ class KVSwapSpace:
         self.num_swapped_in_blocks = 0
         self.num_swap_fallbacks = 0  # preemptions that recomputed because the host pool was full
         self.num_swap_drops = 0  # swapped requests brought back by recompute instead
+
+    def _flush_local(self) -> None:
+        """With pools in this process, apply what was just recorded."""
+        if self._mover is not None:
+            self._mover.apply(self.ops.take())
 
     # ------------------------------------------------------------------ state
     @property
@@ -216,9 +222,9 @@ class KVSwapSpace:
     # ------------------------------------------------------------------ moves
     def swap_out(self, request_id: str, device_blocks: Sequence[int], num_computed_tokens: int) -> bool:
         """Copy ``device_blocks`` (the request's block table up to its computed tokens) into new
-        host blocks and remember them with ``num_computed_tokens``. The caller frees the device
-        blocks afterwards (on CUDA the copies are queued on the current stream before anything
-        that could overwrite them).
+        host blocks and remember them with ``num_computed_tokens``. The copy is recorded in
+        ``ops``, to be applied before anything recorded later (or the next forward) can
+        overwrite the device blocks, which the caller frees afterwards.
 
         Returns:
             False, copying nothing, when the host pool has too few free blocks (the caller then
@@ -235,23 +241,8 @@ class KVSwapSpace:
             if n:
                 self.num_swap_fallbacks += 1
             return False
-        src = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
-        dst = torch.tensor(host, dtype=torch.long)
-        if self.pin:
-            # device gather → pinned staging (asynchronous), one wait, then the host scatter
-            staged = []
-            for pair in self.kv_caches:
-                for c in pair:
-                    buf = torch.empty((n, *c.shape[1:]), dtype=c.dtype, pin_memory=True)
-                    buf.copy_(c.index_select(0, src), non_blocking=True)
-                    staged.append(buf)
-            torch.cuda.current_stream(self.device).synchronize()
-            for host_c, buf in zip((h for pair in self.host_caches for h in pair), staged):
-                host_c.index_copy_(0, dst, buf)
-        else:
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
-                hk.index_copy_(0, dst, k.index_select(0, src))
-                hv.index_copy_(0, dst, v.index_select(0, src))
+        self.ops.swap_out(device_blocks, host)
+        self._flush_local()
         self.swapped[request_id] = SwappedKV(host, num_computed_tokens)
         self.num_swap_outs += 1
         self.num_swapped_out_blocks += n
@@ -260,7 +251,8 @@ class KVSwapSpace:
     def swap_in(self, request_id: str, device_blocks: Sequence[int]) -> int:
         """Copy a swapped request's host blocks into ``device_blocks`` (at least as many, freshly
         allocated by the caller; the first ones get the copies), free its host blocks and return
-        its ``num_computed_tokens``.
+        its ``num_computed_tokens``. The copy is recorded in ``ops`` (the host blocks are read
+        before anything recorded later reuses them).
 
         Raises:
             KeyError: the request is not swapped out.
@@ -270,17 +262,8 @@ class KVSwapSpace:
         n = len(s.host_blocks)
         if len(device_blocks) < n:
             raise ValueError(f"swap_in of {n} blocks into {len(device_blocks)} device blocks")
-        src = torch.tensor(s.host_blocks, dtype=torch.long)
-        dst = torch.tensor(list(device_blocks[:n]), dtype=torch.long, device=self.device)
-        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
-            for c, h in ((k, hk), (v, hv)):
-                if self.pin:  # gather into pinned memory, copy asynchronously (PyTorch's caching
-                    # host allocator keeps the buffer until the copy is done)
-                    buf = torch.empty((n, *h.shape[1:]), dtype=h.dtype, pin_memory=True)
-                    rows = torch.index_select(h, 0, src, out=buf).to(self.device, non_blocking=True)
-                else:
-                    rows = h.index_select(0, src)
-                c.index_copy_(0, dst, rows)
+        self.ops.swap_in(s.host_blocks, list(device_blocks[:n]))
+        self._flush_local()
         self.discard(request_id)
         self.num_swap_ins += 1
         self.num_swapped_in_blocks += n

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import FREED_BLOCK, KVCacheManager
+from kvserve.core.kv_ops import KVCacheOps
 from kvserve.core.kv_swap import KVSwapSpace
 from kvserve.core.request import Request, RequestStatus
 
@@ -72,11 +73,17 @@ class SchedulerOutput:
     Attributes:
         scheduled: (request, number of new tokens to compute) in batch order.
         preempted: requests preempted in this step.
+        kv_ops: the block copies and swaps recorded since the last forward (this step's
+            swap-outs, swap-ins and partial prefix-cache copies, and the forks and beam clones
+            of the steps before), which every worker applies to its pools, in order, before
+            this step's forward (:mod:`kvserve.core.kv_ops`); the engine core fills it once the
+            step is scheduled (:meth:`kvserve.engine.core.EngineCore._schedule`).
         num_batched_tokens: sum of the new tokens.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv_ops: KVCacheOps = field(default_factory=KVCacheOps)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, available_memory, default_kv_cache_memory, plan_kv_cache
+from kvserve.core.kv_ops import KVCacheOpsError
 from kvserve.core.kv_swap import KVSwapSpace, check_swap_options, num_host_blocks
 from kvserve.core.request import Request, RequestStatus, TokenLogprob
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
@@ -156,21 +157,24 @@ class EngineCore:
             logger.warning("the KV cache holds %d tokens, less than one sequence of max_model_len=%d: a request's "
                            "prompt + max_tokens must fit in %d tokens (raise kv_cache_memory to lift this)",
                            self.kv_spec.capacity_tokens, max_len, self.kv_spec.capacity_tokens)
-        # (with the one-process executor the KV manager and the swap space copy blocks in the
-        # driver worker's pools directly: forks' partial blocks, swap-out/in)
-        self.kv_caches = self.executor.collective_rpc("initialize_kv_cache", (cfg, self.kv_spec,
-                                                                              self.kv_cache_dtype))[0]
+        # The pools (and the swap space's host pool) are the workers'; the KV manager and the swap
+        # space keep the books and record their block copies (partial prefix hits, forks, beam
+        # clones) and swaps in self.kv.ops, which go to every worker with the next step
+        # (_schedule: SchedulerOutput.kv_ops) and are applied there, in order, before its forward.
+        self.executor.collective_rpc("initialize_kv_cache", (cfg, self.kv_spec, self.kv_cache_dtype))
         self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, prefix_caching,
-                                 self.kv_caches, namespace_model=str(path), sliding_window=window)
+                                 None, namespace_model=str(path), sliding_window=window)
         self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting)
         self.preemption_mode = check_swap_options(args.swap_space, args.preemption_mode)
         self.swap: Optional[KVSwapSpace] = None
         if self.preemption_mode == "swap":
-            self.swap = KVSwapSpace(self.kv_caches, num_host_blocks(args.swap_space, self.kv_spec.bytes_per_token,
-                                                                    args.block_size))
+            host_blocks = num_host_blocks(args.swap_space, self.kv_spec.bytes_per_token, args.block_size)
+            pinned = self.executor.collective_rpc("initialize_swap_space", (host_blocks,))[0]
+            self.swap = KVSwapSpace(None, host_blocks, ops=self.kv.ops,
+                                    block_bytes=self.kv_spec.bytes_per_token * args.block_size)
             logger.info("swap space: %d host blocks of %d tokens (%.2f GiB%s)", self.swap.num_blocks,
                         args.block_size, self.swap.num_blocks * self.swap.block_bytes / (1 << 30),
-                        ", pinned" if self.swap.pin else "")
+                        ", pinned" if pinned else "")
         self.scheduler = Scheduler(self.scheduler_config, self.kv, swap=self.swap)
         self.executor.collective_rpc("init_model_runner", (self.kv.block_tables, args.block_size, window))
 
@@ -193,6 +197,12 @@ class EngineCore:
     def runner(self):
         """The driver worker's model runner (one-process executor)."""
         return self.executor.driver_worker.runner
+
+    @property
+    def kv_caches(self):
+        """The driver worker's KV pools (one-process executor; for inspection: the core itself
+        never reads or writes them)."""
+        return self.executor.driver_worker.kv_caches
 
     # ------------------------------------------------------------- requests
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
@@ -430,7 +440,10 @@ class EngineCore:
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (a bug)")
-            return None
+            return None  # (ops recorded stay in self.kv.ops, in order, for the next step that runs)
+        # every block copy and swap recorded since the last forward (forks and beam clones after
+        # it, aborts, both schedule passes above): the workers apply them before this forward
+        sched.kv_ops = self.kv.ops.take()
         now = time.perf_counter()
         for req, n in sched.scheduled:
             if req.metrics.first_scheduled_time is None:
@@ -550,6 +563,8 @@ class EngineCore:
         rounding; K/V half written by the failed batch is rewritten with the same values).
         A fault that is not any one request's (every part fails) fails every request of the
         step; the engine itself goes on."""
+        if isinstance(error, KVCacheOpsError):  # the step's block ops, not a request's forward
+            raise error
         parts: dict[Optional[str], list[tuple[Request, int]]] = {}
         for req, n in sched.scheduled:
             parts.setdefault(self._group_id(req), []).append((req, n))
@@ -563,6 +578,7 @@ class EngineCore:
                 e = error
             else:
                 try:
+                    # (no kv_ops: the step's were applied before its forward ran and raised)
                     results.append(self.executor.execute_model(SchedulerOutput(scheduled=scheduled)))
                     continue
                 except Exception as e2:  # noqa: BLE001 - this group's own fault

@@ -1,32 +1,37 @@
 """A worker: one model replica's (or tensor-parallel shard's) weights, KV pools and model runner.
 
 The engine core reaches it through an executor (:mod:`kvserve.executor`): the core decides
-which tokens run and where their K/V goes (block tables, slot mapping); the worker owns the
-tensors and runs the forward and the sampler.
+which tokens run and where their K/V goes (block tables, slot mapping, and the block copies and
+swaps it records: :mod:`kvserve.core.kv_ops`); the worker owns the tensors (the KV pools and the
+swap space's host pool), applies each step's block ops to them and runs the forward and the
+sampler.
 
 Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): an executor starts one process per rank
 and builds a ``Worker(dtype, device, rank, world_size, distributed_init_method)`` in each; the
 constructor joins the ranks' ``torch.distributed`` group (gloo on CPU, NCCL on CUDA:
-:func:`kvserve.distributed.init_distributed`). Every rank then gets the same calls in the same
-order (``load_model``, ``initialize_kv_cache``, ``init_model_runner``, ``execute_model`` with
-the same scheduler output each step), since the forward's collectives pair them up. Each rank
-keeps only its shard of the weights and a KV pool of its own KV heads (the block ids are the
-same on every rank); every rank gets the whole logits and samples, and the executor returns
-rank 0's output.
+:func:`kvserve.distributed.init_distributed`). Every rank gets the same calls in the same order
+(``load_model``, ``initialize_kv_cache``, ...), since the forward's collectives pair them up.
+Each rank keeps only its shard of the weights and a KV pool of its own KV heads (the block ids
+are the same on every rank). Each step the driver (rank 0) runs :meth:`Worker.execute_model`:
+it builds the batch tensors, hands them to the executor to send to the other ranks, which run
+:meth:`Worker.execute_forward` on them; the logits are gathered to the driver
+(``logits_dst=0``), which alone samples.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from kvserve.config import ModelConfig
 from kvserve.core.kv_cache_manager import KVCacheSpec, allocate_kv_cache
+from kvserve.core.kv_ops import KVCacheOps, KVCacheOpsError
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.distributed import parallel_state
 from kvserve.worker.attention import default_backend
+from kvserve.worker.kv_block_mover import KVBlockMover
 from kvserve.worker.loader import load_weights, release_freed_memory, torch_threads
 from kvserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from kvserve.worker.models import model_class
@@ -46,6 +51,8 @@ class Worker:
             every rank has joined.
         distributed_timeout_s: how long a collective may wait for the other ranks before it
             raises (None: torch's default).
+        logits_dst: with several ranks, the one rank the logits are gathered to (the others get
+            None and sample nothing); None: every rank gets them.
 
     With several ranks on the CPU, torch's intra-op threads are ``max(1, cores // world_size)``
     (the cores this process may run on, shared by the ranks: none oversubscribed).
@@ -56,15 +63,17 @@ class Worker:
 
     def __init__(self, dtype: torch.dtype, device: torch.device, rank: int = 0, world_size: int = 1,
                  distributed_init_method: Optional[str] = None,
-                 distributed_timeout_s: Optional[float] = None) -> None:
+                 distributed_timeout_s: Optional[float] = None, logits_dst: Optional[int] = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"Worker: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.dtype = dtype
         self.device = torch.device(device)
         self.rank = rank
         self.world_size = world_size
+        self.logits_dst = logits_dst
         self.model = None
         self.kv_caches: Optional[list] = None
+        self.kv_mover: Optional[KVBlockMover] = None
         self.runner: Optional[ModelRunner] = None
         if world_size > 1:
             if not distributed_init_method:
@@ -93,7 +102,8 @@ class Worker:
         num_heads, num_kv_heads = cfg.heads_per_rank(self.world_size)  # this rank's
         backend = default_backend(self.device, self.dtype, num_heads, num_kv_heads, cfg.head_dim)
         self.model = model_class(cfg.architecture)(cfg, backend, self.dtype, self.device, max_positions=max_model_len,
-                                                   tp_rank=self.rank, tp_size=self.world_size)
+                                                   tp_rank=self.rank, tp_size=self.world_size,
+                                                   logits_dst=self.logits_dst)
         with torch_threads(1):
             self.model.load_weights(state, quantization=quantization)
         del state
@@ -114,7 +124,38 @@ class Worker:
             raise ValueError(f"Worker: the KV cache was planned for tensor_parallel_size={kv_spec.tp_size}, this "
                              f"worker is one of {self.world_size} ranks")
         self.kv_caches = allocate_kv_cache(cfg, kv_spec, kv_cache_dtype, self.device)
+        self.kv_mover = KVBlockMover(self.kv_caches)
         return self.kv_caches
+
+    def initialize_swap_space(self, num_blocks: int) -> bool:
+        """Allocate the swap space's host pool of ``num_blocks`` blocks beside the KV pools
+        (:meth:`KVBlockMover.allocate_host`: per layer ``(K, V)``, each ``[num_blocks,
+        block_size, num_kv_heads, row]`` in the pools' dtype, on the CPU); returns whether it is
+        pinned (a CUDA device).
+
+        Raises:
+            ValueError: naming ``swap_space``: the pool is larger than the memory available, or
+                its allocation failed.
+        """
+        self.kv_mover.allocate_host(num_blocks)
+        return self.kv_mover.pin
+
+    @property
+    def host_caches(self) -> Optional[list]:
+        """The swap space's host pool (None without one)."""
+        return self.kv_mover.host_caches if self.kv_mover is not None else None
+
+    def apply_kv_ops(self, ops: KVCacheOps) -> None:
+        """Apply block copies and swaps recorded by the engine core to this worker's pools, in
+        order (:meth:`KVBlockMover.apply`).
+
+        Raises:
+            KVCacheOpsError: applying failed (the pools no longer match the core's books).
+        """
+        try:
+            self.kv_mover.apply(ops)
+        except Exception as e:
+            raise KVCacheOpsError(f"applying {len(ops)} KV block moves failed: {type(e).__name__}: {e}") from e
 
     def init_model_runner(self, block_tables: dict[str, list[int]], block_size: int,
                           sliding_window: Optional[int]) -> None:
@@ -123,15 +164,62 @@ class Worker:
         self.runner = ModelRunner(self.model, self.kv_caches, block_tables, block_size, self.device,
                                   sliding_window=sliding_window)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step's forward and sampling (:meth:`ModelRunner.execute`). With several ranks,
-        every rank must run the same step (the forward's collectives pair the ranks up)."""
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      broadcast: Optional[Callable[[KVCacheOps, tuple], None]] = None) -> ModelRunnerOutput:
+        """One step: its block ops (``scheduler_output.kv_ops``: :meth:`apply_kv_ops`), then its
+        forward and sampling (:meth:`ModelRunner.execute`).
+
+        Args:
+            scheduler_output: the step.
+            broadcast: with several ranks, the executor's ``broadcast(kv_ops, inputs)``, called
+                once the batch tensors are built and before the forward: it sends the other ranks
+                what they need for :meth:`execute_forward`.
+
+        Raises:
+            KVCacheOpsError: applying the ops failed (nothing ran).
+        """
+        if scheduler_output.kv_ops:
+            self.apply_kv_ops(scheduler_output.kv_ops)
+        if broadcast is None:
+            return self.runner.execute(scheduler_output)
+        ops = scheduler_output.kv_ops
+        return self.runner.execute(scheduler_output, lambda batch: broadcast(ops, (
+            batch.input_ids, batch.positions, batch.meta, batch.logits_indices)))
+
+    @torch.inference_mode()
+    def execute_forward(self, kv_ops: KVCacheOps, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                        logits_indices: torch.Tensor) -> None:
+        """A rank other than the driver's part of a step: the step's block ops, then the
+        forward over the driver's batch tensors (``input_ids`` / ``positions`` ``[T]`` int64,
+        the :class:`~kvserve.worker.attention.AttentionMetadata`, ``logits_indices`` ``[S]``
+        int64); the logits go to the driver.
+
+        Raises:
+            KVCacheOpsError: applying the ops failed.
+        """
+        if kv_ops:
+            self.apply_kv_ops(kv_ops)
+        self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches,
+                   _to_device(meta, self.device), logits_indices.to(self.device))
         return self.runner.execute(scheduler_output)
 
     def shutdown(self) -> None:
         """Leave the tensor-parallel group (:func:`kvserve.distributed.destroy_distributed`)."""
         if self.world_size > 1:
             parallel_state.destroy_distributed()
+
+
+def _to_device(obj, device: torch.device):
+    """``obj`` (attention metadata: a dataclass of tensors, lists of them) with its tensors on
+    ``device`` (in place; nothing moves on the device they are already on)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, list):
+        return [_to_device(x, device) for x in obj]
+    if hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            setattr(obj, name, _to_device(getattr(obj, name), device))
+    return obj
 
 
 def available_cores() -> int:
