@@ -33,6 +33,12 @@ GiB = 1 << 30
 KVPools = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the moves index it: a float8 pool as its bytes (``uint8``, the same storage: torch
+    has no ``index_copy_`` for float8 on the CPU, and a move copies bytes anyway), others as is."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
 class KVBlockMover:
     """Applies :class:`~kvserve.core.kv_ops.KVCacheOps` to one worker's pools.
 
@@ -114,7 +120,8 @@ class KVBlockMover:
         dst_i = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
         for pair in self.kv_caches:
             for c in pair:
-                rows = c.view(-1, *c.shape[2:])  # [num_blocks · block_size, heads, row] (a view: raises if not one)
+                # [num_blocks · block_size, heads, row]: a view (raises if it cannot be one)
+                rows = _raw(c).view(-1, *c.shape[2:])
                 rows.index_copy_(0, dst_i, rows.index_select(0, src_i))
 
     def _swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
@@ -123,20 +130,19 @@ class KVBlockMover:
         n = len(device_blocks)
         src = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
         dst = torch.tensor(host_blocks, dtype=torch.long)
+        pairs = [(_raw(c), _raw(h)) for dev, host in zip(self.kv_caches, self.host_caches) for c, h in zip(dev, host)]
         if self.pin:
             staged = []
-            for pair in self.kv_caches:
-                for c in pair:
-                    buf = torch.empty((n, *c.shape[1:]), dtype=c.dtype, pin_memory=True)
-                    buf.copy_(c.index_select(0, src), non_blocking=True)
-                    staged.append(buf)
+            for c, _ in pairs:
+                buf = torch.empty((n, *c.shape[1:]), dtype=c.dtype, pin_memory=True)
+                buf.copy_(c.index_select(0, src), non_blocking=True)
+                staged.append(buf)
             torch.cuda.current_stream(self.device).synchronize()
-            for host_c, buf in zip((h for pair in self.host_caches for h in pair), staged):
-                host_c.index_copy_(0, dst, buf)
+            for (_, h), buf in zip(pairs, staged):
+                h.index_copy_(0, dst, buf)
         else:
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
-                hk.index_copy_(0, dst, k.index_select(0, src))
-                hv.index_copy_(0, dst, v.index_select(0, src))
+            for c, h in pairs:
+                h.index_copy_(0, dst, c.index_select(0, src))
 
     def _swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Copy whole host blocks into device blocks (on CUDA: gathered into pinned memory and
@@ -145,8 +151,9 @@ class KVBlockMover:
         n = len(host_blocks)
         src = torch.tensor(host_blocks, dtype=torch.long)
         dst = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
-        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_caches):
-            for c, h in ((k, hk), (v, hv)):
+        for dev, host in zip(self.kv_caches, self.host_caches):
+            for c, h in zip(dev, host):
+                c, h = _raw(c), _raw(h)
                 if self.pin:
                     buf = torch.empty((n, *h.shape[1:]), dtype=h.dtype, pin_memory=True)
                     rows = torch.index_select(h, 0, src, out=buf).to(self.device, non_blocking=True)
