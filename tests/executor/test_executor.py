@@ -59,7 +59,7 @@ def test_one_process_executor_runs_one_worker(folder):
     assert isinstance(engine.executor, UniProcExecutor) and engine.executor.world_size == 1
     worker = engine.executor.driver_worker
     assert engine.model is worker.model and engine.runner is worker.runner
-    assert engine.kv_caches is worker.kv_caches  # the pools the KV manager copies blocks in
+    assert engine.kv_caches is worker.kv_caches  # (the worker's: the core sends it block ops, kvserve.core.kv_ops)
     # collective_rpc: one result per worker, in rank order
     assert engine.executor.collective_rpc("__getattribute__", ("rank",)) == [0]
     with pytest.raises(AttributeError):

@@ -562,7 +562,8 @@ class EngineCore:
         other parts' results merged (a row does not depend on its batch-mates beyond float
         rounding; K/V half written by the failed batch is rewritten with the same values).
         A fault that is not any one request's (every part fails) fails every request of the
-        step; the engine itself goes on."""
+        step; the engine itself goes on. A failure to apply the step's block ops
+        (:class:`~kvserve.core.kv_ops.KVCacheOpsError`) is raised: it is no request's."""
         if isinstance(error, KVCacheOpsError):  # the step's block ops, not a request's forward
             raise error
         parts: dict[Optional[str], list[tuple[Request, int]]] = {}

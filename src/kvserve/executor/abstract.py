@@ -4,7 +4,8 @@ The engine core schedules; an executor runs each step's batch on however many wo
 are, wherever they are. The core sees two calls:
 
 * :meth:`Executor.execute_model`: one step's :class:`~kvserve.core.scheduler.SchedulerOutput`
-  in, the driver worker's :class:`~kvserve.worker.model_runner.ModelRunnerOutput` out;
+  (with the KV block copies and swaps its workers apply first) in, the driver worker's
+  :class:`~kvserve.worker.model_runner.ModelRunnerOutput` out;
 * :meth:`Executor.collective_rpc`: call a method on every worker (load, KV allocation, ...)
   and return each worker's result, in rank order.
 
@@ -36,7 +37,11 @@ class Executor(ABC):
         """
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one scheduled step; the driver worker's (rank 0's) output.
+        """Run one scheduled step on every worker; the driver worker's (rank 0's) output.
+
+        Every worker gets the whole step, its ``kv_ops`` included (the block copies and swaps
+        the core recorded since the last step: :mod:`kvserve.core.kv_ops`), and applies them
+        to its own pools before the forward: that keeps the ranks' shards of the pools in step.
 
         Raises:
             Whatever the forward or the sampler raised; the engine core then isolates the
