@@ -58,6 +58,9 @@ def _config(arch: str):
     if arch == "llama_mqa":  # one KV head (replicated under tensor parallelism), tied, an odd vocabulary
         common.update(num_key_value_heads=1, vocab_size=VOCAB + 1, tie_word_embeddings=True)
         return tf.LlamaConfig(**common, rope_theta=10000.0)
+    if arch == "llama_3heads":  # 3 query and KV heads: no split over 2 tensor-parallel ranks
+        common.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
+        return tf.LlamaConfig(**common, rope_theta=10000.0)
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=None)
     if arch == "mistral_window":  # every layer windowed (Mistral v0.1), a window of 16 tokens

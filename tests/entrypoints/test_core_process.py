@@ -165,6 +165,12 @@ class _FakeEngine:
     def has_unfinished_requests(self):
         return bool(self.groups)
 
+    def is_healthy(self):
+        return True
+
+    def shutdown(self):
+        pass
+
     def stats(self):
         return {"num_running": len(self.groups)}
 

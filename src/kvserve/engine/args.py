@@ -99,6 +99,14 @@ class EngineArgs:
             the "device" pool is host RAM too (memory given to swap_space could as well enlarge
             ``kv_cache_memory``); swap pays where recomputing long contexts is slow next to
             copying them (vLLM v0: 4 GiB of swap space, recompute unless a group needed swap).
+        tensor_parallel_size: ranks that each hold 1/N of every layer (Megatron-style tensor
+            parallelism over ``torch.distributed``: gloo on CPU, NCCL on CUDA), in
+            [1, the cores available] on a CPU (the ranks split the cores). 1: one process.
+        distributed_executor_backend: how the ranks run: ``"mp"`` (processes on this machine,
+            the default) or ``"ray"`` (Ray actors in a placement group; a local Ray instance
+            is started unless ``RAY_ADDRESS`` names a cluster). None: ``"mp"``.
+        distributed_timeout_s: how long a rank may take to answer, or a collective to meet,
+            before the step fails (seconds, > 0).
     """
 
     model: Optional[str] = None
@@ -119,6 +127,9 @@ class EngineArgs:
     speculative_config: Optional[Union[dict, str, SpeculativeConfig]] = None
     swap_space: float = 0.0
     preemption_mode: Optional[str] = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None
+    distributed_timeout_s: float = 120.0
 
     def check(self, option_names: bool = False) -> None:
         """The range checks that need no model; :class:`LLMEngine` runs them before it loads one.
@@ -137,7 +148,7 @@ class EngineArgs:
 
         for field, optional in (("block_size", False), ("max_num_batched_tokens", False), ("max_num_seqs", False),
                                 ("max_waiting", False), ("max_model_len", True), ("num_blocks", True),
-                                ("seed", True)):
+                                ("seed", True), ("tensor_parallel_size", False)):
             v = getattr(self, field)
             if not (is_int(v) or (optional and v is None)):
                 raise ValueError(f"{name(field)} must be an integer{' or None' if optional else ''}, got {v!r}")
@@ -171,6 +182,14 @@ class EngineArgs:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"{name('tensor_parallel_size')} must be ≥ 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(f"{name('distributed_executor_backend')} must be 'mp' or 'ray', "
+                             f"got {self.distributed_executor_backend!r}")
+        t = self.distributed_timeout_s
+        if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 < t <= 86400:
+            raise ValueError(f"{name('distributed_timeout_s')} must be in (0, 86400] seconds, got {t!r}")
         check_swap_options(self.swap_space, self.preemption_mode, name)
 
 

@@ -25,6 +25,8 @@ import random
 import time
 from typing import Optional, Sequence
 
+import torch
+
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager, available_memory, default_kv_cache_memory, plan_kv_cache
 from kvserve.core.kv_ops import KVCacheOpsError
@@ -35,7 +37,7 @@ from kvserve.engine.args import EngineArgs, parse_device, parse_dtype
 from kvserve.engine.core_output import BeamOutput, EngineCoreOutput, SampleDelta, append_output_tokens
 from kvserve.engine.input_processor import EngineCoreRequest
 from kvserve.engine.tokenizer import eos_token_ids, load_tokenizer
-from kvserve.executor import Executor, UniProcExecutor
+from kvserve.executor import Executor, ExecutorError, UniProcExecutor
 from kvserve.sample.beam_search import BeamSearchState
 from kvserve.sample.sampler import sample_seed
 from kvserve.sampling_params import SamplingParams
@@ -45,7 +47,7 @@ from kvserve.structured_output.manager import GrammarLimitError, StructuredOutpu
 from kvserve.worker import kv_quant
 from kvserve.worker.loader import load_model_config, resolve_model_path
 from kvserve.worker.model_runner import ModelRunnerOutput, SpecResult
-from kvserve.worker.worker import Worker
+from kvserve.worker.worker import Worker, available_cores
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +92,26 @@ class EngineCore:
         path = resolve_model_path(args.model)
         t0 = time.perf_counter()
         self.max_model_len = max_len = self._check_config(load_model_config(path))  # before the weights load
-        self.executor: Executor = UniProcExecutor(Worker(self.dtype, self.device))
-        # the tokenizer (Python: transformers' import, the vocabulary's conversion) loads on a thread
-        # while the workers load the weights (GIL released); a weights error still comes first
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, path)
-            cfg = self.executor.collective_rpc("load_model", (path, max_len, args.quantization))[0]
-            self.tokenizer = tokenizer.result()
-        self.model_config: ModelConfig = cfg
-        self.model_path = path
-        self._init_kv_cache(cfg, path)
+        self.executor: Executor = self._make_executor()
+        try:
+            # the tokenizer (Python: transformers' import, the vocabulary's conversion) loads on a thread
+            # while the workers load the weights (GIL released); a weights error still comes first
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer") as pool:
+                tokenizer = pool.submit(load_tokenizer, path)
+                cfg = self.executor.collective_rpc("load_model", (path, max_len, args.quantization))[0]
+                self.tokenizer = tokenizer.result()
+            self.model_config: ModelConfig = cfg
+            self.model_path = path
+            self._init_kv_cache(cfg, path)
+            self._init_state(cfg, max_len)
+        except BaseException:
+            self.executor.shutdown()  # (no rank process outlives a failed start)
+            raise
+        self.load_time_s = time.perf_counter() - t0
+
+    def _init_state(self, cfg: ModelConfig, max_len: int) -> None:
+        """The request bookkeeping, structured output and speculative decoding."""
+        args = self.args
         self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.groups: dict[str, RequestGroup] = {}
@@ -114,11 +126,23 @@ class EngineCore:
         self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
         self.spec = SpecDecodeDriver.from_config(self.speculative_config, cfg, self.tokenizer, self.dtype, self.device,
                                                  self.kv_spec.num_blocks, args.block_size, max_len)
-        self.load_time_s = time.perf_counter() - t0
 
     def _check_config(self, cfg: ModelConfig) -> int:
-        """The checks that need only the model's config; returns ``max_model_len``."""
+        """The checks that need only the model's config; returns ``max_model_len``.
+
+        Raises:
+            ValueError: a head count that ``tensor_parallel_size`` does not split, more ranks
+                than the CPU cores available (or the CUDA devices), a bad ``max_model_len``.
+        """
         args = self.args
+        tp = args.tensor_parallel_size
+        if tp > 1:  # before any process starts
+            cfg.check_tensor_parallel(tp)
+            if self.device.type == "cpu" and tp > available_cores():
+                raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {available_cores()} CPU cores this "
+                                 f"process may run on: each rank needs a core of its own")
+            if self.device.type == "cuda" and tp > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {torch.cuda.device_count()} CUDA devices")
         kv_quant.check_head_dim(cfg.head_dim, args.kv_cache_dtype)
         self.kv_cache_dtype = kv_quant.storage_dtype(args.kv_cache_dtype, self.dtype)
         if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
@@ -127,6 +151,30 @@ class EngineCore:
                 f"got {args.max_model_len}"
             )
         return args.max_model_len or min(cfg.max_position_embeddings, 4096)
+
+    def _make_executor(self) -> Executor:
+        """One worker in this process, or ``tensor_parallel_size`` ranks on the
+        ``distributed_executor_backend`` (``mp``: local processes; ``ray``: Ray actors)."""
+        args = self.args
+        tp, backend = args.tensor_parallel_size, args.distributed_executor_backend or "mp"
+        if backend == "ray":
+            from kvserve.executor.ray_executor import RayExecutor
+
+            return RayExecutor(tp, self.dtype, self.device, args.distributed_timeout_s)
+        if tp == 1:
+            return UniProcExecutor(Worker(self.dtype, self.device))
+        from kvserve.executor.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(tp, self.dtype, self.device, args.distributed_timeout_s)
+
+    def is_healthy(self) -> bool:
+        """Whether the engine can still run steps (False once a worker died: every later step
+        raises :class:`~kvserve.executor.ExecutorError`)."""
+        return self.executor.is_alive
+
+    def shutdown(self) -> None:
+        """Stop the workers (the rank processes of a tensor-parallel executor); idempotent."""
+        self.executor.shutdown()
 
     def _init_kv_cache(self, cfg: ModelConfig, path) -> None:
         """Size the KV pool, have the workers allocate it, and build the KV manager, the swap
@@ -142,14 +190,19 @@ class EngineCore:
             logger.warning("prefix caching is off: every layer of this model has a sliding window (%d tokens), "
                            "and the blocks before it are freed while a request runs", window)
             prefix_caching = False
-        budget, note = args.kv_cache_memory, ""
+        budget, note = args.kv_cache_memory, ""  # (per rank: each holds the K/V of its heads)
+        tp = args.tensor_parallel_size
         if budget is None and args.num_blocks is None:  # sized from what the machine has left now
+            available = available_memory(self.device)
+            if available is not None and self.device.type == "cpu":
+                available //= tp  # (the ranks share the host's memory)
             budget, note = default_kv_cache_memory(
-                cfg.kv_bytes_per_token(self.kv_cache_dtype), args.block_size, max_len, args.max_num_seqs,
-                available_memory(self.device), args.kv_cache_memory_fraction, sliding_window=window,
+                cfg.kv_bytes_per_token(self.kv_cache_dtype, tp), args.block_size, max_len, args.max_num_seqs,
+                available, args.kv_cache_memory_fraction, sliding_window=window,
                 max_num_batched_tokens=args.max_num_batched_tokens, device=str(self.device))
         self.cache_config = CacheConfig(args.block_size, budget, args.num_blocks, prefix_caching)
-        self.kv_spec = plan_kv_cache(cfg, self.kv_cache_dtype, budget, args.block_size, max_len, args.num_blocks)
+        self.kv_spec = plan_kv_cache(cfg, self.kv_cache_dtype, budget, args.block_size, max_len, args.num_blocks,
+                                     tp_size=tp)
         self.kv_spec.budget_note = note
         logger.info(self.kv_spec.describe())
         if self.kv_spec.capacity_tokens < max_len and (window is None or self.kv_spec.num_blocks < -(
@@ -564,7 +617,7 @@ class EngineCore:
         A fault that is not any one request's (every part fails) fails every request of the
         step; the engine itself goes on. A failure to apply the step's block ops
         (:class:`~kvserve.core.kv_ops.KVCacheOpsError`) is raised: it is no request's."""
-        if isinstance(error, KVCacheOpsError):  # the step's block ops, not a request's forward
+        if isinstance(error, (KVCacheOpsError, ExecutorError)):  # no request's fault
             raise error
         parts: dict[Optional[str], list[tuple[Request, int]]] = {}
         for req, n in sched.scheduled:

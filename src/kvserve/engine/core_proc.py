@@ -106,8 +106,9 @@ def run_engine_core(args, cmd_conn, out_conn, parent_pid: int, log_level: int = 
         _exit(1)
     out_conn.send(("ready", CoreInfo(engine.model_config, engine.model_path, engine.max_model_len,
                                      tuple(engine.eos_token_ids), engine.kv_spec.describe(), os.getpid())))
+    code = 0
     try:
-        _CoreLoop(engine, cmd_conn, out_conn, parent_pid).run()
+        code = _CoreLoop(engine, cmd_conn, out_conn, parent_pid).run()
     except (EOFError, OSError, BrokenPipeError):  # the API process is gone: nobody to serve
         pass
     finally:
@@ -115,7 +116,8 @@ def run_engine_core(args, cmd_conn, out_conn, parent_pid: int, log_level: int = 
             out_conn.close()
         except OSError:
             pass
-    _exit(0)
+        engine.shutdown()  # (the tensor-parallel ranks, if any)
+    _exit(code or 0)
 
 
 def _exit(code: int) -> None:
@@ -144,19 +146,20 @@ class _CoreLoop:
     def _parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Serve until told to stop (returns 0) or the engine cannot run steps any more (1)."""
         engine = self.engine
         while True:
             idle = self.paused or not engine.has_unfinished_requests()
             if idle:  # block (with a periodic check of the parent) until a command arrives
                 while not self.cmd.poll(PARENT_CHECK_S):
                     if not self._parent_alive():
-                        return
+                        return 0
             while self.cmd.poll(0):
                 cmd = self.cmd.recv()
                 if cmd[0] == "stop":  # (the engine goes with the process)
                     self.out.send(("stopped",))
-                    return
+                    return 0
                 self._handle(cmd)
             if self.paused or not engine.has_unfinished_requests():
                 self.out.send(("stats", engine.stats()))
@@ -172,6 +175,9 @@ class _CoreLoop:
                         logger.exception("abort of %s failed", rid)
                 self.live.clear()
                 self.out.send(("step_failed", str(e) or type(e).__name__, engine.stats()))
+                if not engine.is_healthy():  # a worker died: exit, the API process reports it (/health 503)
+                    logger.error("the engine cannot run steps any more; the engine core exits")
+                    return 1
                 continue
             for out in outputs:
                 if out.finished:

@@ -45,6 +45,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
                    help="what preemption does with a request's KV: recompute it when resumed, or swap it to "
                         "the host (--swap-space) and back (default: swap when --swap-space > 0, else recompute)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="tensor-parallel ranks: each holds 1/N of every layer (default 1)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="how the ranks run: mp (local processes, the default) or ray (Ray actors)")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details (KV capacity, ...)")
 
 
@@ -63,6 +67,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         speculative_config=a.speculative_config,
         swap_space=a.swap_space,
         preemption_mode=a.preemption_mode,
+        tensor_parallel_size=a.tensor_parallel_size,
+        distributed_executor_backend=a.distributed_executor_backend,
     )
 
 

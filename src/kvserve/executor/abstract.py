@@ -22,11 +22,22 @@ from kvserve.core.scheduler import SchedulerOutput
 from kvserve.worker.model_runner import ModelRunnerOutput
 
 
+class ExecutorError(RuntimeError):
+    """The executor itself failed (a worker died, the ranks fell out of step): no request's
+    fault, and no later step can run. The engine core raises it instead of failing requests
+    one by one, and reports itself unhealthy (:meth:`kvserve.engine.core.EngineCore.is_healthy`)."""
+
+
 class Executor(ABC):
     """Runs the model on the engine's workers."""
 
     #: number of workers (tensor-parallel ranks)
     world_size: int = 1
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether every worker can still run steps (an in-process worker always can)."""
+        return True
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list[Any]:
@@ -44,6 +55,7 @@ class Executor(ABC):
         to its own pools before the forward: that keeps the ranks' shards of the pools in step.
 
         Raises:
+            ExecutorError: the workers cannot run steps any more.
             Whatever the forward or the sampler raised; the engine core then isolates the
             request at fault (:meth:`kvserve.engine.core.EngineCore.step`).
         """

@@ -17,7 +17,7 @@ every row, and is verified by :func:`kvserve.spec_decode.rejection_sample`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -248,10 +248,14 @@ class ModelRunner:
 
     # --------------------------------------------------------------- execute
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput,
+                before_forward: Optional[Callable[[BatchInputs], None]] = None) -> ModelRunnerOutput:
         """Run one step: forward over every scheduled token, then sample (rows of sequences with a
-        structured-output grammar under its token bitmask)."""
+        structured-output grammar under its token bitmask). ``before_forward(batch)`` runs once
+        the batch tensors are built (the tensor-parallel driver sends them to the other ranks)."""
         batch = self.prepare_inputs(sched)
+        if before_forward is not None:
+            before_forward(batch)
         logits = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, batch.logits_indices)
         if logits is None:  # a tensor-parallel rank the logits are not gathered to: nothing to sample
             return ModelRunnerOutput(sample_requests=[], sampler_output=None)

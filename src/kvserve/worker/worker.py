@@ -201,7 +201,6 @@ class Worker:
             self.apply_kv_ops(kv_ops)
         self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches,
                    _to_device(meta, self.device), logits_indices.to(self.device))
-        return self.runner.execute(scheduler_output)
 
     def shutdown(self) -> None:
         """Leave the tensor-parallel group (:func:`kvserve.distributed.destroy_distributed`)."""

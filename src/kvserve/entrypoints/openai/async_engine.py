@@ -283,6 +283,8 @@ class AsyncEngine:
             except Exception as e:  # a bug: fail the live requests, keep serving new ones
                 logger.exception("engine step failed; failing %d live request(s)", len(self._tracks))
                 self._fail_all(e)
+                if not engine.is_healthy():  # a worker died: /health answers 503 from now on
+                    self.fatal_error = e
                 continue
             self._dispatch(outputs)
             self._update_gauges()

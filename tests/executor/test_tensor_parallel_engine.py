@@ -1,0 +1,145 @@
+"""Tensor parallelism through the engine (``tensor_parallel_size=2``, the ``mp`` executor: rank 0
+in the engine's process, rank 1 in a spawned process, gloo between them).
+
+Every feature composes with it: the outputs of a mixed workload (chunked prefill, prefix-cache
+hits, n / best_of / beam search, structured output, stop strings, preemption by swap and by
+recompute, n-gram speculative decoding, int8 KV, a sliding window, Gemma 3) equal those of the
+same engine at one rank; bad configurations fail before any process starts; a rank that dies
+fails the step with an error and leaves no process behind.
+
+Two processes on 2 cores: slow, but they prove correctness (no speed is measured here).
+"""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from kvserve import SamplingParams, StructuredOutputsParams
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.executor.multiproc_executor import MultiprocExecutor, WorkerDiedError
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [20, 21], [5, 6, 7, 8, 30, 31]]
+
+
+def _engine(folder, tp: int, **kw) -> LLMEngine:
+    args = dict(model=str(folder), dtype="float32", num_blocks=64, block_size=4, max_model_len=128,
+                max_num_batched_tokens=16, tensor_parallel_size=tp)
+    args.update(kw)
+    return LLMEngine(EngineArgs(**args))
+
+
+def _run(engine: LLMEngine, requests) -> list:
+    rids = [engine.add_request(p, params) for p, params in requests]
+    final = {}
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    return [final[r] for r in rids]
+
+
+def _summary(out) -> list:
+    return [(c.index, c.token_ids, c.text, c.finish_reason, str(c.stop_reason)) for c in out.outputs]
+
+
+def _workload() -> list:
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    reqs = [(p, greedy) for p in PROMPTS]
+    reqs += [
+        (PROMPTS[1], greedy),  # a prefix-cache hit on the second prompt
+        (PROMPTS[0], SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)),
+        (PROMPTS[3], SamplingParams(n=2, best_of=3, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)),
+        (PROMPTS[2], SamplingParams(n=2, use_beam_search=True, beam_width=3, max_tokens=8, ignore_eos=True)),
+        (PROMPTS[1], SamplingParams(max_tokens=16, temperature=0,
+                                    structured_outputs=StructuredOutputsParams(regex="[a-z ]{3,12}"))),
+        (PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.8, seed=5, top_p=0.9, logprobs=2)),
+    ]
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    return tiny_model_dir("llama")[0]
+
+
+def _same_as_one_rank(folder, requests, **kw):
+    ref = _run(_engine(folder, 1, **kw), requests)
+    eng = _engine(folder, 2, **kw)
+    try:
+        assert isinstance(eng.executor, MultiprocExecutor) and eng.executor.world_size == 2
+        got = _run(eng, requests)
+        assert [_summary(o) for o in got] == [_summary(o) for o in ref]
+        for a, b in zip(got, ref):
+            for ca, cb in zip(a.outputs, b.outputs):
+                assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, abs=1e-3)
+        assert eng.stats()["kv_blocks_in_use"] == 0
+        return eng, got
+    finally:
+        eng.core.shutdown()
+
+
+def test_tp2_mixed_workload_equals_one_rank_with_swap_preemption(llama):
+    """A tight pool (preemption by swap), chunked prefill, prefix caching, n/best_of/beams,
+    a grammar and logprobs: the same outputs as at one rank."""
+    eng, got = _same_as_one_rank(llama, _workload(), num_blocks=20, swap_space=0.01, preemption_mode="swap")
+    assert eng.scheduler.num_preemptions > 0 and eng.stats()["swap_num_swap_outs"] > 0
+    assert got[4].num_cached_tokens > 0
+
+
+def test_tp2_recompute_int8_kv_and_ngram_speculation_equal_one_rank(llama):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    reqs = [(p * 3, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for p in PROMPTS]
+    eng, _ = _same_as_one_rank(llama, reqs, num_blocks=30, kv_cache_dtype="int8", speculative_config=spec)
+    assert eng.stats()["spec_decode_num_draft_tokens"] > 0 and eng.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", ["mistral_window", "gemma3", "llama_mqa"])
+def test_tp2_sliding_windows_gemma3_and_replicated_kv_heads_equal_one_rank(tiny_model_dir, arch):
+    reqs = [(p * 4, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for p in PROMPTS[:3]]
+    _same_as_one_rank(tiny_model_dir(arch)[0], reqs)
+
+
+# ------------------------------------------------------------------ errors
+def _no_children():
+    return not multiprocessing.active_children()
+
+
+def test_bad_configurations_fail_before_any_process_starts(tiny_model_dir, llama, monkeypatch):
+    import kvserve.engine.core
+
+    assert _no_children()
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's 3 attention heads"):
+        _engine(tiny_model_dir("llama_3heads")[0], 2)
+    assert _no_children()
+    monkeypatch.setattr(kvserve.engine.core, "available_cores", lambda: 1)  # (a one-core machine)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) exceeds the 1 CPU cores"):
+        _engine(llama, 2)
+    assert _no_children()
+    with pytest.raises(ValueError, match="tensor_parallel_size must be ≥ 1"):
+        EngineArgs(tensor_parallel_size=0).check()
+    with pytest.raises(ValueError, match="distributed_executor_backend must be 'mp' or 'ray'"):
+        EngineArgs(distributed_executor_backend="mpi").check()
+
+
+def test_a_dead_rank_fails_the_step_and_leaves_nothing(llama):
+    eng = _engine(llama, 2)
+    rank1 = eng.executor.procs[0]
+    eng.add_request(PROMPTS[0], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    eng.step()
+    os.kill(rank1.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        for _ in range(60):
+            eng.step()
+    assert time.monotonic() - t0 < 30
+    assert not eng.executor.is_alive
+    with pytest.raises(WorkerDiedError):  # every later step fails at once
+        eng.step()
+    eng.core.shutdown()
+    assert _no_children()
