@@ -36,7 +36,7 @@ class MirrorExecutor(Executor):
 
     def __init__(self, driver: Worker) -> None:
         self.driver_worker = driver
-        self.workers = [driver, Worker(driver.dtype, driver.device, rank=1)]
+        self.workers = [driver, Worker(driver.dtype, driver.device)]  # (a whole model: a world of its own)
         self.steps: list[KVCacheOps] = []
 
     def collective_rpc(self, method, args=(), kwargs=None):
