@@ -99,6 +99,18 @@ def test_tp2_recompute_int8_kv_and_ngram_speculation_equal_one_rank(llama):
     assert eng.stats()["spec_decode_num_draft_tokens"] > 0 and eng.scheduler.num_preemptions > 0
 
 
+def test_tp2_draft_model_speculation_with_a_grammar_equals_one_rank(llama, tiny_model_dir):
+    """A draft model (whole, on rank 0) proposing for the sharded target, with and without a
+    grammar, sampled and greedy: the same outputs as at one rank."""
+    spec = {"method": "draft_model", "model": str(tiny_model_dir("llama3")[0]), "num_speculative_tokens": 3}
+    reqs = [(PROMPTS[0] * 3, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)),
+            (PROMPTS[1], SamplingParams(max_tokens=24, temperature=1.0, seed=4, ignore_eos=True)),
+            (PROMPTS[2], SamplingParams(max_tokens=16, temperature=0,
+                                        structured_outputs=StructuredOutputsParams(choice=["alpha", "beta gamma"])))]
+    eng, _ = _same_as_one_rank(llama, reqs, speculative_config=spec)
+    assert eng.stats()["spec_decode_num_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("arch", ["mistral_window", "gemma3", "llama_mqa"])
 def test_tp2_sliding_windows_gemma3_and_replicated_kv_heads_equal_one_rank(tiny_model_dir, arch):
     reqs = [(p * 4, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for p in PROMPTS[:3]]

@@ -98,7 +98,10 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
         self.config = cfg
         backend = default_backend(device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.model = model_class(cfg.architecture)(cfg, backend, dtype, device, max_positions=max_model_len)
+        # whole, in the engine core's process (with tensor parallelism: beside rank 0, whose
+        # process group it must not join: its forward runs no collective)
+        self.model = model_class(cfg.architecture)(cfg, backend, dtype, device, max_positions=max_model_len,
+                                                   tp_rank=0, tp_size=1)
         self.model.load_weights(state)
         del state
         self.model.eval()

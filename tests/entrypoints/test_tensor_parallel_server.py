@@ -1,0 +1,138 @@
+"""``kvserve serve`` with tensor parallelism (``-tp 2``): the engine core's process holds rank 0
+and starts rank 1 as its child. Greedy outputs over HTTP equal the offline one-rank engine's;
+a rank killed mid-stream ends every live request with an error event, ``/health`` turns 503
+within 5 s, and no process is left behind.
+
+Three processes on 2 cores (API, core + rank 0, rank 1): slow, but they prove correctness.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.args import EngineArgs
+from server_helpers import ServerThread, free_port
+
+TINY = dict(dtype="float32", block_size=4, max_model_len=256, num_blocks=256)
+PROMPTS = ["The quick brown fox", "Once upon a time"]
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s live child processes (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_dir):
+    return tiny_model_dir("llama")[0]
+
+
+def test_tp2_server_equals_offline_and_a_dead_rank_fails_live_requests(folder):
+    ref = LLM(model=str(folder), **TINY).generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0,
+                                                                          ignore_eos=True))
+    args = EngineArgs(model=str(folder), tensor_parallel_size=2, **TINY)
+    with ServerThread(args, names=["tiny"]) as s:
+        base = s.base_url
+        core = s.api.async_engine.core_pid
+        ranks = _children(core)
+        assert len(ranks) == 1  # rank 1 (rank 0 is the core process itself)
+        r = httpx.post(base + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": PROMPTS, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200
+        got = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in got] == [o.text for o in ref]
+        events, first = [], threading.Event()
+
+        def streaming():
+            with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                              json={"prompt": [4, 5, 6], "max_tokens": 200, "ignore_eos": True, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[len("data: "):]
+                        events.append(data if data == "[DONE]" else json.loads(data))
+                        if len(events) == 3:
+                            first.set()
+
+        t = threading.Thread(target=streaming)
+        t.start()
+        assert first.wait(30)
+        os.kill(ranks[0], signal.SIGKILL)
+        killed = time.monotonic()
+        while httpx.get(base + "/health").status_code != 503:
+            assert time.monotonic() - killed < 5.0, "/health did not turn 503 within 5 s"
+            time.sleep(0.02)
+        t.join(20)
+        assert not t.is_alive(), "the client hung after the rank died"
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        assert "rank 1" in events[-2]["error"]["message"]
+        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503
+        assert _gone(core, 10.0) and _gone(ranks[0], 1.0)
+
+
+def test_cli_serve_tp_flag_and_clear_errors(folder):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli"]
+    p = subprocess.run(cmd + ["serve", "--model", str(folder), "-tp", "0", "--port", "0"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--tensor-parallel-size must be ≥ 1" in p.stderr and "Traceback" not in p.stderr
+    p = subprocess.run(cmd + ["generate", "--model", str(folder), "--dtype", "float32", "-tp", "64", "hello"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "tensor_parallel_size" in p.stderr and "Traceback" not in p.stderr
+    port = free_port()
+    p = subprocess.Popen(cmd + ["serve", "--model", str(folder), "--dtype", "float32", "--kv-cache-memory", "0.05",
+                                "--block-size", "4", "-tp", "2", "--port", str(port), "--no-access-log"],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        kids = _children(p.pid)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    for k in kids:  # the core and, under it, rank 1: all gone with the server
+        assert _gone(k, 10.0)
