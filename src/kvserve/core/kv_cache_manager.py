@@ -406,6 +406,7 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self.kv_caches = kv_caches
         self.ops = KVCacheOps()
+        self.num_transfer_loaded_blocks = 0  # blocks loaded from other engines' KV transfers
         self._mover = None if kv_caches is None else KVBlockMover(kv_caches)
         self.namespace_model = namespace_model
         self.partial_block_reuse = partial_block_reuse
@@ -561,7 +562,11 @@ class KVCacheManager:
 
         A request that already holds blocks (a forked sample) only grows its table.
         Otherwise its tokens (prompt + output so far) are matched against the cache, and
-        ``num_computed_tokens`` is set to the tokens served from it.
+        ``num_computed_tokens`` is set to the tokens served from it. A request whose prompt
+        K/V another engine saved (``request.kv_transfer``, prefill/decode disaggregation)
+        takes the cached full blocks, and the blocks after them are loaded from the transfer
+        (a ``load`` op in :attr:`ops`: only the blocks the cache does not hold move); it then
+        has ``num_computed_tokens = len(prompt) - 1`` and computes the last prompt token.
 
         Args:
             token_budget: most tokens the request may compute this step (≥ 1).
@@ -580,6 +585,7 @@ class KVCacheManager:
         blocks: list[int] = []
         node: Optional[RadixNode] = None
         partial: Optional[PartialMatch] = None
+        transfer = request.kv_transfer
         cap = 0
         if cache is not None:
             cap = self._hit_cap(request)
@@ -588,10 +594,12 @@ class KVCacheManager:
             node, blocks = m.node, m.blocks
             cache.lock(node)
             self.pool.incref(blocks)
-            if m.partial is not None and self.partial_block_reuse:
+            if m.partial is not None and self.partial_block_reuse and transfer is None:
                 partial = m.partial
                 cache.lock(partial.node)  # the copy source must outlive the eviction below
-        computed = len(blocks) * self.block_size + (partial.num_tokens if partial else 0)
+        hit = computed = len(blocks) * self.block_size + (partial.num_tokens if partial else 0)
+        if transfer is not None and transfer.num_tokens > computed:
+            computed = transfer.num_tokens  # the blocks after the cached ones come from the transfer
         num_new = min(request.num_tokens - computed, token_budget)
         need = self.blocks_needed(computed + num_new) - len(blocks)
         room = num_new > 0 and self._make_room(need, headroom)
@@ -615,6 +623,13 @@ class KVCacheManager:
         if partial is not None:
             self._copy_block_prefix(partial.block_id, new[0], partial.num_tokens)
             cache.unlock(partial.node)
+        if computed > hit:  # load the transferred blocks the cache did not hold
+            first, end = len(blocks), self.blocks_needed(computed)
+            self.ops.load(transfer, list(range(first, end)), new[: end - first])
+            self.num_transfer_loaded_blocks += end - first
+            if self._mover is not None:
+                self._mover.apply(self.ops.take())
+        request.kv_transfer = None  # (taken: a request preempted later recomputes or swaps as any)
         self.block_tables[rid] = blocks + new
         if node is not None:
             self._nodes[rid] = node
@@ -622,9 +637,9 @@ class KVCacheManager:
         if cache is not None:
             resumed = request.num_preemptions > 0
             if not resumed:
-                request.num_cached_tokens = computed
+                request.num_cached_tokens = hit
             if resumed or cap > 0 or request.sampling_params.prompt_logprobs is None:
-                self.metrics.record(request.num_tokens, computed, resumed)
+                self.metrics.record(request.num_tokens, hit, resumed)
         return num_new
 
     def _copy_block_prefix(self, src: int, dst: int, num_tokens: int) -> None:
@@ -758,6 +773,7 @@ class KVCacheManager:
             "kv_blocks_free": self.num_empty_blocks,  # unreferenced, holding no cached KV
             "kv_blocks_cached": self.num_cached_blocks,  # cached, unused, evictable
             "kv_blocks_in_use": self.num_used_blocks,
+            "kv_transfer_loaded_blocks": self.num_transfer_loaded_blocks,
         }
 
     # ------------------------------------------------------------------ beam search

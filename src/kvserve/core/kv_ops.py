@@ -14,7 +14,10 @@ its own pools, in order, before that forward
 * ``copy``: device block ``src`` → device block ``dst``, slots ``0 .. num_tokens - 1`` (a fork's
   or a beam clone's copy-on-write of a partial block, a partial prefix-cache hit);
 * ``swap_out``: device block → host block (a preempted request's computed blocks);
-* ``swap_in``: host block → device block (the same request resumed).
+* ``swap_in``: host block → device block (the same request resumed);
+* ``load``: blocks saved by another engine (a KV connector's payload,
+  :mod:`kvserve.distributed.kv_transfer`) → device blocks (prefill/decode disaggregation: a
+  decode engine takes a request's prompt K/V from the prefill engine).
 
 Semantics: the ops of a :class:`KVCacheOps` mean exactly what applying them one by one, in the
 order recorded, would do. For speed, consecutive moves of one kind are kept together in a
@@ -31,7 +34,8 @@ beam clones) or around an abort wait for the next forward; they are never droppe
 op writes may enter the prefix cache, e.g. a swapped-in request's blocks when it is freed), and
 a later op or forward on a block that was freed and reused in between runs after them.
 
-Everything here is plain ints in lists: cheap to record and to pickle to another process.
+Everything here is plain ints in lists (and, for a load, the connector's small handle): cheap
+to record and to pickle to another process.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from typing import Sequence
 COPY = "copy"
 SWAP_OUT = "swap_out"
 SWAP_IN = "swap_in"
-KINDS = (COPY, SWAP_OUT, SWAP_IN)
+LOAD = "load"
+KINDS = (COPY, SWAP_OUT, SWAP_IN, LOAD)
 
 
 class KVCacheOpsError(RuntimeError):
@@ -56,17 +61,21 @@ class BlockMoves:
     """One batch of moves of one kind, applied at once (gather every source, then scatter).
 
     Attributes:
-        kind: :data:`COPY` (device → device), :data:`SWAP_OUT` (device → host) or
-            :data:`SWAP_IN` (host → device).
-        src, dst: block ids, one per move (device or host block ids as ``kind`` says).
+        kind: :data:`COPY` (device → device), :data:`SWAP_OUT` (device → host),
+            :data:`SWAP_IN` (host → device) or :data:`LOAD` (a connector's payload → device).
+        src, dst: block ids, one per move (device or host block ids as ``kind`` says; for a
+            load, the indices of the blocks in the payload).
         num_tokens: :data:`COPY` only: the leading slots of each block moved (``1 ..
-            block_size``); empty for swaps, which move whole blocks.
+            block_size``); empty for swaps and loads, which move whole blocks.
+        source: :data:`LOAD` only: the :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`
+            of the payload (one batch per handle).
     """
 
     kind: str
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    source: object = None
 
     def __len__(self) -> int:
         return len(self.src)
@@ -117,6 +126,19 @@ class KVCacheOps:
         """Record the copy of whole host blocks into device blocks, pairwise."""
         self._swap(SWAP_IN, host_blocks, device_blocks)
 
+    def load(self, source, payload_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
+        """Record the copy of blocks ``payload_blocks`` of a connector's payload (``source``: its
+        :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`) into device blocks, pairwise.
+        A load is a batch of its own."""
+        if len(payload_blocks) != len(device_blocks) or len(set(device_blocks)) != len(device_blocks):
+            raise ValueError(f"load: {len(payload_blocks)} payload blocks into device blocks {list(device_blocks)}")
+        if not payload_blocks:
+            return
+        b = BlockMoves(LOAD, list(payload_blocks), list(device_blocks), source=source)
+        self.batches.append(b)
+        self._written.clear()
+        self._written.update(device_blocks)
+
     def _swap(self, kind: str, src: Sequence[int], dst: Sequence[int]) -> None:
         if len(src) != len(dst):
             raise ValueError(f"{kind}: {len(src)} source blocks for {len(dst)} destination blocks")
@@ -148,7 +170,8 @@ class KVCacheOps:
 
     def moves(self) -> list[tuple]:
         """Every move in order, one tuple each: ``("copy", src, dst, num_tokens)``,
-        ``("swap_out", device_block, host_block)``, ``("swap_in", host_block, device_block)``."""
+        ``("swap_out", device_block, host_block)``, ``("swap_in", host_block, device_block)``,
+        ``("load", payload_block, device_block)``."""
         out: list[tuple] = []
         for b in self.batches:
             if b.kind == COPY:

@@ -126,6 +126,11 @@ class Request:
     # draft model's distributions q for them ([len(spec_token_ids), V]; None for n-gram drafts)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: Any = field(default=None, repr=False, compare=False)
+    # prefill/decode disaggregation (kvserve.distributed.kv_transfer): the handle of prompt K/V
+    # saved by another engine, loaded when the request is first admitted (then None); and
+    # whether to save this sequence's prompt K/V for another engine when it finishes
+    kv_transfer: Any = field(default=None, repr=False, compare=False)
+    kv_save: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -203,6 +208,9 @@ class RequestOutput:
         error_param: for a failure caused by the request's own input (its grammar hit one of
             the structured-output backend's limits), the request field at fault
             (``"structured_outputs"``); None when the engine is at fault.
+        kv_transfer_params: for a request sent with ``{"do_remote_decode": True}``, the
+            :class:`~kvserve.distributed.kv_transfer.KVTransferHandle` of its saved prompt K/V
+            (in the final output), for a decode engine's ``kv_transfer_params``.
     """
 
     request_id: str
@@ -215,6 +223,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: Optional[str] = None
     error_param: Optional[str] = None
+    kv_transfer_params: Any = None
 
     @property
     def text(self) -> str:

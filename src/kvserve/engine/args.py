@@ -107,6 +107,10 @@ class EngineArgs:
             is started unless ``RAY_ADDRESS`` names a cluster). None: ``"mp"``.
         distributed_timeout_s: how long a rank may take to answer, or a collective to meet,
             before the step fails (seconds, > 0).
+        kv_connector: how this engine hands prompt K/V to, or takes it from, another engine
+            (prefill/decode disaggregation, :mod:`kvserve.distributed.kv_transfer`): ``"local"``
+            (engines in one process), or None (no transfer; requests with
+            ``kv_transfer_params`` are refused).
     """
 
     model: Optional[str] = None
@@ -130,6 +134,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None
     distributed_timeout_s: float = 120.0
+    kv_connector: Optional[str] = None
 
     def check(self, option_names: bool = False) -> None:
         """The range checks that need no model; :class:`LLMEngine` runs them before it loads one.
@@ -187,6 +192,11 @@ class EngineArgs:
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError(f"{name('distributed_executor_backend')} must be 'mp' or 'ray', "
                              f"got {self.distributed_executor_backend!r}")
+        if self.kv_connector not in (None, "local"):
+            raise ValueError(f"{name('kv_connector')} must be 'local' or None, got {self.kv_connector!r}")
+        if self.kv_connector == "local" and self.tensor_parallel_size > 1:
+            raise ValueError(f"{name('kv_connector')}: the 'local' connector holds one process's blocks; with "
+                             f"{name('tensor_parallel_size')} > 1 the ranks' shards live in several processes")
         t = self.distributed_timeout_s
         if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 < t <= 86400:
             raise ValueError(f"{name('distributed_timeout_s')} must be in (0, 86400] seconds, got {t!r}")

@@ -117,6 +117,8 @@ class EngineCore:
         self.groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, RequestGroup] = {}
         self._deltas: dict[str, SampleDelta] = {}  # sequence id -> its tokens of this step, until output
+        self._transfers: dict = {}  # request id -> the KVTransferHandle of its saved prompt K/V, until output
+        self.num_kv_transfer_saved = 0
         self._rng = random.Random(args.seed)
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -338,13 +340,15 @@ class EngineCore:
         (``request.request_id``, or ``req-N`` when that is None).
 
         Raises:
-            ValueError: see :meth:`validate_request`, an invalid structured-output spec, or a
-                ``request_id`` in use; nothing is queued and no other request is affected.
+            ValueError: see :meth:`validate_request`, an invalid structured-output spec, a
+                ``request_id`` in use, or ``kv_transfer_params`` this engine cannot honour
+                (:meth:`_check_kv_transfer`); nothing is queued and no other request is affected.
             QueueFullError: the waiting queue is full.
         """
         ids, text, params = request.prompt_token_ids, request.prompt, request.sampling_params
         request_id, priority, cache_salt = request.request_id, request.priority, request.cache_salt
         params.max_tokens = self.validate_request(ids, params)  # (the request's own copy)
+        load, save = self._check_kv_transfer(request.kv_transfer_params, ids, params)
         if params.structured_outputs is not None:  # compiled (or found in the cache) now: errors are the request's
             self.structured_output.compile(params.structured_outputs)
         rid = request_id
@@ -372,6 +376,7 @@ class EngineCore:
             if params.structured_outputs is not None:  # each sample follows the grammar on its own
                 seq.grammar = self.structured_output.new_grammar(params.structured_outputs)
             seqs.append(seq)
+        seqs[0].kv_transfer, seqs[0].kv_save = load, save  # (the first sequence computes the prompt)
         beam = None
         if params.use_beam_search:
             beam = BeamSearchState(params.beam_width, params.max_tokens, params.length_penalty,
@@ -409,6 +414,78 @@ class EngineCore:
             raise
         return added
 
+    def _kv_layout(self) -> tuple:
+        """``(num_layers, num_kv_heads, row, dtype, tensor_parallel_size)`` of the pools."""
+        cfg = self.model_config
+        row = cfg.head_dim + (4 if self.kv_cache_dtype.itemsize == 1 else 0)
+        return (cfg.num_layers, cfg.num_kv_heads, row, str(self.kv_cache_dtype), self.args.tensor_parallel_size)
+
+    def _check_kv_transfer(self, kv_transfer_params, ids: Sequence[int], params: SamplingParams):
+        """``(handle to load or None, whether to save)`` for a request's ``kv_transfer_params``.
+
+        Raises:
+            ValueError: naming ``kv_transfer_params``: no ``kv_connector`` configured, neither
+                ``{"do_remote_decode": True}`` nor a :class:`KVTransferHandle`, a handle of
+                another connector, block size or pool layout, one whose tokens are not the
+                prompt's first ``len(prompt) - 1``, one already loaded or released, or a
+                combination the transfer cannot serve (beam search, prompt_logprobs, a model
+                whose blocks before its sliding window are freed).
+        """
+        if kv_transfer_params is None:
+            return None, False
+        name = self.args.kv_connector
+        if name is None:
+            raise ValueError("kv_transfer_params: this engine has no kv_connector (start it with kv_connector='local' "
+                             "/ --kv-connector local)")
+        if params.use_beam_search or params.prompt_logprobs is not None:
+            raise ValueError("kv_transfer_params: a transferred request cannot use beam search or prompt_logprobs")
+        if self.model_config.uniform_window is not None:
+            raise ValueError("kv_transfer_params: this model frees the blocks before its sliding window, so its "
+                             "prompt K/V cannot be transferred")
+        if isinstance(kv_transfer_params, dict):
+            if kv_transfer_params != {"do_remote_decode": True}:
+                raise ValueError(f"kv_transfer_params must be {{'do_remote_decode': True}} or a KVTransferHandle, "
+                                 f"got {kv_transfer_params!r}")
+            return None, True
+        from kvserve.distributed.kv_transfer import KVTransferHandle, get_connector
+        from kvserve.distributed.kv_transfer.base import token_digest
+
+        h = kv_transfer_params
+        if not isinstance(h, KVTransferHandle):
+            raise ValueError(f"kv_transfer_params must be {{'do_remote_decode': True}} or a KVTransferHandle, "
+                             f"got {type(h).__name__}")
+        if h.connector != name:
+            raise ValueError(f"kv_transfer_params: a handle of the {h.connector!r} connector; this engine's is {name!r}")
+        if h.block_size != self.args.block_size or tuple(h.layout) != self._kv_layout():
+            raise ValueError(f"kv_transfer_params: blocks of {h.block_size} tokens laid out as {tuple(h.layout)}; this "
+                             f"engine's are {self.args.block_size} tokens as {self._kv_layout()}")
+        if h.num_tokens != len(ids) - 1 or h.prompt_digest != token_digest(ids[: h.num_tokens]):
+            raise ValueError(f"kv_transfer_params: the handle holds the K/V of {h.num_tokens} other tokens than this "
+                             f"prompt's first {len(ids) - 1}")
+        if h.num_tokens and not get_connector(name).has(h.key):
+            raise ValueError("kv_transfer_params: the handle's blocks were already loaded or released")
+        return (h if h.num_tokens else None), False
+
+    def _save_kv(self, req: Request) -> None:
+        """Save the K/V of ``req``'s first ``P - 1`` prompt tokens for another engine
+        (:mod:`kvserve.distributed.kv_transfer`); its handle goes out with the request's final
+        output. Called as the sequence finishes, before its blocks are freed."""
+        from kvserve.distributed.kv_transfer import KVTransferHandle, get_connector
+        from kvserve.distributed.kv_transfer.base import token_digest
+
+        n = req.num_prompt_tokens - 1
+        connector = get_connector(self.args.kv_connector)
+        key, nbytes = None, 0
+        if n > 0:
+            blocks = self.kv.block_tables[req.request_id][: self.kv.blocks_needed(n)]
+            # (the last forward wrote them; nothing after it has run: read them now, before they are freed)
+            payloads = self.executor.collective_rpc("save_kv_blocks", (blocks,))
+            key = connector.save(payloads)
+            nbytes = sum(t.numel() * t.element_size() for p in payloads for pair in p for t in pair)
+        self._transfers[req.parent_id] = KVTransferHandle(connector.name, key, n, token_digest(req.prompt_token_ids[:n]),
+                                                          self.args.block_size, self._kv_layout(), nbytes)
+        self.num_kv_transfer_saved += 1
+
     def _seq_id(self, request_id: str) -> str:
         """A new sequence id ``"{request_id}#{k}"``, ``k`` an engine-wide counter: read from the
         right it names ``k``, so it equals no other sequence's id whatever the user ids are."""
@@ -425,6 +502,11 @@ class EngineCore:
                 self.scheduler.finish_request(s, RequestStatus.FINISHED_ABORTED)
             self._seq_to_group.pop(s.request_id, None)
             self._deltas.pop(s.request_id, None)
+        handle = self._transfers.pop(request_id, None)
+        if handle is not None and handle.key is not None:  # saved, never handed out
+            from kvserve.distributed.kv_transfer import get_connector
+
+            get_connector(handle.connector).release(handle.key)
 
     def finish_samples(self, samples: Sequence[tuple[str, int]]) -> None:
         """Finish samples that the front end ended at a stop string (``finish_reason
@@ -653,6 +735,7 @@ class EngineCore:
 
     def _retire(self, group: RequestGroup) -> None:
         self.groups.pop(group.request_id, None)
+        self._transfers.pop(group.request_id, None)
         for s in group.seqs:
             self._seq_to_group.pop(s.request_id, None)
 
@@ -689,6 +772,8 @@ class EngineCore:
         else:
             prev.extend(delta)
         if status is not None:
+            if req.kv_save:
+                self._save_kv(req)
             self.scheduler.finish_request(req, status)
 
     def _advance_beams(self, group: RequestGroup) -> bool:
@@ -789,7 +874,8 @@ class EngineCore:
             beams = [BeamOutput(list(h.token_ids), h.cum_logprob, h.finished_by_eos)
                      for h in group.beam.best(params.n)]
         return EngineCoreOutput(group.request_id, samples, group.finished, lead.metrics, lead.num_cached_tokens,
-                                new_plp, beams)
+                                new_plp, beams, kv_transfer_params=self._transfers.get(group.request_id)
+                                if group.finished else None)
 
     # --------------------------------------------------------------- metrics
     def spec_stats(self) -> dict:
@@ -818,6 +904,7 @@ class EngineCore:
             "num_chunked_prefills": self.scheduler.num_chunked_prefills,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "generated_tokens": self.num_generated_tokens,
+            "kv_transfer_saved": self.num_kv_transfer_saved,
             **self.spec_stats(),
             **self.swap_stats(),
             **self.kv.stats(),  # prefix-cache queries/hits/hit rates/evictions, blocks free/cached/in use

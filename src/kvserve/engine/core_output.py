@@ -12,7 +12,7 @@ the sequences: they cross to the API process of ``kvserve serve`` cheaply.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from kvserve.core.request import Request, RequestMetrics, RequestStatus, TokenLogprob
 
@@ -78,6 +78,8 @@ class EngineCoreOutput:
             of this step, if any, are in ``samples``.
         error_param: the request field at fault for an error caused by the request's own
             input, else None.
+        kv_transfer_params: in the final output of a request sent with
+            ``{"do_remote_decode": True}``: the handle of its saved prompt K/V.
     """
 
     request_id: str
@@ -89,6 +91,7 @@ class EngineCoreOutput:
     beams: Optional[list[BeamOutput]] = None
     error: Optional[str] = None
     error_param: Optional[str] = None
+    kv_transfer_params: Any = None
 
 
 def append_output_tokens(req: Request, toks: list[int], lps: list[TokenLogprob], now: float,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,6 +38,10 @@ class EngineCoreRequest:
         sampling_params: the request's own copy, ``bad_words`` as token ids.
         priority: lower runs first.
         cache_salt: tenant key for prefix-cache isolation, or None.
+        kv_transfer_params: prefill/decode disaggregation (:mod:`kvserve.distributed.kv_transfer`):
+            ``{"do_remote_decode": True}`` (save the prompt's K/V when the request finishes),
+            or the :class:`~kvserve.distributed.kv_transfer.KVTransferHandle` a prefill engine
+            returned (load it instead of computing the prompt); None.
     """
 
     request_id: Optional[str]
@@ -46,6 +50,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     priority: int = 0
     cache_salt: Optional[str] = None
+    kv_transfer_params: Any = None
 
 
 class InputProcessor:

@@ -71,6 +71,7 @@ class LLMEngine:
         request_id: Optional[str] = None,
         priority: int = 0,
         cache_salt: Optional[str] = None,
+        kv_transfer_params=None,
     ) -> str:
         """Queue a request; returns its id.
 
@@ -81,6 +82,10 @@ class LLMEngine:
                 sequence ids (``Request.request_id``) cannot collide with it.
             priority: lower runs first (an integer).
             cache_salt: tenant key for prefix-cache isolation.
+            kv_transfer_params: prefill/decode disaggregation (needs ``kv_connector``):
+                ``{"do_remote_decode": True}`` to save the prompt's K/V when the request
+                finishes (its final output's ``kv_transfer_params`` is the handle), or a
+                prefill engine's handle, to load that K/V instead of computing the prompt.
 
         Raises:
             ValueError: invalid prompt or params (:meth:`InputProcessor.process`,
@@ -89,7 +94,9 @@ class LLMEngine:
                 unaffected.
             QueueFullError: the waiting queue holds ``max_waiting`` requests.
         """
-        return self.add_core_request(self.input_processor.process(prompt, params, request_id, priority, cache_salt))
+        request = self.input_processor.process(prompt, params, request_id, priority, cache_salt)
+        request.kv_transfer_params = kv_transfer_params
+        return self.add_core_request(request)
 
     def add_core_request(self, request: EngineCoreRequest) -> str:
         """Queue a request already processed by an :class:`InputProcessor` (:meth:`EngineCore.add_request`)."""

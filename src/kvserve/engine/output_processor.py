@@ -252,6 +252,7 @@ class OutputProcessor:
             # (a one-token prompt has no scored position: just the leading None)
             prompt_logprobs=(list(state.prompt_logprobs) or [None]) if state.prompt_logprobs is not None else None,
             num_cached_tokens=out.num_cached_tokens,
+            kv_transfer_params=out.kv_transfer_params,
         )
 
     def _error_output(self, state: RequestState, out: EngineCoreOutput, msg: Optional[str] = None) -> RequestOutput:

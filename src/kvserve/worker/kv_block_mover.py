@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvserve.core.kv_ops import COPY, SWAP_IN, SWAP_OUT, KVCacheOps
+from kvserve.core.kv_ops import COPY, LOAD, SWAP_IN, SWAP_OUT, KVCacheOps
 
 GiB = 1 << 30
 
@@ -45,6 +45,7 @@ class KVBlockMover:
     Args:
         kv_caches: the device pools, per layer ``(K, V)``, each ``[num_blocks, block_size,
             num_kv_heads, row]`` (any dtype, 8-bit rows with their scales included; contiguous).
+        rank: the worker's tensor-parallel rank (which shard of a KV connector's payload it loads).
 
     Attributes:
         host_caches: the host pool (:meth:`allocate_host`), per layer ``(K, V)``, each
@@ -54,8 +55,9 @@ class KVBlockMover:
         block_bytes: bytes of one block, all layers, K and V.
     """
 
-    def __init__(self, kv_caches: KVPools) -> None:
+    def __init__(self, kv_caches: KVPools, rank: int = 0) -> None:
         self.kv_caches = kv_caches
+        self.rank = rank
         k0 = kv_caches[0][0]
         self.device = k0.device
         self.block_size = k0.shape[1]
@@ -107,8 +109,30 @@ class KVBlockMover:
                 if self.host_caches is None:
                     raise ValueError(f"{b.kind} of {len(b.src)} blocks, but this worker has no host pool")
                 (self._swap_out if b.kind == SWAP_OUT else self._swap_in)(b.src, b.dst)
+            elif b.kind == LOAD:
+                self._load(b.source, b.src, b.dst)
             else:
                 raise ValueError(f"unknown KV op kind {b.kind!r}")
+
+    def save(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The K/V of device blocks ``blocks``, copied out: per layer ``(K, V)``, each
+        ``[len(blocks), block_size, num_kv_heads, row]`` in the pools' dtype, on the CPU (a KV
+        connector's payload, :mod:`kvserve.distributed.kv_transfer`)."""
+        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
+        return [tuple(c.index_select(0, idx).to("cpu") for c in pair) for pair in self.kv_caches]
+
+    def _load(self, handle, payload_blocks: list[int], device_blocks: list[int]) -> None:
+        """Write blocks ``payload_blocks`` of a KV connector's saved payload (``handle``: its
+        :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`) into device blocks."""
+        from kvserve.distributed.kv_transfer import get_connector
+
+        payload = get_connector(handle.connector).fetch(handle.key, self.rank, payload_blocks)
+        if len(payload) != len(self.kv_caches):
+            raise ValueError(f"KV transfer: a payload of {len(payload)} layers for pools of {len(self.kv_caches)}")
+        dst = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
+        for dev, saved in zip(self.kv_caches, payload):
+            for c, t in zip(dev, saved):
+                _raw(c).index_copy_(0, dst, _raw(t).to(self.device))
 
     def _copy(self, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
         """Copy slots ``0 .. num_tokens[i] - 1`` of device block ``src[i]`` into ``dst[i]``, all at

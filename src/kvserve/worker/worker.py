@@ -124,7 +124,7 @@ class Worker:
             raise ValueError(f"Worker: the KV cache was planned for tensor_parallel_size={kv_spec.tp_size}, this "
                              f"worker is one of {self.world_size} ranks")
         self.kv_caches = allocate_kv_cache(cfg, kv_spec, kv_cache_dtype, self.device)
-        self.kv_mover = KVBlockMover(self.kv_caches)
+        self.kv_mover = KVBlockMover(self.kv_caches, self.rank)
         return self.kv_caches
 
     def initialize_swap_space(self, num_blocks: int) -> bool:
@@ -144,6 +144,12 @@ class Worker:
     def host_caches(self) -> Optional[list]:
         """The swap space's host pool (None without one)."""
         return self.kv_mover.host_caches if self.kv_mover is not None else None
+
+    def save_kv_blocks(self, blocks: list[int]) -> list:
+        """The K/V of ``blocks`` of this worker's pools, copied to the CPU, for a KV connector
+        (:meth:`KVBlockMover.save`: per layer ``(K, V)``, each ``[len(blocks), block_size,
+        num_kv_heads, row]``)."""
+        return self.kv_mover.save(blocks)
 
     def apply_kv_ops(self, ops: KVCacheOps) -> None:
         """Apply block copies and swaps recorded by the engine core to this worker's pools, in
