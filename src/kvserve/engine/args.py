@@ -103,8 +103,11 @@ class EngineArgs:
             parallelism over ``torch.distributed``: gloo on CPU, NCCL on CUDA), in
             [1, the cores available] on a CPU (the ranks split the cores). 1: one process.
         distributed_executor_backend: how the ranks run: ``"mp"`` (processes on this machine,
-            the default) or ``"ray"`` (Ray actors in a placement group; a local Ray instance
-            is started unless ``RAY_ADDRESS`` names a cluster). None: ``"mp"``.
+            the default) or ``"ray"`` (Ray actors in a placement group, on one machine or a
+            cluster: :mod:`kvserve.executor.ray_executor`; a local Ray instance is started
+            unless this process is connected to Ray already or ``RAY_ADDRESS`` names a
+            cluster, which must be reachable). None: ``"mp"``. At ``tensor_parallel_size=1``
+            the worker runs in the engine's process whatever the backend.
         distributed_timeout_s: how long a rank may take to answer, or a collective to meet,
             before the step fails (seconds, > 0).
         kv_connector: how this engine hands prompt K/V to, or takes it from, another engine

@@ -134,16 +134,19 @@ class EngineCore:
 
         Raises:
             ValueError: a head count that ``tensor_parallel_size`` does not split, more ranks
-                than the CPU cores available (or the CUDA devices), a bad ``max_model_len``.
+                than the CPU cores available (or the CUDA devices; with the ``ray`` backend the
+                executor checks the cluster's instead), a bad ``max_model_len``.
         """
         args = self.args
         tp = args.tensor_parallel_size
         if tp > 1:  # before any process starts
             cfg.check_tensor_parallel(tp)
-            if self.device.type == "cpu" and tp > available_cores():
+            if args.distributed_executor_backend == "ray":
+                pass  # (the ranks may span machines: RayExecutor checks the local or cluster resources)
+            elif self.device.type == "cpu" and tp > available_cores():
                 raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {available_cores()} CPU cores this "
                                  f"process may run on: each rank needs a core of its own")
-            if self.device.type == "cuda" and tp > torch.cuda.device_count():
+            elif self.device.type == "cuda" and tp > torch.cuda.device_count():
                 raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {torch.cuda.device_count()} CUDA devices")
         kv_quant.check_head_dim(cfg.head_dim, args.kv_cache_dtype)
         self.kv_cache_dtype = kv_quant.storage_dtype(args.kv_cache_dtype, self.dtype)
@@ -156,15 +159,20 @@ class EngineCore:
 
     def _make_executor(self) -> Executor:
         """One worker in this process, or ``tensor_parallel_size`` ranks on the
-        ``distributed_executor_backend`` (``mp``: local processes; ``ray``: Ray actors)."""
+        ``distributed_executor_backend`` (``mp``: local processes; ``ray``: Ray actors,
+        :mod:`kvserve.executor.ray_executor`). At one rank the worker is in this process
+        whatever the backend (the driver rank always is: there is nothing for Ray to run)."""
         args = self.args
         tp, backend = args.tensor_parallel_size, args.distributed_executor_backend or "mp"
+        if tp == 1:
+            if args.distributed_executor_backend:
+                logger.info("tensor_parallel_size=1: the one worker runs in this process (distributed_executor_backend"
+                            "=%r has no other rank to start)", args.distributed_executor_backend)
+            return UniProcExecutor(Worker(self.dtype, self.device))
         if backend == "ray":
             from kvserve.executor.ray_executor import RayExecutor
 
             return RayExecutor(tp, self.dtype, self.device, args.distributed_timeout_s)
-        if tp == 1:
-            return UniProcExecutor(Worker(self.dtype, self.device))
         from kvserve.executor.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(tp, self.dtype, self.device, args.distributed_timeout_s)

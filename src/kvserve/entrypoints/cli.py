@@ -48,7 +48,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks: each holds 1/N of every layer (default 1)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
-                   help="how the ranks run: mp (local processes, the default) or ray (Ray actors)")
+                   help="how the ranks run: mp (local processes, the default) or ray (Ray actors in a placement "
+                        "group: joins the cluster of RAY_ADDRESS when set, else starts a local Ray instance)")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine details (KV capacity, ...)")
 
 
