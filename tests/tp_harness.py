@@ -156,9 +156,10 @@ def drive_worker(worker, folder: str, prompts: list[list[int]], max_new: int, *,
 
     Returns:
         ``{"logits": [per step, the model's logits rows (float32, CPU); none on a rank the logits
-        are not gathered to], "tokens": [per prompt,
-        the generated ids], "kv_heads": KV heads in this worker's pool, "num_heads": query heads
-        of its attention}``.
+        are not gathered to], "rows": [per step, ``(prompt index, position)`` of each logits row:
+        the row is the logits after that position of the prompt + generated sequence; empty on a
+        rank without logits], "tokens": [per prompt, the generated ids], "kv_heads": KV heads in
+        this worker's pool, "num_heads": query heads of its attention}``.
     """
     from kvserve.kernels import cpu_ops
 
@@ -192,6 +193,7 @@ def _drive(worker, folder, prompts, max_new, dtype, quantization, block_size, ch
     tables = {r.request_id: list(range(i * per_req, (i + 1) * per_req)) for i, r in enumerate(reqs)}
     worker.init_model_runner(tables, block_size, None)
     logits: list[torch.Tensor] = []
+    rows: list[list[tuple[int, int]]] = []
 
     def keep(module, args, out) -> None:
         if out is not None:  # (None: a rank the logits are not gathered to)
@@ -207,6 +209,8 @@ def _drive(worker, folder, prompts, max_new, dtype, quantization, block_size, ch
             out = worker.execute_model(sched)
             for r, n in sched.scheduled:
                 r.num_computed_tokens += n
+            # (before the sampled tokens are appended: each row scores the token after the last one)
+            rows.append([(reqs.index(r), r.num_tokens - 1) for r in out.sample_requests])
             sampled = [] if out.sampler_output is None else list(
                 zip([r.request_id for r in out.sample_requests], out.sampler_output.sampled_token_ids.tolist()))
             sampled = broadcast_object(sampled, src=0)  # (a no-op with one rank)
@@ -216,8 +220,8 @@ def _drive(worker, folder, prompts, max_new, dtype, quantization, block_size, ch
     finally:
         hook.remove()
     attn = worker.model.layers[0].self_attn
-    return {"logits": logits, "tokens": [r.output_token_ids for r in reqs], "kv_heads": kv[0][0].shape[2],
-            "num_heads": attn.num_heads}
+    return {"logits": logits, "rows": rows if logits else [], "tokens": [r.output_token_ids for r in reqs],
+            "kv_heads": kv[0][0].shape[2], "num_heads": attn.num_heads}
 
 
 def tp_generate(folder: str, prompts: list[list[int]], max_new: int, dtype: str = "float32",
