@@ -1,5 +1,10 @@
 """Batching changes nothing: 16 mixed-length prompts together give exactly the tokens each
-gives alone — also under preemption (tiny pool) and chunked prefill (tiny token budget)."""
+gives alone — also under preemption (tiny pool) and chunked prefill (tiny token budget).
+
+The same holds under tensor parallelism: the three tests again at ``tensor_parallel_size=2``
+(the ``mp`` executor: rank 1 in a spawned process) on a tiny random Llama (4 query heads, 2 KV
+heads: SmolLM2's 9 do not split over 2 ranks), whose own tokenizer makes the 16 prompts 6 to
+330 tokens long."""
 
 import pytest
 
@@ -85,3 +90,65 @@ def test_bf16_chunked_prefill_of_a_long_prompt(llm_fp32):
         for lp in r.outputs[0].logprobs[:2]:
             assert lp.logprob - max(l for t, l in lp.top if t != lp.token_id) > 1.2
         assert o.token_ids[:2] == r.token_ids[:2]
+
+
+# ------------------------------------------------------------------ the same at TP = 2
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_dir):
+    return str(tiny_model_dir("llama")[0])
+
+
+def _tp2(folder, **kw):
+    return LLM(model=folder, dtype="float32", max_model_len=512, tensor_parallel_size=2, **kw)
+
+
+def _run_tp2(folder, prompts, **kw):
+    """The outputs of ``prompts`` batched in a TP = 2 engine, and the engine, shut down (a process
+    holds one tensor-parallel group: one such engine at a time)."""
+    llm = _tp2(folder, **kw)
+    try:
+        return [o.token_ids for o in llm.generate(prompts, PARAMS)], llm.engine
+    finally:
+        llm.engine.core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tiny_llama):
+    """(prompts, each alone, all batched) in one TP = 2 engine."""
+    llm = _tp2(tiny_llama)
+    try:
+        assert llm.engine.executor.world_size == 2
+        prompts = _prompts(llm)
+        assert min(map(len, prompts)) <= 8 and max(map(len, prompts)) >= 300
+        alone = [llm.generate([p], PARAMS)[0].token_ids for p in prompts]
+        batched = [o.token_ids for o in llm.generate(prompts, PARAMS)]
+    finally:
+        llm.engine.core.shutdown()
+    return prompts, alone, batched
+
+
+def test_tp2_alone_equals_one_rank(tiny_llama, tp2_runs):
+    prompts, expected, _ = tp2_runs
+    one = LLM(model=tiny_llama, dtype="float32", max_model_len=512)
+    assert [one.generate([p], PARAMS)[0].token_ids for p in prompts] == expected
+
+
+def test_tp2_batch_equals_alone(tp2_runs):
+    _, expected, batched = tp2_runs
+    assert batched == expected
+
+
+def test_tp2_batch_equals_alone_under_preemption(tiny_llama, tp2_runs):
+    prompts, expected, _ = tp2_runs
+    got, engine = _run_tp2(tiny_llama, prompts, num_blocks=24, block_size=16)  # (the longest needs 22 blocks)
+    assert engine.scheduler.num_preemptions > 0
+    assert got == expected
+    assert engine.kv.num_free_blocks == 24
+
+
+def test_tp2_batch_equals_alone_with_chunked_prefill(tiny_llama, tp2_runs):
+    prompts, expected, _ = tp2_runs
+    got, engine = _run_tp2(tiny_llama, prompts, max_num_batched_tokens=16)
+    assert engine.scheduler.num_chunked_prefills >= sum(len(p) > 16 for p in prompts)
+    assert got == expected

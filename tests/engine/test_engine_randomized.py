@@ -4,7 +4,7 @@ tenants, priorities, n > 1, beam search and aborts. Every request must finish ex
 (no hang: a step cap), the KV manager's invariants must hold after every step, every block
 must be free or evictable at the end, and each request's output must equal what it gives
 alone on a roomy engine (float32; greedy, or seeded sampling, whose draws do not depend on
-the batch)."""
+the batch). Also at tensor_parallel_size=2, on a few workloads."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -55,10 +55,31 @@ def workloads(draw):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(w=workloads())
 def test_every_request_finishes_once_with_its_solo_output(folders, alone, w):
-    engine = LLMEngine(EngineArgs(model=folders[w["arch"]], dtype="float32", device="cpu",
-                                  num_blocks=w["num_blocks"], block_size=w["block_size"], max_model_len=MAX_MODEL_LEN,
-                                  max_num_batched_tokens=w["max_num_batched_tokens"], max_num_seqs=w["max_num_seqs"],
-                                  enable_prefix_caching=w["enable_prefix_caching"]))
+    _check_workload(_engine(folders, w), w, alone)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(w=workloads())
+def test_tp2_every_request_finishes_once_with_its_solo_output(folders, alone, w):
+    """The same at ``tensor_parallel_size=2`` (the ``mp`` executor), against the same solo
+    outputs at one rank: fewer examples, each engine starts a rank process (~5 s)."""
+    engine = _engine(folders, w, tensor_parallel_size=2)
+    try:
+        assert engine.executor.world_size == 2
+        _check_workload(engine, w, alone)
+    finally:
+        engine.core.shutdown()
+
+
+def _engine(folders, w, **kw) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=folders[w["arch"]], dtype="float32", device="cpu",
+                                num_blocks=w["num_blocks"], block_size=w["block_size"], max_model_len=MAX_MODEL_LEN,
+                                max_num_batched_tokens=w["max_num_batched_tokens"], max_num_seqs=w["max_num_seqs"],
+                                enable_prefix_caching=w["enable_prefix_caching"], **kw))
+
+
+def _check_workload(engine, w, alone) -> None:
     ids, final = run_workload(engine, w["requests"], STEP_CAP)
     for rid, out in final.items():
         if out == "aborted":
