@@ -72,20 +72,20 @@ def test_tp2_every_request_finishes_once_with_its_solo_output(folders, alone, w)
         engine.core.shutdown()
 
 
-def _engine(folders, w, **kw) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=folders[w["arch"]], dtype="float32", device="cpu",
+def _engine(model_folders, w, **kw) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=model_folders[w["arch"]], dtype="float32", device="cpu",
                                 num_blocks=w["num_blocks"], block_size=w["block_size"], max_model_len=MAX_MODEL_LEN,
                                 max_num_batched_tokens=w["max_num_batched_tokens"], max_num_seqs=w["max_num_seqs"],
                                 enable_prefix_caching=w["enable_prefix_caching"], **kw))
 
 
-def _check_workload(engine, w, alone) -> None:
+def _check_workload(engine, w, solo) -> None:
     ids, final = run_workload(engine, w["requests"], STEP_CAP)
     for rid, out in final.items():
         if out == "aborted":
             continue
         r = ids[rid]
         assert out.error is None
-        assert _summary(out) == alone(w["arch"], r["prompt"], r["params"]), rid
+        assert _summary(out) == solo(w["arch"], r["prompt"], r["params"]), rid
     assert engine.kv.num_free_blocks == engine.kv.num_blocks  # free, or evictable from the prefix cache
     assert not engine.groups
