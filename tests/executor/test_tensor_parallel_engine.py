@@ -117,6 +117,34 @@ def test_tp2_sliding_windows_gemma3_and_replicated_kv_heads_equal_one_rank(tiny_
     _same_as_one_rank(tiny_model_dir(arch)[0], reqs)
 
 
+def test_tp2_the_driver_steps_on_its_share_of_the_cores(llama):
+    """torch's thread count is per thread: the driver's worker, built on a thread of the
+    executor's, still steps on cores // 2 threads in the engine's thread and in any other that
+    steps it (the in-process server's loop), not on the process's default (on 2 cores: 1 and 1,
+    not 2 beside rank 1's 1)."""
+    import threading
+
+    import torch
+
+    from kvserve.worker.worker import available_cores
+
+    share = max(1, available_cores() // 2)
+    seen = []
+    eng = _engine(llama, 2)
+    try:
+        runner = eng.executor.driver_worker.runner
+        orig = runner.execute
+        runner.execute = lambda *a, **k: seen.append(torch.get_num_threads()) or orig(*a, **k)
+        eng.add_request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        eng.step()
+        t = threading.Thread(target=lambda: [eng.step() for _ in range(3)])
+        t.start()
+        t.join(60)
+    finally:
+        eng.core.shutdown()
+    assert len(seen) == 4 and set(seen) == {share}
+
+
 # ------------------------------------------------------------------ errors
 def _no_children():
     return not multiprocessing.active_children()

@@ -55,7 +55,10 @@ class Worker:
             None and sample nothing); None: every rank gets them.
 
     With several ranks on the CPU, torch's intra-op threads are ``max(1, cores // world_size)``
-    (the cores this process may run on, shared by the ranks: none oversubscribed).
+    (the cores this process may run on, shared by the ranks: none oversubscribed), in the thread
+    that builds the worker and in any thread that runs its steps: torch's thread count is
+    per thread (OpenMP's), and the driver's worker is built on a thread of its own
+    (:class:`~kvserve.executor.multiproc_executor.MultiprocExecutor`) and steps on the engine's.
 
     Raises:
         ValueError: a bad rank or world size, or no ``distributed_init_method`` for several ranks.
@@ -75,11 +78,13 @@ class Worker:
         self.kv_caches: Optional[list] = None
         self.kv_mover: Optional[KVBlockMover] = None
         self.runner: Optional[ModelRunner] = None
+        self.num_threads: Optional[int] = None  # torch threads of this rank's steps (None: as they are)
         if world_size > 1:
             if not distributed_init_method:
                 raise ValueError("Worker: world_size > 1 needs a distributed_init_method (tcp://... or file://...)")
             if self.device.type == "cpu":
-                torch.set_num_threads(max(1, available_cores() // world_size))
+                self.num_threads = max(1, available_cores() // world_size)
+                torch.set_num_threads(self.num_threads)
             self.device = parallel_state.init_distributed(world_size, rank, distributed_init_method,
                                                           device=self.device, timeout_s=distributed_timeout_s)
 
@@ -184,6 +189,7 @@ class Worker:
         Raises:
             KVCacheOpsError: applying the ops failed (nothing ran).
         """
+        self._pin_threads()
         if scheduler_output.kv_ops:
             self.apply_kv_ops(scheduler_output.kv_ops)
         if broadcast is None:
@@ -203,10 +209,16 @@ class Worker:
         Raises:
             KVCacheOpsError: applying the ops failed.
         """
+        self._pin_threads()
         if kv_ops:
             self.apply_kv_ops(kv_ops)
         self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches,
                    _to_device(meta, self.device), logits_indices.to(self.device))
+
+    def _pin_threads(self) -> None:
+        """This thread's torch threads to the rank's share of the cores (a no-op at one rank)."""
+        if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
 
     def shutdown(self) -> None:
         """Leave the tensor-parallel group (:func:`kvserve.distributed.destroy_distributed`)."""
