@@ -173,6 +173,24 @@ def test_bad_configurations_fail_before_any_process_starts(tiny_model_dir, llama
         EngineArgs(distributed_executor_backend="mpi").check()
 
 
+def test_a_second_tp_engine_in_one_process_is_a_clear_error(llama):
+    """One process group per process: a second TP engine while the first runs fails at once,
+    before any process starts (it took the first one's group, waited for ranks that never
+    met it, and its shutdown then left that group); the first carries on."""
+    first = _engine(llama, 2)
+    try:
+        children = set(multiprocessing.active_children())
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="already holds a tensor-parallel group"):
+            _engine(llama, 2)
+        assert time.monotonic() - t0 < 10 and set(multiprocessing.active_children()) == children
+        got = _run(first, [(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])
+        assert len(got[0].outputs[0].token_ids) == 4
+    finally:
+        first.core.shutdown()
+    _engine(llama, 2).core.shutdown()  # once it is shut down, another may start
+
+
 def test_a_dead_rank_fails_the_step_and_leaves_nothing(llama):
     eng = _engine(llama, 2)
     rank1 = eng.executor.procs[0]

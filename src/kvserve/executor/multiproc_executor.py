@@ -146,6 +146,8 @@ class MultiprocExecutor(Executor):
             the step fails (seconds).
 
     Raises at construction (no process is left behind):
+        RuntimeError: this process already holds a tensor-parallel group (another engine's,
+            not shut down: a process has one), before any process starts.
         WorkerError / the rank's own exception: a rank failed to start.
         WorkerDiedError: a rank died while starting.
     """
@@ -154,6 +156,11 @@ class MultiprocExecutor(Executor):
                  distributed_timeout_s: float = 120.0) -> None:
         if world_size < 2:
             raise ValueError(f"MultiprocExecutor needs tensor_parallel_size >= 2, got {world_size}")
+        from kvserve.distributed import is_initialized
+
+        if is_initialized():  # (its driver would take that group, and its ranks would never meet)
+            raise RuntimeError("this process already holds a tensor-parallel group (another engine with "
+                               "tensor_parallel_size > 1 that is not shut down): a process runs one at a time")
         self.world_size = world_size
         self.timeout_s = distributed_timeout_s
         self._dead: Optional[str] = None
