@@ -26,6 +26,12 @@ PRESETS = {
                                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                                    tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
                                    max_position_embeddings=8192)),
+    # SmolLM2-135M with 8 query heads of 72 and 2 KV heads (its 9 and 3 do not split over 2
+    # tensor-parallel ranks; benchmarks/tensor_parallel.py)
+    "smollm2-135m-8h": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=49152,
+                                      tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                      max_position_embeddings=8192)),
     "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                  tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
