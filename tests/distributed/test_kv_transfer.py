@@ -113,7 +113,7 @@ def test_bad_kv_transfer_params_are_refused(engines, folder):
     _run(decode, [(PROMPTS[0], greedy, handle)])  # the handle is still good: loaded once ...
     with pytest.raises(ValueError, match="already loaded or released"):
         decode.add_request(PROMPTS[0], greedy, kv_transfer_params=handle)  # ... and only once
-    with pytest.raises(ValueError, match="kv_connector must be 'local' or None"):
+    with pytest.raises(ValueError, match="kv_connector must be .local., .ray. or None"):
         EngineArgs(kv_connector="nixl").check()
 
 

@@ -112,8 +112,8 @@ class EngineArgs:
             before the step fails (seconds, > 0).
         kv_connector: how this engine hands prompt K/V to, or takes it from, another engine
             (prefill/decode disaggregation, :mod:`kvserve.distributed.kv_transfer`): ``"local"``
-            (engines in one process), or None (no transfer; requests with
-            ``kv_transfer_params`` are refused).
+            (engines in one process), ``"ray"`` (Ray's object store: engines in processes of one
+            Ray cluster), or None (no transfer; requests with ``kv_transfer_params`` are refused).
     """
 
     model: Optional[str] = None
@@ -195,11 +195,11 @@ class EngineArgs:
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError(f"{name('distributed_executor_backend')} must be 'mp' or 'ray', "
                              f"got {self.distributed_executor_backend!r}")
-        if self.kv_connector not in (None, "local"):
-            raise ValueError(f"{name('kv_connector')} must be 'local' or None, got {self.kv_connector!r}")
-        if self.kv_connector == "local" and self.tensor_parallel_size > 1:
-            raise ValueError(f"{name('kv_connector')}: the 'local' connector holds one process's blocks; with "
-                             f"{name('tensor_parallel_size')} > 1 the ranks' shards live in several processes")
+        if self.kv_connector not in (None, "local", "ray"):
+            raise ValueError(f"{name('kv_connector')} must be 'local', 'ray' or None, got {self.kv_connector!r}")
+        if self.kv_connector is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"{name('kv_connector')}: KV transfer runs at {name('tensor_parallel_size')} 1 for now "
+                             f"(the ranks' shards would each go through the connector)")
         t = self.distributed_timeout_s
         if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 < t <= 86400:
             raise ValueError(f"{name('distributed_timeout_s')} must be in (0, 86400] seconds, got {t!r}")

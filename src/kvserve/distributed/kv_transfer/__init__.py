@@ -17,9 +17,10 @@ running decodes; the price is moving the prompt's K/V. vLLM hides the move behin
   prompt token (the one owed) and decodes.
 
 Connectors (:func:`get_connector`): ``"local"`` (:class:`LocalKVConnector`: a store in this
-process, for engines that share one, and the reference for the others). A connector over Ray's
-object store (zero-copy on one node, Ray's transfer across nodes) or ``torch.distributed``
-send/recv plugs in behind the same two calls.
+process, for engines that share one, and the reference for the others) and ``"ray"``
+(:class:`~kvserve.distributed.kv_transfer.ray_connector.RayKVConnector`: Ray's object store,
+shared memory on one node, Ray's transfer across nodes). ``torch.distributed`` send/recv (NCCL
+on GPUs) or NIXL would plug in behind the same calls.
 """
 
 from kvserve.distributed.kv_transfer.base import KVConnector, KVTransferHandle, get_connector

@@ -83,7 +83,7 @@ _CONNECTORS: dict[str, KVConnector] = {}
 
 
 def get_connector(name: str) -> KVConnector:
-    """This process's connector called ``name`` (``"local"``).
+    """This process's connector called ``name`` (``"local"`` or ``"ray"``).
 
     Raises:
         ValueError: an unknown name.
@@ -93,6 +93,10 @@ def get_connector(name: str) -> KVConnector:
             from kvserve.distributed.kv_transfer.local_connector import LocalKVConnector
 
             _CONNECTORS[name] = LocalKVConnector()
+        elif name == "ray":
+            from kvserve.distributed.kv_transfer.ray_connector import RayKVConnector
+
+            _CONNECTORS[name] = RayKVConnector()
         else:
-            raise ValueError(f"kv_connector must be 'local', got {name!r}")
+            raise ValueError(f"kv_connector must be 'local' or 'ray', got {name!r}")
     return _CONNECTORS[name]
