@@ -191,6 +191,30 @@ def test_a_second_tp_engine_in_one_process_is_a_clear_error(llama):
     _engine(llama, 2).core.shutdown()  # once it is shut down, another may start
 
 
+def test_llm_shutdown_and_a_collected_engine_free_the_group(llama):
+    """``LLM.shutdown()`` stops the ranks; an engine dropped without it stops them when it is
+    collected; a shut-down engine's late finalizer leaves the next engine's group alone."""
+    import gc
+
+    from kvserve import LLM
+
+    llm = LLM(model=str(llama), dtype="float32", num_blocks=64, block_size=4, max_model_len=128,
+              tensor_parallel_size=2)
+    ranks = list(llm.engine.executor.procs)
+    llm.shutdown()
+    assert not any(p.is_alive() for p in ranks)
+    second = _engine(llama, 2)
+    del llm
+    gc.collect()  # (the first engine's finalizer runs now: it must not leave the second's group)
+    got = _run(second, [(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])
+    assert len(got[0].outputs[0].token_ids) == 4
+    ranks = list(second.executor.procs)
+    del second, got
+    gc.collect()
+    assert not any(p.is_alive() for p in ranks) and _no_children()
+    _engine(llama, 2).core.shutdown()  # the group was left: another may start
+
+
 def test_a_dead_rank_fails_the_step_and_leaves_nothing(llama):
     eng = _engine(llama, 2)
     rank1 = eng.executor.procs[0]

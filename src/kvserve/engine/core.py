@@ -23,6 +23,7 @@ import itertools
 import logging
 import random
 import time
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -93,6 +94,8 @@ class EngineCore:
         t0 = time.perf_counter()
         self.max_model_len = max_len = self._check_config(load_model_config(path))  # before the weights load
         self.executor: Executor = self._make_executor()
+        # the workers stop when the core is collected (or at exit) if shutdown() was not called
+        weakref.finalize(self, self.executor.shutdown)
         try:
             # the tokenizer (Python: transformers' import, the vocabulary's conversion) loads on a thread
             # while the workers load the weights (GIL released); a weights error still comes first
@@ -443,8 +446,8 @@ class EngineCore:
             return None, False
         name = self.args.kv_connector
         if name is None:
-            raise ValueError("kv_transfer_params: this engine has no kv_connector (start it with kv_connector='local' "
-                             "/ --kv-connector local)")
+            raise ValueError("kv_transfer_params: this engine has no kv_connector (build it with "
+                             "EngineArgs(kv_connector='local' or 'ray'))")
         if params.use_beam_search or params.prompt_logprobs is not None:
             raise ValueError("kv_transfer_params: a transferred request cannot use beam search or prompt_logprobs")
         if self.model_config.uniform_window is not None:

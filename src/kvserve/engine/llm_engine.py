@@ -129,6 +129,10 @@ class LLMEngine:
             self.core.abort_request(rid)
         return processed.request_outputs
 
+    def shutdown(self) -> None:
+        """Stop the workers (:meth:`EngineCore.shutdown`); the engine cannot step afterwards."""
+        self.core.shutdown()
+
     def stats(self) -> dict:
         """The engine core's counters (:meth:`EngineCore.stats`)."""
         return self.core.stats()

@@ -71,6 +71,12 @@ class LLM:
         # engine; each stream drains its own when it resumes.
         self._pending: dict[str, list[RequestOutput]] = {}
 
+    def shutdown(self) -> None:
+        """Stop the engine's workers now (the rank processes of ``tensor_parallel_size > 1``);
+        the engine cannot be used afterwards. Also done when the ``LLM`` is garbage-collected
+        and at exit."""
+        self.engine.shutdown()
+
     def _submit(self, prompts, params, stream: bool = False) -> tuple[list[Optional[str]], dict[int, str]]:
         if isinstance(prompts, (np.ndarray, torch.Tensor)) and prompts.ndim == 1:
             prompts = [prompts]  # one prompt of token ids

@@ -125,10 +125,14 @@ def run_worker(rank: int, world_size: int, dtype: torch.dtype, device: str, init
             else:
                 _, method, args, kwargs = msg
                 value = _portable(getattr(worker, method)(*args, **kwargs))
-            conn.send(("ok", value))
+            reply = ("ok", value)
         except BaseException as e:  # noqa: BLE001 - handed to the driver
             logger.debug("rank %d: %s failed:\n%s", rank, kind, traceback.format_exc())
-            conn.send(("err", _picklable_error(e, rank)))
+            reply = ("err", _picklable_error(e, rank))
+        try:
+            conn.send(reply)
+        except (OSError, ValueError):  # the driver is gone (its peers' collectives broke): leave quietly
+            os._exit(0)
     try:
         worker.shutdown()
     finally:
@@ -160,7 +164,8 @@ class MultiprocExecutor(Executor):
 
         if is_initialized():  # (its driver would take that group, and its ranks would never meet)
             raise RuntimeError("this process already holds a tensor-parallel group (another engine with "
-                               "tensor_parallel_size > 1 that is not shut down): a process runs one at a time")
+                               "tensor_parallel_size > 1 that is not shut down: call its shutdown(), LLM.shutdown() "
+                               "or LLMEngine.shutdown()): a process runs one at a time")
         self.world_size = world_size
         self.timeout_s = distributed_timeout_s
         self._dead: Optional[str] = None
@@ -208,13 +213,20 @@ class MultiprocExecutor(Executor):
             for rank, (p, c) in enumerate(zip(self.procs, self.conns), start=1):
                 if rank in ready:
                     continue
-                if c.poll(0):
-                    msg = c.recv()
+                try:
+                    msg = c.recv() if c.poll(0) else None
+                except (EOFError, OSError):  # it died before a word: let the exit code tell
+                    p.join(5.0)
+                    msg = None
+                if msg is not None:
                     if msg[0] == "err":
                         raise msg[1]
                     ready.add(rank)
                 elif not p.is_alive():
-                    raise WorkerDiedError(f"tensor-parallel rank {rank} died while starting (exit code {p.exitcode})")
+                    raise WorkerDiedError(
+                        f"tensor-parallel rank {rank} died while starting (exit code {p.exitcode}). The ranks are "
+                        f"spawned processes that import the main script: a script that builds an engine with "
+                        f"tensor_parallel_size > 1 must do so under `if __name__ == \"__main__\":`")
             if time.monotonic() > deadline:
                 raise WorkerDiedError(f"the {self.world_size} tensor-parallel ranks did not meet within "
                                       f"{self.timeout_s:.0f} s")
@@ -324,6 +336,10 @@ class MultiprocExecutor(Executor):
                 raise
             except BaseException as e:
                 if not sent:  # (the driver failed building the batch: the ranks saw nothing)
+                    raise
+                if isinstance(e, KeyboardInterrupt):  # Ctrl-C: stop the ranks, and stop as asked
+                    self._dead = self._dead or "interrupted"
+                    self._stop_ranks()
                     raise
                 time.sleep(0.1)  # (a rank that died broke the collective: let its death show first)
                 if self.is_alive:

@@ -79,6 +79,7 @@ class Worker:
         self.kv_mover: Optional[KVBlockMover] = None
         self.runner: Optional[ModelRunner] = None
         self.num_threads: Optional[int] = None  # torch threads of this rank's steps (None: as they are)
+        self._in_group = False  # (joined the ranks' process group, and not left it)
         if world_size > 1:
             if not distributed_init_method:
                 raise ValueError("Worker: world_size > 1 needs a distributed_init_method (tcp://... or file://...)")
@@ -87,6 +88,7 @@ class Worker:
                 torch.set_num_threads(self.num_threads)
             self.device = parallel_state.init_distributed(world_size, rank, distributed_init_method,
                                                           device=self.device, timeout_s=distributed_timeout_s)
+            self._in_group = True
 
     def load_model(self, path, max_model_len: int, quantization: Optional[str]) -> ModelConfig:
         """Read the weights at ``path`` and build the model for contexts of ``max_model_len``.
@@ -221,8 +223,10 @@ class Worker:
             torch.set_num_threads(self.num_threads)
 
     def shutdown(self) -> None:
-        """Leave the tensor-parallel group (:func:`kvserve.distributed.destroy_distributed`)."""
-        if self.world_size > 1:
+        """Leave the tensor-parallel group (:func:`kvserve.distributed.destroy_distributed`);
+        idempotent: once left, a later call leaves nothing (not another engine's group)."""
+        if self._in_group:
+            self._in_group = False
             parallel_state.destroy_distributed()
 
 
