@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import wait
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -83,6 +83,39 @@ def _picklable_error(e: BaseException, rank: int) -> BaseException:
         return e
     except Exception:  # noqa: BLE001 - replaced by a plain error with the same message
         return WorkerError(f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
+def build_driver_worker(dtype: torch.dtype, device, world_size: int, init_method: str, timeout_s: float,
+                        watch: Callable[[], None]) -> Worker:
+    """Rank 0's :class:`Worker`, built on a thread (it joins the ranks' rendezvous, which returns
+    once every rank has joined) while ``watch()`` runs every 0.2 s: ``watch`` raises for a rank
+    that failed or died while starting, so that the construction fails instead of leaving the
+    driver waiting in the rendezvous.
+
+    Raises:
+        What ``watch`` raised; WorkerDiedError: the ranks did not meet within ``timeout_s``;
+        the driver's own error.
+    """
+    box: dict = {}
+
+    def build():
+        try:
+            box["worker"] = Worker(dtype, device, 0, world_size, init_method, distributed_timeout_s=timeout_s,
+                                   logits_dst=0)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["error"] = e
+
+    t = threading.Thread(target=build, name="kvserve-tp-driver-init", daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout_s
+    while t.is_alive():
+        t.join(0.2)
+        watch()
+        if time.monotonic() > deadline:
+            raise WorkerDiedError(f"the {world_size} tensor-parallel ranks did not meet within {timeout_s:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["worker"]
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -196,20 +229,8 @@ class MultiprocExecutor(Executor):
         """The driver's Worker, built while watching the ranks: a rank that fails to start
         fails the construction instead of leaving the driver waiting in the rendezvous (the
         ranks that reported ready meanwhile are added to ``ready``)."""
-        box: dict = {}
 
-        def build():
-            try:
-                box["worker"] = Worker(dtype, device, 0, self.world_size, init_method,
-                                       distributed_timeout_s=self.timeout_s, logits_dst=0)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                box["error"] = e
-
-        t = threading.Thread(target=build, name="kvserve-tp-driver-init", daemon=True)
-        t.start()
-        deadline = time.monotonic() + self.timeout_s
-        while t.is_alive():
-            t.join(0.2)
+        def watch() -> None:
             for rank, (p, c) in enumerate(zip(self.procs, self.conns), start=1):
                 if rank in ready:
                     continue
@@ -227,12 +248,8 @@ class MultiprocExecutor(Executor):
                         f"tensor-parallel rank {rank} died while starting (exit code {p.exitcode}). The ranks are "
                         f"spawned processes that import the main script: a script that builds an engine with "
                         f"tensor_parallel_size > 1 must do so under `if __name__ == \"__main__\":`")
-            if time.monotonic() > deadline:
-                raise WorkerDiedError(f"the {self.world_size} tensor-parallel ranks did not meet within "
-                                      f"{self.timeout_s:.0f} s")
-        if "error" in box:
-            raise box["error"]
-        return box["worker"]
+
+        return build_driver_worker(dtype, device, self.world_size, init_method, self.timeout_s, watch)
 
     # ------------------------------------------------------------------ calls
     @property

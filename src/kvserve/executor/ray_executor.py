@@ -81,7 +81,7 @@ from typing import Any, Optional
 import torch
 
 from kvserve.executor.abstract import Executor
-from kvserve.executor.multiproc_executor import WorkerDiedError, _picklable_error, _portable
+from kvserve.executor.multiproc_executor import WorkerDiedError, _picklable_error, _portable, build_driver_worker
 from kvserve.worker.worker import Worker, available_cores
 
 logger = logging.getLogger(__name__)
@@ -367,32 +367,17 @@ class RayExecutor(Executor):
         fails or dies while starting fails the construction instead of leaving the driver
         waiting in the rendezvous."""
         ray = self._ray
-        box: dict = {}
-
-        def build():
-            try:
-                box["worker"] = Worker(dtype, device, 0, self.world_size, init_method,
-                                       distributed_timeout_s=self.timeout_s, logits_dst=0)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                box["error"] = e
-
-        t = threading.Thread(target=build, name="kvserve-tp-driver-init", daemon=True)
-        t.start()
-        deadline = time.monotonic() + self.timeout_s
         rank_of = {ref: rank for rank, ref in enumerate(refs, start=1)}
         pending = list(refs)
-        while t.is_alive():
-            t.join(0.2)
+
+        def watch() -> None:
+            nonlocal pending
             if pending:
                 done, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
                 if done:  # (raises for an actor that failed or died)
                     self._get(done, "start", ranks=[rank_of[r] for r in done])
-            if time.monotonic() > deadline:
-                raise WorkerDiedError(f"the {self.world_size} tensor-parallel ranks did not meet within "
-                                      f"{self.timeout_s:.0f} s")
-        if "error" in box:
-            raise box["error"]
-        return box["worker"]
+
+        return build_driver_worker(dtype, device, self.world_size, init_method, self.timeout_s, watch)
 
     # ------------------------------------------------------------------ calls
     def _get(self, refs: list, what: str, ranks: Optional[list[int]] = None,
