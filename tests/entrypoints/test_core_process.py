@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import ServerThread
+from server_helpers import ServerThread, pid_gone
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.args import EngineArgs
@@ -32,20 +32,6 @@ CHAT_TEMPLATE = (
 )
 PROMPT = "The quick brown fox"
 TINY = dict(dtype="float32", block_size=4, max_model_len=512)
-
-
-def _pid_gone(pid: int, timeout: float = 10.0) -> bool:
-    """Whether process ``pid`` is gone (or a zombie) within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _metrics(server) -> dict:
@@ -295,7 +281,7 @@ def test_mp_async_engine_fails_live_requests_when_a_step_fails():
 # ------------------------------------------------------------- same outputs
 def test_core_runs_in_another_process(server):
     pid = server.api.async_engine.core_pid
-    assert pid != os.getpid() and not _pid_gone(pid, timeout=0.1)
+    assert pid != os.getpid() and not pid_gone(pid, timeout=0.1)
     assert httpx.get(server.base_url + "/health").status_code == 200
     assert not hasattr(server.api.engine, "model")  # the API process holds no weights
     assert server.engine_call("stats")["kv_blocks_total"] == 512
@@ -623,7 +609,7 @@ def test_core_killed_mid_stream(tiny_folder):
         after = _metrics(s)  # the API process still serves its metrics
         assert after["kvserve:request_success_total{finished_reason=error}"] - \
             before.get("kvserve:request_success_total{finished_reason=error}", 0.0) == 2
-        assert _pid_gone(pid, 1.0)
+        assert pid_gone(pid, 1.0)
         stop = time.monotonic()
     assert time.monotonic() - stop < 15  # the server stops without waiting on the dead core
 
@@ -639,7 +625,7 @@ def test_server_stop_leaves_no_child_process(tiny_folder):
             s.server.should_exit = True
             s.thread.join(30)
     assert not s.thread.is_alive()
-    assert _pid_gone(pid, timeout=1.0)
+    assert pid_gone(pid, timeout=1.0)
     assert s.api.engine.exitcode == 0  # it stopped when told to (not terminated after a timeout)
     assert not s.api.async_engine.is_running
 
@@ -716,7 +702,7 @@ def test_cli_core_exits_when_the_api_process_dies(tiny_folder):
         assert r.status_code == 200
         os.kill(p.pid, signal.SIGKILL)  # no shutdown: the core notices the closed pipe
         p.wait(10)
-        assert _pid_gone(core_pid, timeout=10.0), "the core outlived the API process"
+        assert pid_gone(core_pid, timeout=10.0), "the core outlived the API process"
     finally:
         if p.poll() is None:
             p.kill()
@@ -730,7 +716,7 @@ def test_cli_sigterm_stops_the_core(tiny_folder):
         assert p.wait(30) in (0, -signal.SIGTERM)  # (uvicorn re-raises the signal after its graceful shutdown)
         err = p.stderr.read()
         assert "Traceback" not in err and "did not stop" not in err, err
-        assert _pid_gone(core_pid, timeout=1.0)
+        assert pid_gone(core_pid, timeout=1.0)
     finally:
         if p.poll() is None:
             p.kill()
@@ -777,7 +763,7 @@ def test_smollm2_api_process_holds_no_weights(smollm2_path):
     finally:
         p.terminate()
         p.wait(30)
-    assert _pid_gone(core_pid, timeout=5.0)
+    assert pid_gone(core_pid, timeout=5.0)
 
 
 SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

@@ -20,7 +20,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.args import EngineArgs
-from server_helpers import ServerThread, free_port
+from server_helpers import ServerThread, free_port, pid_gone
 
 TINY = dict(dtype="float32", block_size=4, max_model_len=256, num_blocks=256)
 PROMPTS = ["The quick brown fox", "Once upon a time"]
@@ -40,19 +40,6 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             out.append(int(entry))
     return out
-
-
-def _gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +87,7 @@ def test_tp2_server_equals_offline_and_a_dead_rank_fails_live_requests(folder):
         assert "rank 1" in events[-2]["error"]["message"]
         r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
         assert r.status_code == 503
-        assert _gone(core, 10.0) and _gone(ranks[0], 1.0)
+        assert pid_gone(core, 10.0) and pid_gone(ranks[0], 1.0)
 
 
 def test_cli_serve_tp_flag_and_clear_errors(folder):
@@ -135,4 +122,4 @@ def test_cli_serve_tp_flag_and_clear_errors(folder):
         p.send_signal(signal.SIGTERM)
         p.wait(60)
     for k in kids:  # the core and, under it, rank 1: all gone with the server
-        assert _gone(k, 10.0)
+        assert pid_gone(k, 10.0)

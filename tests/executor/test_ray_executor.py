@@ -26,12 +26,12 @@ import pytest
 import ray
 import torch
 
-from kvserve import SamplingParams, StructuredOutputsParams
+from kvserve import SamplingParams
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from tp_workload import PROMPTS, mixed_workload, run, summary
 from kvserve.executor.multiproc_executor import WorkerDiedError
 from kvserve.executor.ray_executor import RayClusterError, RayExecutor, connect_ray
 
-PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [20, 21], [5, 6, 7, 8, 30, 31]]
 
 
 def _engine(folder, tp: int, **kw) -> LLMEngine:
@@ -39,38 +39,6 @@ def _engine(folder, tp: int, **kw) -> LLMEngine:
                 max_num_batched_tokens=16, tensor_parallel_size=tp, distributed_executor_backend="ray")
     args.update(kw)
     return LLMEngine(EngineArgs(**args))
-
-
-def _run(engine: LLMEngine, requests) -> list:
-    rids = [engine.add_request(p, params) for p, params in requests]
-    final = {}
-    for _ in range(2000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    assert not engine.has_unfinished_requests()
-    return [final[r] for r in rids]
-
-
-def _summary(out) -> list:
-    return [(c.index, c.token_ids, c.text, c.finish_reason, str(c.stop_reason)) for c in out.outputs]
-
-
-def _workload() -> list:
-    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    reqs = [(p, greedy) for p in PROMPTS]
-    reqs += [
-        (PROMPTS[1], greedy),  # a prefix-cache hit on the second prompt
-        (PROMPTS[0], SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)),
-        (PROMPTS[3], SamplingParams(n=2, best_of=3, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)),
-        (PROMPTS[2], SamplingParams(n=2, use_beam_search=True, beam_width=3, max_tokens=8, ignore_eos=True)),
-        (PROMPTS[1], SamplingParams(max_tokens=16, temperature=0,
-                                    structured_outputs=StructuredOutputsParams(regex="[a-z ]{3,12}"))),
-        (PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.8, seed=5, top_p=0.9, logprobs=2)),
-    ]
-    return reqs
 
 
 def _descendants() -> set[int]:
@@ -183,7 +151,7 @@ def test_tp2_on_a_local_ray_instance_equals_one_rank(llama, no_ray_address):
     same outputs as one rank, and stops the instance when it shuts down."""
     assert not ray.is_initialized(), "run this module's tests in file order (a Ray instance is already up)"
     kw = dict(num_blocks=20, swap_space=0.01, preemption_mode="swap")
-    ref = _run(_engine(llama, 1, **kw), _workload())
+    ref = run(_engine(llama, 1, **kw), mixed_workload())
     assert not ray.is_initialized()  # (one rank: the worker is in this process, whatever the backend)
     before = _descendants()
     eng = _engine(llama, 2, **kw)
@@ -191,8 +159,8 @@ def test_tp2_on_a_local_ray_instance_equals_one_rank(llama, no_ray_address):
         ex = eng.executor
         assert isinstance(ex, RayExecutor) and ex.world_size == 2 and ex.started_ray and ray.is_initialized()
         assert ray.cluster_resources()["CPU"] == len(os.sched_getaffinity(0))  # (this machine's cores)
-        got = _run(eng, _workload())
-        assert [_summary(o) for o in got] == [_summary(o) for o in ref]
+        got = run(eng, mixed_workload())
+        assert [summary(o) for o in got] == [summary(o) for o in ref]
         for a, b in zip(got, ref):
             for ca, cb in zip(a.outputs, b.outputs):
                 assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, abs=1e-3)

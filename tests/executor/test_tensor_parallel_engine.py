@@ -19,9 +19,9 @@ import pytest
 
 from kvserve import SamplingParams, StructuredOutputsParams
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from tp_workload import PROMPTS, mixed_workload, run, summary
 from kvserve.executor.multiproc_executor import MultiprocExecutor, WorkerDiedError
 
-PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [20, 21], [5, 6, 7, 8, 30, 31]]
 
 
 def _engine(folder, tp: int, **kw) -> LLMEngine:
@@ -31,50 +31,18 @@ def _engine(folder, tp: int, **kw) -> LLMEngine:
     return LLMEngine(EngineArgs(**args))
 
 
-def _run(engine: LLMEngine, requests) -> list:
-    rids = [engine.add_request(p, params) for p, params in requests]
-    final = {}
-    for _ in range(2000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    assert not engine.has_unfinished_requests()
-    return [final[r] for r in rids]
-
-
-def _summary(out) -> list:
-    return [(c.index, c.token_ids, c.text, c.finish_reason, str(c.stop_reason)) for c in out.outputs]
-
-
-def _workload() -> list:
-    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    reqs = [(p, greedy) for p in PROMPTS]
-    reqs += [
-        (PROMPTS[1], greedy),  # a prefix-cache hit on the second prompt
-        (PROMPTS[0], SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)),
-        (PROMPTS[3], SamplingParams(n=2, best_of=3, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)),
-        (PROMPTS[2], SamplingParams(n=2, use_beam_search=True, beam_width=3, max_tokens=8, ignore_eos=True)),
-        (PROMPTS[1], SamplingParams(max_tokens=16, temperature=0,
-                                    structured_outputs=StructuredOutputsParams(regex="[a-z ]{3,12}"))),
-        (PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.8, seed=5, top_p=0.9, logprobs=2)),
-    ]
-    return reqs
-
-
 @pytest.fixture(scope="module")
 def llama(tiny_model_dir):
     return tiny_model_dir("llama")[0]
 
 
 def _same_as_one_rank(folder, requests, **kw):
-    ref = _run(_engine(folder, 1, **kw), requests)
+    ref = run(_engine(folder, 1, **kw), requests)
     eng = _engine(folder, 2, **kw)
     try:
         assert isinstance(eng.executor, MultiprocExecutor) and eng.executor.world_size == 2
-        got = _run(eng, requests)
-        assert [_summary(o) for o in got] == [_summary(o) for o in ref]
+        got = run(eng, requests)
+        assert [summary(o) for o in got] == [summary(o) for o in ref]
         for a, b in zip(got, ref):
             for ca, cb in zip(a.outputs, b.outputs):
                 assert ca.cumulative_logprob == pytest.approx(cb.cumulative_logprob, abs=1e-3)
@@ -87,7 +55,7 @@ def _same_as_one_rank(folder, requests, **kw):
 def test_tp2_mixed_workload_equals_one_rank_with_swap_preemption(llama):
     """A tight pool (preemption by swap), chunked prefill, prefix caching, n/best_of/beams,
     a grammar and logprobs: the same outputs as at one rank."""
-    eng, got = _same_as_one_rank(llama, _workload(), num_blocks=20, swap_space=0.01, preemption_mode="swap")
+    eng, got = _same_as_one_rank(llama, mixed_workload(), num_blocks=20, swap_space=0.01, preemption_mode="swap")
     assert eng.scheduler.num_preemptions > 0 and eng.stats()["swap_num_swap_outs"] > 0
     assert got[4].num_cached_tokens > 0
 
@@ -184,7 +152,7 @@ def test_a_second_tp_engine_in_one_process_is_a_clear_error(llama):
         with pytest.raises(RuntimeError, match="already holds a tensor-parallel group"):
             _engine(llama, 2)
         assert time.monotonic() - t0 < 10 and set(multiprocessing.active_children()) == children
-        got = _run(first, [(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])
+        got = run(first, [(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])
         assert len(got[0].outputs[0].token_ids) == 4
     finally:
         first.core.shutdown()
@@ -206,7 +174,7 @@ def test_llm_shutdown_and_a_collected_engine_free_the_group(llama):
     second = _engine(llama, 2)
     del llm
     gc.collect()  # (the first engine's finalizer runs now: it must not leave the second's group)
-    got = _run(second, [(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])
+    got = run(second, [(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])
     assert len(got[0].outputs[0].token_ids) == 4
     ranks = list(second.executor.procs)
     del second, got
