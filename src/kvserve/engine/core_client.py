@@ -214,6 +214,10 @@ class CoreClient:
             self.process.join(1.0)  # (its sentinel closed: it is exiting)
             return self.process.exitcode is not None
 
+    def death_message(self, exitcode: Optional[int]) -> str:
+        """The error of the requests that were live when the core died."""
+        return f"the engine core process died ({describe_exit(exitcode)})"
+
     @property
     def exitcode(self) -> Optional[int]:
         """The core's exit code (negative: killed by that signal), None while it runs."""

@@ -181,9 +181,11 @@ def check_ray_address(address: str, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> s
                           f"{details}) {_where()}")
 
 
-def connect_ray(world_size: int, device: torch.device) -> bool:
+def connect_ray(world_size: int, device: torch.device, num_cpus: Optional[int] = None,
+                object_store_bytes: int = LOCAL_OBJECT_STORE_BYTES) -> bool:
     """Connect this process to Ray unless it is already: join the cluster of ``RAY_ADDRESS``, or
-    start a local instance; returns whether a local instance was started here.
+    start a local instance (``num_cpus`` logical CPUs, default this machine's cores; an object
+    store of ``object_store_bytes``); returns whether a local instance was started here.
 
     Raises:
         RayClusterError: ``RAY_ADDRESS`` cannot be reached (nothing was started).
@@ -213,9 +215,10 @@ def connect_ray(world_size: int, device: torch.device) -> bool:
         raise ValueError(f"tensor_parallel_size ({world_size}) exceeds the {cores} CPU cores this process may run "
                          f"on: each rank needs a core of its own (a local Ray instance; set RAY_ADDRESS to use a "
                          f"cluster)")
-    ray.init(address="local", num_cpus=cores, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+    num_cpus = max(cores, num_cpus or 0)
+    ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_bytes,
              include_dashboard=False, **quiet)
-    logger.info("started a local Ray instance (%d CPUs)", cores)
+    logger.info("started a local Ray instance (%d CPUs)", num_cpus)
     return True
 
 

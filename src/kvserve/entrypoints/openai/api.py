@@ -159,10 +159,18 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
-        self.metrics = ServerMetrics(self.model_name)
-        if isinstance(engine, CoreClient):
+        from kvserve.engine.replica_client import ReplicaPool
+
+        if isinstance(engine, ReplicaPool):  # engine replicas on Ray Serve
+            from kvserve.entrypoints.openai.replica_engine import ReplicatedAsyncEngine
+
+            self.metrics = ServerMetrics(self.model_name, replicas=engine.names)
+            self.async_engine = ReplicatedAsyncEngine(engine, self.metrics)
+        elif isinstance(engine, CoreClient):
+            self.metrics = ServerMetrics(self.model_name)
             self.async_engine: AsyncEngine = MPAsyncEngine(engine, self.metrics)
         else:
+            self.metrics = ServerMetrics(self.model_name)
             self.async_engine = AsyncEngine(engine, self.metrics)
         self.texts = TokenTexts(self.tokenizer)
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=16)
@@ -351,7 +359,7 @@ class OpenAIServer:
 
     async def _submit(self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
                       cache_salt: Optional[str], arrival: float, prompt_param: str,
-                      prompt_only: bool = False) -> _Submitted:
+                      prompt_only: bool = False, streaming: bool = True) -> _Submitted:
         """Hand every prompt to the engine, all or nothing: if one is rejected, none runs."""
         q: asyncio.Queue = asyncio.Queue()
         rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
@@ -359,7 +367,7 @@ class OpenAIServer:
         try:
             await self.async_engine.add_requests([(rid, ids, i) for i, (rid, ids) in enumerate(zip(rids, prompts))],
                                                  params, q, priority=priority, cache_salt=cache_salt, arrival=arrival,
-                                                 prompt_only=prompt_only)
+                                                 prompt_only=prompt_only, streaming=streaming)
         except (ValueError, TypeError, QueueFullError, EngineStoppedError) as e:
             err = self._engine_error(e, prompt_param)
             index = getattr(e, "request_index", None)
@@ -482,6 +490,9 @@ class OpenAIServer:
         return {"object": "list", "data": data}
 
     async def health(self):
+        states = getattr(self.async_engine, "replica_states", None)
+        if states is not None:  # replicas: each one's state (200 while requests can be served)
+            return JSONResponse({"replicas": states()}, status_code=200 if self.async_engine.is_running else 503)
         if not self.async_engine.is_running:
             err = APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
             return JSONResponse(err.to_dict(), status_code=503)
@@ -555,7 +566,8 @@ class OpenAIServer:
             except APIError as e:
                 raise (_in_batch(e, i) if len(ids_list) > 1 else e) from None
         base = f"cmpl-{uuid.uuid4().hex}"
-        sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt", echo_only)
+        sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt", echo_only,
+                                 streaming=bool(req.stream))
         created = int(time.time())
         if req.echo:
             texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list)]
@@ -692,7 +704,8 @@ class OpenAIServer:
         ids, _ = self._truncate(ids, None, params)
         self._check_length(ids, "messages")
         base = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages")
+        sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages",
+                                 streaming=bool(req.stream))
         created = int(time.time())
         echo = ""
         if req.echo and msgs[-1]["role"] == ("assistant" if add_gen else msgs[-1]["role"]):

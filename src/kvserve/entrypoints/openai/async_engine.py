@@ -108,6 +108,9 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: Optional[ServerMetrics] = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        #: record the request metrics (TTFT, ITL...) of the outputs; False: only the engine's gauges
+        #: and counters (a prefill replica, whose requests' metrics the decode replica records)
+        self.record_requests = True
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._tracks: dict[str, _Track] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -176,12 +179,15 @@ class AsyncEngine:
         cache_salt: Optional[str] = None,
         arrival: Optional[float] = None,
         prompt_only: bool = False,
+        streaming: bool = True,
     ) -> None:
         """Queue several requests ``(request_id, prompt_token_ids, tag)`` all or nothing.
 
         ``prompt_only``: the caller keeps only the prompt's results (echo with max_tokens 0,
         run as one sampled token that it drops): the metrics count no generated token and no
-        TTFT/TPOT for these requests.
+        TTFT/TPOT for these requests. ``streaming``: whether the caller passes outputs on as they
+        come (False: only the final ones; engines of replicas may then send a request again
+        after its replica died).
 
         The engine thread checks every request before it adds any (and takes back the ones it
         added if a later one still fails, before any step), so a rejected batch leaves no
@@ -297,7 +303,7 @@ class AsyncEngine:
             rid = cmd[1]
             self.engine.abort_request(rid)
             track = self._tracks.pop(rid, None)
-            if track is not None and self.metrics is not None:
+            if track is not None and self.metrics is not None and self.record_requests:
                 unfinished = track.num_samples - len(track.finished_indices)
                 if unfinished > 0:
                     self.metrics.finished("abort", unfinished)
@@ -360,7 +366,7 @@ class AsyncEngine:
             track = self._tracks.get(out.request_id)
             if track is None:
                 continue
-            if self.metrics is not None:
+            if self.metrics is not None and self.record_requests:
                 self._record(track, out, now)
             batch.append((track.queue, (track.tag, out)))
             if out.finished:
@@ -462,7 +468,7 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
             except Exception:  # noqa: BLE001 - the engine is already broken
                 logger.exception("abort of %s failed", rid)
-            if self.metrics is not None:
+            if self.metrics is not None and self.record_requests:
                 self.metrics.finished("error", track.num_samples - len(track.finished_indices))
             batch.append((track.queue, (track.tag, EngineStoppedError(f"the engine failed: {error}"))))
         self._tracks.clear()
@@ -566,8 +572,12 @@ class MPAsyncEngine(AsyncEngine):
 
     async def add_requests(self, requests, params: SamplingParams, out_queue: asyncio.Queue, priority: int = 0,
                            cache_salt: Optional[str] = None, arrival: Optional[float] = None,
-                           prompt_only: bool = False) -> None:
-        """See :meth:`AsyncEngine.add_requests` (the same checks run in the core process)."""
+                           prompt_only: bool = False, kv_transfer_params: Any = None,
+                           streaming: bool = True) -> None:
+        """See :meth:`AsyncEngine.add_requests` (the same checks run in the core process).
+
+        ``kv_transfer_params``: every request's (prefill/decode disaggregation, see
+        :class:`~kvserve.engine.input_processor.EngineCoreRequest`)."""
         if not self.is_running:
             raise EngineStoppedError(self._stop_message())
         limit = self.engine.args.max_waiting
@@ -579,6 +589,8 @@ class MPAsyncEngine(AsyncEngine):
         items = [(rid, list(ids), tag) for rid, ids, tag in requests]
         reqs = core_requests(self.client.input_processor, [(rid, ids) for rid, ids, _ in items], params,
                              priority, cache_salt)
+        for r in reqs:
+            r.kv_transfer_params = kv_transfer_params
         cid = self._register(("add", items, reqs, out_queue, arrival, prompt_only, fut))
         self.client.send(("add", cid, reqs))
         try:
@@ -606,7 +618,7 @@ class MPAsyncEngine(AsyncEngine):
     def _forget(self, request_id: str) -> None:
         self.output_processor.abort_request(request_id)
         track = self._tracks.pop(request_id, None)
-        if track is not None and self.metrics is not None:
+        if track is not None and self.metrics is not None and self.record_requests:
             unfinished = track.num_samples - len(track.finished_indices)
             if unfinished > 0:
                 self.metrics.finished("abort", unfinished)
@@ -688,9 +700,7 @@ class MPAsyncEngine(AsyncEngine):
         if self._stopped:
             self._core_gone("the server is shutting down")
             return
-        from kvserve.engine.core_client import describe_exit
-
-        self.fatal_error = EngineStoppedError(f"the engine core process died ({describe_exit(exitcode)})")
+        self.fatal_error = EngineStoppedError(self.client.death_message(exitcode))
         logger.error("%s; failing %d live request(s)", self.fatal_error, len(self._tracks))
         self._core_gone(str(self.fatal_error))
 
@@ -739,7 +749,7 @@ class MPAsyncEngine(AsyncEngine):
     def _fail_tracks(self, message: str) -> None:
         batch = []
         for rid, track in list(self._tracks.items()):
-            if self.metrics is not None:
+            if self.metrics is not None and self.record_requests:
                 self.metrics.finished("error", track.num_samples - len(track.finished_indices))
             batch.append((track.queue, (track.tag, EngineStoppedError(message))))
         self._tracks.clear()

@@ -33,6 +33,22 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
                    help="where the engine core (scheduler, model, sampling) runs: 'process' (default) in a child "
                         "process, this one keeping HTTP, tokenization and metrics; 'in-process' in a thread of "
                         "the server's process")
+    g = p.add_argument_group("replicas on Ray Serve (a local Ray instance starts by itself; RAY_ADDRESS joins a cluster)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind this front end, each a Ray Serve deployment (default 1: one engine, "
+                        "no Ray)")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "least_loaded", "round_robin"],
+                   help="how requests are spread over the replicas: prefix (default: to the replica most likely to "
+                        "hold the prompt's prefix, an approximate radix tree per replica as SGLang's router, "
+                        "unless the load is uneven), least_loaded (fewest requests in flight) or round_robin")
+    g.add_argument("--prefill-replicas", type=int, default=0,
+                   help="prefill/decode disaggregation: replicas that compute the prompts; their KV blocks move to "
+                        "a decode replica through Ray's object store (with --decode-replicas)")
+    g.add_argument("--decode-replicas", type=int, default=0,
+                   help="prefill/decode disaggregation: replicas that decode (with --prefill-replicas)")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="Ray CPUs (and torch threads) per replica (default: the machine's cores shared out on a "
+                        "local Ray instance, 1 in a cluster)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (uvicorn and kvserve.entrypoints.openai)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
@@ -102,7 +118,32 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvserve.entrypoints.openai").setLevel(level)
     in_process = getattr(a, "engine_core", "process") == "in-process"
-    if in_process:
+    replicated = a.data_parallel_size != 1 or a.prefill_replicas or a.decode_replicas
+    if replicated:
+        from kvserve.engine.ray_serve import ReplicaDeployment, ReplicaStartError, default_app_prefix, replica_specs
+        from kvserve.engine.replica_client import ReplicaPool
+
+        if in_process:
+            raise ValueError("--engine-core in-process cannot be combined with replicas "
+                             "(--data-parallel-size, --prefill-replicas/--decode-replicas)")
+        specs = replica_specs(a.data_parallel_size, a.prefill_replicas, a.decode_replicas, default_app_prefix())
+        print(f"kvserve: starting {len(specs)} engine replica(s) on Ray Serve: "
+              f"{', '.join(s.name for s in specs)}", file=sys.stderr, flush=True)
+        try:
+            deployment = ReplicaDeployment(args, specs, a.replica_cpus,
+                                           log_level=logging.INFO if a.verbose else max(level, logging.WARNING))
+        except ReplicaStartError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        try:
+            engine = ReplicaPool(deployment, a.routing)
+        except BaseException:
+            deployment.shutdown()
+            raise
+        kv_description = f"{engine.kv_spec_description} per replica"
+        where = f", {len(specs)} replicas ({a.routing} routing)"
+        in_process = False
+    elif in_process:
         engine = LLMEngine(args)
         kv_description = engine.kv_spec.describe()
         where = ""

@@ -37,6 +37,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                          0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
+BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+BYTE_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -45,59 +48,115 @@ class ServerMetrics:
 
     Args:
         model_name: value of the ``model_name`` label.
+        replicas: for a server of engine replicas (``kvserve serve --data-parallel-size`` or
+            ``--prefill-replicas/--decode-replicas``), the replicas' names: every metric above
+            then also carries a ``replica`` label, recorded through :meth:`for_replica`'s views
+            (sum over it to aggregate), and the server adds the disaggregation histograms:
+
+            kv_transfer_blocks / kv_transfer_bytes / kv_transfer_seconds    per transferred request:
+                blocks and bytes a decode replica loaded, seconds it took (fetch and write)
+            ttft_queue_seconds      arrival → first scheduled on the prefill replica
+            ttft_prefill_seconds    first scheduled → the prefill's K/V saved and its handle back
+            ttft_transfer_seconds   handle back → first token of the decode replica (the hop, the
+                                    load of the blocks and the one prompt token owed)
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, replicas=None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r, lab = self.registry, ["model_name"]
-
-        def hist(name, doc, buckets):
-            return Histogram(f"kvserve:{name}", doc, lab, buckets=buckets, registry=r).labels(model_name)
-
-        def gauge(name, doc):
-            return Gauge(f"kvserve:{name}", doc, lab, registry=r).labels(model_name)
-
-        def counter(name, doc):
-            return Counter(f"kvserve:{name}", doc, lab, registry=r).labels(model_name)
-
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token (s).", LATENCY_BUCKETS)
-        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first (s).",
-                         TOKEN_LATENCY_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between successive outputs of a request (s).",
-                        TOKEN_LATENCY_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency (s).", LATENCY_BUCKETS)
-        self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first schedule (s).",
-                               LATENCY_BUCKETS)
-        self.running = gauge("num_requests_running", "Requests running in the engine.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
-        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens (0..1).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests (counted once per request).")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens (all returned sequences).")
-        self.preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verification steps (requests with drafts).")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
-        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.spec_grammar_cut_tokens = counter("spec_decode_num_grammar_cut_tokens",
-                                               "Draft tokens dropped before verification by a request's grammar.")
-        self.cpu_cache_usage = gauge("cpu_cache_usage_perc", "Fraction of host swap-pool KV blocks in use (0..1).")
-        self.swapped = gauge("num_requests_swapped", "Requests whose KV is swapped out to the host pool.")
-        self.swap_outs = counter("swap_out_requests", "Preempted requests whose KV was swapped out to the host.")
-        self.swap_ins = counter("swap_in_requests", "Swapped requests whose KV was swapped back in.")
-        self.swap_out_blocks = counter("swap_out_blocks", "KV blocks copied to the host pool.")
-        self.swap_in_blocks = counter("swap_in_blocks", "KV blocks copied back from the host pool.")
-        self.swap_fallbacks = counter("swap_recompute_fallbacks",
-                                      "Preemptions recomputed instead of swapped (host pool full).")
-        self._success = Counter("kvserve:request_success", "Finished sequences by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
         self._model = model_name
+        self._families: dict = {}
+        r, lab = self.registry, ["model_name"] + (["replica"] if replicas is not None else [])
+
+        def hist(attr, name, doc, buckets):
+            self._families[attr] = Histogram(f"kvserve:{name}", doc, lab, buckets=buckets, registry=r)
+
+        def gauge(attr, name, doc):
+            self._families[attr] = Gauge(f"kvserve:{name}", doc, lab, registry=r)
+
+        def counter(attr, name, doc):
+            self._families[attr] = Counter(f"kvserve:{name}", doc, lab, registry=r)
+
+        hist("ttft", "time_to_first_token_seconds", "Time to first token (s).", LATENCY_BUCKETS)
+        hist("tpot", "time_per_output_token_seconds", "Mean time per output token after the first (s).",
+             TOKEN_LATENCY_BUCKETS)
+        hist("itl", "inter_token_latency_seconds", "Time between successive outputs of a request (s).",
+             TOKEN_LATENCY_BUCKETS)
+        hist("e2e", "e2e_request_latency_seconds", "End-to-end request latency (s).", LATENCY_BUCKETS)
+        hist("queue_time", "request_queue_time_seconds", "Time from arrival to first schedule (s).", LATENCY_BUCKETS)
+        gauge("running", "num_requests_running", "Requests running in the engine.")
+        gauge("waiting", "num_requests_waiting", "Requests waiting to be scheduled.")
+        gauge("kv_usage", "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        gauge("prefix_hit_rate", "prefix_cache_hit_rate",
+              "Prompt tokens served from the prefix cache / prompt tokens (0..1).")
+        counter("prompt_tokens", "prompt_tokens", "Prompt tokens of the requests (counted once per request).")
+        counter("generation_tokens", "generation_tokens", "Generated tokens (all returned sequences).")
+        counter("preemptions", "num_preemptions", "Preemptions by the scheduler.")
+        counter("prefix_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        counter("prefix_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        counter("spec_drafts", "spec_decode_num_drafts", "Speculative verification steps (requests with drafts).")
+        counter("spec_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        counter("spec_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        counter("spec_grammar_cut_tokens", "spec_decode_num_grammar_cut_tokens",
+                "Draft tokens dropped before verification by a request's grammar.")
+        gauge("cpu_cache_usage", "cpu_cache_usage_perc", "Fraction of host swap-pool KV blocks in use (0..1).")
+        gauge("swapped", "num_requests_swapped", "Requests whose KV is swapped out to the host pool.")
+        counter("swap_outs", "swap_out_requests", "Preempted requests whose KV was swapped out to the host.")
+        counter("swap_ins", "swap_in_requests", "Swapped requests whose KV was swapped back in.")
+        counter("swap_out_blocks", "swap_out_blocks", "KV blocks copied to the host pool.")
+        counter("swap_in_blocks", "swap_in_blocks", "KV blocks copied back from the host pool.")
+        counter("swap_fallbacks", "swap_recompute_fallbacks",
+                "Preemptions recomputed instead of swapped (host pool full).")
+        self._success_family = Counter("kvserve:request_success", "Finished sequences by finish reason.",
+                                       lab + ["finished_reason"], registry=r)
+        self.replicas = list(replicas) if replicas is not None else None
+        if replicas is None:
+            self._bind(self, (model_name,))
+        else:
+            self._views = {name: self._view(name) for name in replicas}
+            pd = ["model_name"]
+            self.kv_transfer_blocks = Histogram("kvserve:kv_transfer_blocks", "KV blocks a decode replica loaded "
+                                                "per transferred request.", pd, buckets=BLOCK_BUCKETS,
+                                                registry=r).labels(model_name)
+            self.kv_transfer_bytes = Histogram("kvserve:kv_transfer_bytes", "KV bytes a decode replica loaded per "
+                                               "transferred request.", pd, buckets=BYTE_BUCKETS,
+                                               registry=r).labels(model_name)
+            self.kv_transfer_seconds = Histogram("kvserve:kv_transfer_seconds", "Seconds a decode replica took to "
+                                                 "load a request's transferred blocks.", pd, buckets=LATENCY_BUCKETS,
+                                                 registry=r).labels(model_name)
+            self.ttft_queue = Histogram("kvserve:ttft_queue_seconds", "TTFT part: arrival to first scheduled on "
+                                        "the prefill replica (s).", pd, buckets=LATENCY_BUCKETS,
+                                        registry=r).labels(model_name)
+            self.ttft_prefill = Histogram("kvserve:ttft_prefill_seconds", "TTFT part: prefill, until its K/V "
+                                          "handle is back (s).", pd, buckets=LATENCY_BUCKETS,
+                                          registry=r).labels(model_name)
+            self.ttft_transfer = Histogram("kvserve:ttft_transfer_seconds", "TTFT part: handle back to the decode "
+                                           "replica's first token (s).", pd, buckets=LATENCY_BUCKETS,
+                                           registry=r).labels(model_name)
+
+    def _bind(self, target: "ServerMetrics", values: tuple) -> None:
+        for attr, family in self._families.items():
+            setattr(target, attr, family.labels(*values))
+        target._success = self._success_family
+        target._values = values
         for reason in ("stop", "length", "abort", "error"):
-            self._success.labels(self._model, reason)
+            self._success_family.labels(*values, reason)
+
+    def _view(self, replica: str) -> "ServerMetrics":
+        view = object.__new__(ServerMetrics)
+        view.registry, view._model, view.replicas = self.registry, self._model, None
+        self._bind(view, (self._model, replica))
+        return view
+
+    def for_replica(self, replica: str) -> "ServerMetrics":
+        """The metrics of one replica (the same registry, ``replica`` label set).
+
+        Raises:
+            KeyError: not a replica of this server.
+        """
+        return self._views[replica]
 
     def finished(self, reason: str, count: int = 1) -> None:
-        self._success.labels(self._model, reason).inc(count)
+        self._success.labels(*self._values, reason).inc(count)
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""

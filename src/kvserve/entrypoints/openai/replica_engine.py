@@ -1,0 +1,420 @@
+"""ReplicatedAsyncEngine: :class:`~kvserve.entrypoints.openai.async_engine.AsyncEngine`'s
+interface over engine replicas on Ray Serve.
+
+``kvserve serve --data-parallel-size N`` / ``--prefill-replicas P --decode-replicas D``: the
+OpenAI server (HTTP, tokenization, chat templates, detokenization, metrics) runs in this
+process as for one engine; each replica is an engine core in a Ray Serve replica
+(:mod:`kvserve.engine.replica`), driven by an :class:`MPAsyncEngine` over a
+:class:`~kvserve.engine.replica_client.ReplicaClient`. This class routes each request
+(:class:`~kvserve.engine.router.Router`) and follows it to the end (:class:`_Relay`):
+
+* **Replicas** (data parallel): the router picks a replica; the request runs there.
+* **Prefill/decode disaggregation**: the request first runs on a prefill replica with
+  ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": True}``: the replica computes
+  the prompt and saves the K/V of its first ``P - 1`` tokens through the ``"ray"`` KV
+  connector (Ray's object store), and its final output carries the
+  :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`. The token it sampled is dropped.
+  The request then runs on a decode replica with that handle: the decode engine takes the
+  blocks its prefix cache holds, loads only the others, computes the one prompt token owed
+  and decodes to the end (vLLM's disaggregated-prefill proxy does the same with
+  ``max_tokens=1``). Requests the transfer cannot serve (beam search, ``prompt_logprobs``,
+  echo without generation) run on a decode replica alone. The objects are freed when the
+  front end drops the handle (Ray's reference counting: a prefill replica that dies takes them
+  with it, and the decode replica then recomputes the prompt).
+* **Faults**: when a replica dies, its requests that have delivered nothing yet are sent
+  again to another replica (at most :data:`MAX_RETRIES` times), and the others end with an
+  :class:`EngineStoppedError` (an error event for a stream). Ray Serve replaces the replica;
+  a watcher reconnects to it (:meth:`replica_states` says ``restarting`` meanwhile, then
+  ``healthy`` with the new process id) and forgets its routing tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Optional, Sequence
+
+from kvserve.engine.router import Router
+from kvserve.entrypoints.openai.async_engine import EngineStoppedError, MPAsyncEngine
+from kvserve.entrypoints.openai.metrics import ServerMetrics
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve.entrypoints.openai")
+
+#: times a request that got nothing yet is sent again after its replica died
+MAX_RETRIES = 2
+#: seconds between the watcher's looks at the replicas
+WATCH_PERIOD_S = 1.0
+#: seconds the watcher waits for a restarted replica to answer, per try
+RECONNECT_TIMEOUT_S = 5.0
+
+
+def _prefill_params(params: SamplingParams) -> SamplingParams:
+    """What a prefill replica runs: the prompt and one greedy token (dropped)."""
+    return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+class ReplicatedAsyncEngine:
+    """Routes requests to engine replicas and follows each to its end (see the module docstring).
+
+    Args:
+        pool: the :class:`~kvserve.engine.replica_client.ReplicaPool` (its deployment started).
+        metrics: the server's metrics, made with ``replicas=pool.names``.
+        router_kwargs: :class:`~kvserve.engine.router.Router`'s thresholds.
+    """
+
+    def __init__(self, pool, metrics: Optional[ServerMetrics] = None, **router_kwargs) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.disaggregated = pool.disaggregated
+        self.prefill_names = [n for n in pool.names if pool.role(n) == "prefill"]
+        self.decode_names = [n for n in pool.names if pool.role(n) != "prefill"]
+        bs = pool.args.block_size
+        self.router = Router(self.decode_names, pool.routing, bs, **router_kwargs)
+        self.prefill_router = Router(self.prefill_names, pool.routing, bs, **router_kwargs) \
+            if self.disaggregated else None
+        self.engines: dict[str, MPAsyncEngine] = {}
+        self.states: dict[str, str] = {n: "starting" for n in pool.names}
+        self.restarts: dict[str, int] = {n: 0 for n in pool.names}
+        self._relays: dict[str, _Relay] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._watcher: Optional[asyncio.Task] = None
+        self._stopped = False
+        self.fatal_error: Optional[BaseException] = None
+        self.num_retries = 0
+        self.num_transfers = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Start every replica's engine and the watcher, on ``loop`` (default: the running loop)."""
+        if self._loop is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        for name, client in self.pool.clients.items():
+            self._attach(name, client)
+        self._watcher = self._loop.create_task(self._watch())
+
+    def _attach(self, name: str, client) -> None:
+        eng = MPAsyncEngine(client, self.metrics.for_replica(name) if self.metrics is not None else None)
+        eng.record_requests = self.pool.role(name) != "prefill"
+        eng.start(self._loop)
+        self.pool.clients[name] = client
+        self.engines[name] = eng
+        self.states[name] = "healthy"
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop routing, fail the live requests, and stop the replicas (the deployment)."""
+        self._stopped = True
+        if self._watcher is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._watcher.cancel)
+        for eng in list(self.engines.values()):
+            eng.shutdown(timeout)
+        self.pool.shutdown(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        """Whether requests can be served: a healthy decode replica (and a prefill one when disaggregated)."""
+        if self._stopped or self._loop is None:
+            return False
+        ok = any(self._healthy(n) for n in self.decode_names)
+        return ok and (not self.disaggregated or any(self._healthy(n) for n in self.prefill_names))
+
+    def _healthy(self, name: str) -> bool:
+        eng = self.engines.get(name)
+        return eng is not None and eng.is_running
+
+    def healthy(self, names: Sequence[str]) -> list[str]:
+        return [n for n in names if self._healthy(n)]
+
+    def replica_states(self) -> dict[str, dict]:
+        """``{name: {"role", "state" (healthy, restarting, starting), "pid", "restarts", "in_flight"}}``."""
+        out = {}
+        for name in self.pool.names:
+            router = self.prefill_router if self.pool.role(name) == "prefill" else self.router
+            state = self.states[name]
+            if state == "healthy" and not self._healthy(name):
+                state = "restarting"
+            out[name] = {"role": self.pool.role(name), "state": state,
+                         "pid": self.pool.clients[name].pid, "restarts": self.restarts[name],
+                         "in_flight": router.load[name]}
+        return out
+
+    async def _watch(self) -> None:
+        """Reconnect to replicas that Ray Serve replaced."""
+        while not self._stopped:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            for name, eng in list(self.engines.items()):
+                if eng.is_running or self._stopped:
+                    continue
+                if self.states[name] != "restarting":
+                    self.states[name] = "restarting"
+                    (self.prefill_router if self.pool.role(name) == "prefill" else self.router).forget(name)
+                    logger.error("replica %s is gone (%s); waiting for Ray Serve to replace it", name,
+                                 eng.fatal_error)
+                try:
+                    info = await asyncio.wait_for(self.pool.info_async(name), RECONNECT_TIMEOUT_S)
+                except Exception as e:  # noqa: BLE001 - not back yet
+                    logger.debug("replica %s not back yet: %s", name, e)
+                    continue
+                if self._stopped:
+                    return
+                old = self.pool.clients[name]
+                old.shutdown(1.0)
+                self.restarts[name] += 1
+                self._attach(name, self.pool.connect(name, info))
+                logger.warning("replica %s is back (process %d)", name, info.pid)
+
+    # -------------------------------------------------------------- requests
+    async def add_requests(self, requests, params: SamplingParams, out_queue: asyncio.Queue, priority: int = 0,
+                           cache_salt: Optional[str] = None, arrival: Optional[float] = None,
+                           prompt_only: bool = False, streaming: bool = True) -> None:
+        """See :meth:`AsyncEngine.add_requests`: each request is routed on its own; all are
+        accepted or none runs. A request whose replica dies is sent again to another one if
+        nothing of it reached the client yet: no output at all, or (``streaming`` False) no
+        final output.
+
+        Raises:
+            ValueError, TypeError, QueueFullError: a replica rejected a request (its
+                ``request_index`` attribute says which).
+            EngineStoppedError: no replica can take requests.
+        """
+        if not self.is_running:
+            raise EngineStoppedError("no engine replica is available (restarting?)" if not self._stopped
+                                     else "the server is shutting down")
+        arrival = time.perf_counter() if arrival is None else arrival
+        transfer = self.disaggregated and not (params.use_beam_search or params.prompt_logprobs is not None
+                                               or prompt_only)
+        relays = [_Relay(self, rid, list(ids), tag, params, out_queue, priority, cache_salt, arrival, prompt_only,
+                         transfer, streaming) for rid, ids, tag in requests]
+        for r in relays:
+            self._relays[r.rid] = r
+        try:
+            results = await asyncio.gather(*(r.submit() for r in relays), return_exceptions=True)
+        except asyncio.CancelledError:
+            for r in relays:
+                r.abort()
+            raise
+        errors = [(i, e) for i, e in enumerate(results) if isinstance(e, BaseException)]
+        if errors:
+            for r in relays:
+                r.abort()
+            index, error = errors[0]
+            error.request_index = index
+            raise error
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request wherever it runs (thread-safe, returns at once)."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._abort(request_id)
+        else:
+            loop.call_soon_threadsafe(self._abort, request_id)
+
+    def _abort(self, request_id: str) -> None:
+        relay = self._relays.get(request_id)
+        if relay is not None:
+            relay.abort()
+
+    async def call(self, fn: str, *args, replica: Optional[str] = None) -> Any:
+        """Run the public :class:`~kvserve.engine.core.EngineCore` method ``fn`` on ``replica``,
+        or on every healthy replica: ``{name: value}``."""
+        if replica is not None:
+            return await self.engines[replica].call(fn, *args)
+        names = self.healthy(self.pool.names)
+        values = await asyncio.gather(*(self.engines[n].call(fn, *args) for n in names))
+        return dict(zip(names, values))
+
+    def call_sync(self, fn: str, *args, timeout: float = 30.0, replica: Optional[str] = None) -> Any:
+        """Like :meth:`call`, from a thread that is not the event loop's."""
+        if replica is not None:
+            return self.engines[replica].call_sync(fn, *args, timeout=timeout)
+        return {n: self.engines[n].call_sync(fn, *args, timeout=timeout) for n in self.healthy(self.pool.names)}
+
+    def pause(self) -> None:
+        for eng in self.engines.values():
+            eng.pause()
+
+    def resume(self) -> None:
+        for eng in self.engines.values():
+            eng.resume()
+
+
+class _Relay:
+    """One request's path through the replicas: it stands in for the request's ``out_queue``
+    on the replica's :class:`MPAsyncEngine` (``put_nowait``, on the event loop), hands the
+    prefill's handle to a decode replica, retries after a replica's death while nothing was
+    delivered, and forwards the decode replica's outputs."""
+
+    def __init__(self, owner: ReplicatedAsyncEngine, rid: str, ids: list[int], tag, params: SamplingParams,
+                 out_queue: asyncio.Queue, priority: int, cache_salt: Optional[str], arrival: float,
+                 prompt_only: bool, transfer: bool, streaming: bool = True) -> None:
+        self.owner, self.rid, self.ids, self.tag, self.params = owner, rid, ids, tag, params
+        self.out_queue, self.priority, self.cache_salt = out_queue, priority, cache_salt
+        self.arrival, self.prompt_only, self.transfer = arrival, prompt_only, transfer
+        self.streaming = streaming
+        self.phase = "prefill" if transfer else "decode"
+        self.replica: Optional[str] = None
+        self.delivered = False  # an output the client may have seen
+        self.first_seen = False
+        self.done = False
+        self.attempts = 0
+        self.prefill_done_at: Optional[float] = None
+        self._counted: Optional[tuple[Router, str]] = None  # the load count this request holds
+
+    def _count(self, router: Router, name: str) -> None:
+        self._uncount()
+        router.started(name, self.ids)
+        self._counted = (router, name)
+
+    def _uncount(self) -> None:
+        if self._counted is not None:
+            router, name = self._counted
+            router.finished(name)
+            self._counted = None
+
+    # ------------------------------------------------------------- sending
+    def _router(self, phase: str) -> Router:
+        return self.owner.prefill_router if phase == "prefill" else self.owner.router
+
+    async def submit(self) -> None:
+        """Send the request to its first replica; raises if it is rejected."""
+        if self.transfer:  # the decode side's checks (max_tokens vs the context...) before any work
+            owner = self.owner
+            d = owner.router.choose(self.ids, owner.healthy(owner.decode_names))
+            await owner.engines[d].call("validate_request", self.ids, self.params)
+            await self._send("prefill")
+        else:
+            await self._send("decode")
+
+    async def _send(self, phase: str, handle: Any = None, exclude: Sequence[str] = ()) -> None:
+        owner = self.owner
+        router = self._router(phase)
+        names = owner.prefill_names if phase == "prefill" else owner.decode_names
+        try:
+            name = router.choose(self.ids, owner.healthy(names), exclude)
+        except LookupError:
+            raise EngineStoppedError(f"no {'prefill' if phase == 'prefill' else 'engine'} replica is available "
+                                     "(restarting?)") from None
+        self._count(router, name)
+        self.phase, self.replica = phase, name
+        eng = owner.engines[name]
+        try:
+            if phase == "prefill":
+                await eng.add_requests([(self.rid, self.ids, self.tag)], _prefill_params(self.params), self,
+                                       self.priority, self.cache_salt, self.arrival,
+                                       kv_transfer_params={"do_remote_decode": True})
+            else:
+                await eng.add_requests([(self.rid, self.ids, self.tag)], self.params, self, self.priority,
+                                       self.cache_salt, self.arrival, self.prompt_only, kv_transfer_params=handle)
+        except BaseException:
+            self._uncount()
+            raise
+        if self.done:  # aborted meanwhile
+            eng.abort(self.rid)
+
+    # ------------------------------------------------------------ receiving
+    def put_nowait(self, item: tuple) -> None:
+        """An output (or an error) of the replica's engine for this request."""
+        if self.done:
+            return
+        _, out = item
+        if isinstance(out, BaseException):
+            self._failed(out)
+            return
+        if self.phase == "prefill":
+            if out.error is not None:
+                self._end((self.tag, out))
+            elif out.finished:
+                self._prefill_done(out)
+            return
+        if not self.first_seen:
+            self.first_seen = True
+            self._first_output(out)
+        self.delivered = self.streaming or out.finished  # (what the client may have seen)
+        if out.finished:
+            self._end((self.tag, out))
+        else:
+            self.out_queue.put_nowait((self.tag, out))
+
+    def _prefill_done(self, out) -> None:
+        owner = self.owner
+        self._uncount()
+        now = time.perf_counter()
+        self.prefill_done_at = now
+        m = owner.metrics
+        if m is not None and out.metrics is not None and out.metrics.first_scheduled_time is not None:
+            start = max(out.metrics.first_scheduled_time, self.arrival)
+            m.ttft_queue.observe(max(0.0, start - self.arrival))
+            m.ttft_prefill.observe(max(0.0, now - start))
+        handle = out.kv_transfer_params
+        if handle is None:
+            self._end((self.tag, EngineStoppedError("the prefill replica returned no KV transfer handle")))
+            return
+        owner.num_transfers += 1
+        asyncio.ensure_future(self._hop(handle))
+
+    async def _hop(self, handle) -> None:
+        try:
+            await self._send("decode", handle=handle)
+        except Exception as e:  # noqa: BLE001 - the request's error
+            if not self.done:
+                self._end((self.tag, e))
+
+    def _first_output(self, out) -> None:
+        m = self.owner.metrics
+        if m is None or not self.transfer:
+            return
+        if self.prefill_done_at is not None:
+            m.ttft_transfer.observe(max(0.0, time.perf_counter() - self.prefill_done_at))
+        stats = getattr(out, "kv_transfer_stats", None)
+        if stats:
+            m.kv_transfer_blocks.observe(stats.get("blocks", 0))
+            m.kv_transfer_bytes.observe(stats.get("bytes", 0))
+            m.kv_transfer_seconds.observe(stats.get("seconds", 0.0))
+
+    def _failed(self, error: BaseException) -> None:
+        owner = self.owner
+        self._uncount()
+        gone = not owner._healthy(self.replica)
+        if gone and not self.delivered and self.attempts < MAX_RETRIES and not owner._stopped:
+            self.attempts += 1
+            owner.num_retries += 1
+            logger.warning("request %s: replica %s died before it answered; sending it again (try %d)",
+                           self.rid, self.replica, self.attempts + 1)
+            asyncio.ensure_future(self._retry(self.replica))
+            return
+        self.done = True
+        self.owner._relays.pop(self.rid, None)
+        self.out_queue.put_nowait((self.tag, error))
+
+    async def _retry(self, failed: str) -> None:
+        try:
+            await self._send("prefill" if self.transfer else "decode", exclude=(failed,))
+        except Exception as e:  # noqa: BLE001 - the request's error
+            if not self.done:
+                self._end((self.tag, e))
+
+    def _end(self, item: tuple) -> None:
+        self._uncount()
+        self.done = True
+        self.owner._relays.pop(self.rid, None)
+        self.out_queue.put_nowait(item)
+
+    def abort(self) -> None:
+        """Cancel the request on the replica that has it (idempotent)."""
+        if self.done:
+            return
+        self.done = True
+        self.owner._relays.pop(self.rid, None)
+        self._uncount()
+        if self.replica is not None:
+            eng = self.owner.engines.get(self.replica)
+            if eng is not None:
+                eng.abort(self.rid)
