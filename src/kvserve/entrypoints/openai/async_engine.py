@@ -700,7 +700,11 @@ class MPAsyncEngine(AsyncEngine):
         if self._stopped:
             self._core_gone("the server is shutting down")
             return
-        self.fatal_error = EngineStoppedError(self.client.death_message(exitcode))
+        from kvserve.engine.core_client import describe_exit
+
+        describe = getattr(self.client, "death_message", None)  # (a replica's client names the replica)
+        self.fatal_error = EngineStoppedError(describe(exitcode) if describe is not None
+                                              else f"the engine core process died ({describe_exit(exitcode)})")
         logger.error("%s; failing %d live request(s)", self.fatal_error, len(self._tracks))
         self._core_gone(str(self.fatal_error))
 
