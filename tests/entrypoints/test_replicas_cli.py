@@ -1,0 +1,164 @@
+"""``kvserve serve --data-parallel-size 2`` as a user runs it (a local Ray instance started by
+the server): a replica killed mid-run; the requests that got nothing yet are sent again and
+finish, the streams it was serving end with an error event, the other replica's requests
+finish, Ray Serve brings the replica back and ``/health`` shows it; Ctrl-C leaves no process.
+Bad replica options fail before anything starts.
+
+A tiny random model keeps it quick; three processes and Ray's own on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_helpers import free_port, pid_gone
+
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("ray")
+
+
+def _descendants(pid: int) -> set[int]:
+    """Live descendants of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if fields[0] != "Z":
+                parents[int(entry)] = int(fields[1])
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - out
+        out |= frontier
+    return out
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data-parallel-size", "0"], "--data-parallel-size must be ≥ 1"),
+    (["--prefill-replicas", "1"], "--prefill-replicas and --decode-replicas must both be ≥ 1"),
+    (["--data-parallel-size", "2", "--prefill-replicas", "1", "--decode-replicas", "1"], "either --data-parallel-size"),
+    (["--data-parallel-size", "2", "--replica-cpus", "0"], "--replica-cpus must be in (0, 1024]"),
+    (["--data-parallel-size", "2", "--engine-core", "in-process"], "--engine-core in-process cannot be combined"),
+])
+def test_bad_replica_options_fail_before_anything_starts(args, message, tiny_model_dir):
+    folder = tiny_model_dir("llama")[0]
+    t0 = time.monotonic()
+    p = _cli("serve", "--model", str(folder), "--port", str(free_port()), *args)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode != 0 and message in out, out
+    assert "Traceback" not in out
+    assert time.monotonic() - t0 < 30  # no Ray, no model
+
+
+def test_a_killed_replica_is_replaced_and_its_requests_retried_or_ended(tiny_model_dir):
+    folder = tiny_model_dir("llama")[0]
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = _cli("serve", "--model", str(folder), "--port", str(port), "--dtype", "float32",
+                  "--max-model-len", "512", "--block-size", "4", "--kv-cache-memory", "0.05",
+                  "--data-parallel-size", "2", "--routing", "round_robin", "--no-access-log",
+                  start_new_session=True)
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(server.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, "".join(log)
+            try:
+                r = httpx.get(base + "/health", timeout=5)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "".join(log)
+            time.sleep(0.5)
+        states = r.json()["replicas"]
+        assert set(states) == {"replica-0", "replica-1"}
+        victim = states["replica-0"]["pid"]
+        results: dict = {}
+        streams: dict = {}
+        started = threading.Barrier(5)
+
+        def plain(i):
+            r = httpx.post(base + "/v1/completions", timeout=120, json={
+                "prompt": [5 + i, 6, 7], "max_tokens": 300, "ignore_eos": True, "temperature": 0})
+            results[i] = (r.status_code, r.json())
+
+        def streamed(i):
+            events = []
+            with httpx.stream("POST", base + "/v1/completions", timeout=120, json={
+                    "prompt": [9 + i, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}) as resp:
+                it = resp.iter_lines()
+                for line in it:
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 2:
+                            started.wait(60)
+            streams[i] = events
+
+        threads = [threading.Thread(target=plain, args=(i,)) for i in range(4)]
+        threads += [threading.Thread(target=streamed, args=(i,)) for i in range(4)]
+        for t in threads[4:]:  # the streams first: round robin puts 2 on each replica
+            t.start()
+        for t in threads[:4]:
+            t.start()
+        started.wait(60)
+        os.kill(victim, signal.SIGKILL)
+        for t in threads:
+            t.join(150)
+            assert not t.is_alive()  # no request hangs
+        # the non-streamed requests had shown nothing: all finish (those of the dead replica sent again)
+        assert all(code == 200 and body["usage"]["completion_tokens"] == 300 for code, body in results.values()), \
+            results
+        ended_with_error = finished = 0
+        for events in streams.values():
+            assert events[-1] == "[DONE]"
+            last = json.loads(events[-2])
+            if "error" in last:
+                ended_with_error += 1
+                assert "replica-0" in last["error"]["message"]
+            else:
+                finished += 1
+                assert last["choices"][0]["finish_reason"] == "length"
+        assert ended_with_error == 2 and finished == 2, streams
+        deadline = time.monotonic() + 120
+        while True:
+            states = httpx.get(base + "/health", timeout=5).json()["replicas"]
+            if states["replica-0"]["state"] == "healthy":
+                break
+            assert states["replica-0"]["state"] == "restarting"
+            assert time.monotonic() < deadline, states
+            time.sleep(0.5)
+        assert states["replica-0"]["pid"] != victim and states["replica-0"]["restarts"] == 1
+        assert pid_gone(victim)
+        r = httpx.post(base + "/v1/completions", timeout=60, json={"prompt": [5, 6, 7], "max_tokens": 8})
+        assert r.status_code == 200
+        family = _descendants(server.pid)
+        assert {s["pid"] for s in states.values()} <= family
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    assert all(pid_gone(p, 30) for p in family), [p for p in family if not pid_gone(p, 0)]
