@@ -57,8 +57,13 @@ def reference(smollm2_path):
     outs = llm.generate(PROMPTS, params)
     texts = [o.outputs[0].text for o in outs]
     ids = [list(o.outputs[0].token_ids) for o in outs]
+    sampled = llm.generate(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, n=2, seed=7))
+    REFERENCE_SAMPLED[:] = [o.text for o in sampled[0].outputs]
     llm.shutdown()
     return texts, ids
+
+
+REFERENCE_SAMPLED: list[str] = []
 
 
 def _server(smollm2_path, specs_kwargs, prefix, routing="prefix"):
@@ -258,3 +263,37 @@ def test_a_killed_prefill_replica_leaks_no_decode_block_and_no_request_hangs(dis
     assert s["kv_blocks_free"] + s["kv_blocks_cached"] == start_free
     # and it serves again, token for token
     _check_outputs(disaggregated.base_url, reference)
+
+
+@pytest.mark.parametrize("which", ["replicas", "disaggregated"])
+def test_sampling_errors_and_options_as_one_engine(which, request, reference):
+    """Seeded n=2 sampling gives the offline samples; bad input gets the same 400 naming the
+    field; JSON-schema output and beam search run (beam search on a decode replica alone)."""
+    server = request.getfixturevalue(which)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    r = client.completions.create(model="smol", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.8, n=2,
+                                  seed=7)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == REFERENCE_SAMPLED
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt="hi", max_tokens=4000)
+    assert e.value.body["param"] == "max_tokens" and "2048" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt="hi", max_tokens=4, logit_bias={"999999": 5})
+    assert e.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as e:  # one bad prompt of a batch: none runs
+        client.completions.create(model="smol", prompt=["hi", [1, 2, 10**9]], max_tokens=4)
+    assert "prompt[1]" in e.value.body["message"] or e.value.body["param"] == "prompt"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Give me a number"}],
+                                       max_tokens=30, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "n", "schema": schema}})
+    import json
+
+    assert set(json.loads(r.choices[0].message.content)) == {"a"}
+    r = client.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=6, n=2,
+                                  extra_body={"use_beam_search": True})
+    assert len(r.choices) == 2
+    engine = server.api.async_engine
+    assert all(v == 0 for v in engine.router.load.values())
