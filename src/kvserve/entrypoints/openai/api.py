@@ -49,6 +49,7 @@ from kvserve.core.request import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.core_client import CoreClient
+from kvserve.engine.replica_client import ReplicaPool
 from kvserve.entrypoints.openai.async_engine import AsyncEngine, EngineStoppedError, MPAsyncEngine
 from kvserve.entrypoints.openai.protocol import (
     APIError,
@@ -133,9 +134,11 @@ class OpenAIServer:
 
     Args:
         engine: an :class:`LLMEngine` (stepped in a thread of this process, :class:`AsyncEngine`;
-            from :meth:`start` on owned by that thread) or a started
+            from :meth:`start` on owned by that thread), a started
             :class:`~kvserve.engine.core_client.CoreClient` (the engine core in its own process,
-            :class:`MPAsyncEngine`).
+            :class:`MPAsyncEngine`), or a :class:`~kvserve.engine.replica_client.ReplicaPool`
+            (engine replicas on Ray Serve, :class:`~kvserve.entrypoints.openai.replica_engine.ReplicatedAsyncEngine`:
+            the metrics then carry a ``replica`` label, ``/health`` lists the replicas).
         served_model_names: names clients may use in ``model``; the first is reported.
         api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``.
         max_body_bytes: larger request bodies get 413 before they are read.
@@ -146,7 +149,7 @@ class OpenAIServer:
         ValueError: no served model name, or an unknown ``tool_call_parser``.
     """
 
-    def __init__(self, engine: LLMEngine | CoreClient, served_model_names: Sequence[str], api_key: Optional[str] = None,
+    def __init__(self, engine: LLMEngine | CoreClient | ReplicaPool, served_model_names: Sequence[str], api_key: Optional[str] = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
@@ -159,8 +162,6 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
-        from kvserve.engine.replica_client import ReplicaPool
-
         if isinstance(engine, ReplicaPool):  # engine replicas on Ray Serve
             from kvserve.entrypoints.openai.replica_engine import ReplicatedAsyncEngine
 
