@@ -99,6 +99,8 @@ class KVBlockMover:
         Raises:
             ValueError: an unknown kind, or a swap without a host pool.
             IndexError, RuntimeError: a block id out of range (torch's error).
+            KVTransferError: a load's fetch failed (:meth:`_load`); the batches before it were
+                applied, the load and those after it were not.
         """
         for b in ops.batches:
             if not b.src:
@@ -123,12 +125,30 @@ class KVBlockMover:
 
     def _load(self, handle, payload_blocks: list[int], device_blocks: list[int]) -> None:
         """Write blocks ``payload_blocks`` of a KV connector's saved payload (``handle``: its
-        :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`) into device blocks."""
-        from kvserve.distributed.kv_transfer import get_connector
+        :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`) into device blocks; only those
+        blocks are fetched (:meth:`KVConnector.fetch`).
 
-        payload = get_connector(handle.connector).fetch(handle.key, self.rank, payload_blocks)
-        if len(payload) != len(self.kv_caches):
-            raise ValueError(f"KV transfer: a payload of {len(payload)} layers for pools of {len(self.kv_caches)}")
+        Raises:
+            KVTransferError: the fetch failed (the blocks are gone, their owner died, the fetch
+                timed out, no such connector here), or the payload does not fit the pools;
+                nothing was written then.
+        """
+        from kvserve.distributed.kv_transfer import KVTransferError, get_connector
+
+        try:
+            payload = get_connector(handle.connector).fetch(handle.key, self.rank, payload_blocks)
+        except KVTransferError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. a process not connected to Ray: the request recomputes
+            raise KVTransferError(f"KV transfer: {type(e).__name__}: {e}") from e
+        n = len(device_blocks)
+        if len(payload) != len(self.kv_caches) or any(
+                t.shape != (n, *c.shape[1:]) or t.dtype != c.dtype
+                for dev, saved in zip(self.kv_caches, payload) for c, t in zip(dev, saved)):
+            first = f", {tuple(payload[0][0].shape)} {payload[0][0].dtype}" if payload else ""
+            raise KVTransferError(f"KV transfer: a payload of {len(payload)} layers{first} does not fit {n} blocks of "
+                                  f"pools of {len(self.kv_caches)} layers, {tuple(self.kv_caches[0][0].shape[1:])} "
+                                  f"{self.kv_caches[0][0].dtype}")
         dst = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
         for dev, saved in zip(self.kv_caches, payload):
             for c, t in zip(dev, saved):

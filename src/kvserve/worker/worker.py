@@ -170,6 +170,31 @@ class Worker:
         except Exception as e:
             raise KVCacheOpsError(f"applying {len(ops)} KV block moves failed: {type(e).__name__}: {e}") from e
 
+    def load_kv_blocks(self, ops: KVCacheOps) -> Optional[str]:
+        """Apply block moves whose last batch loads blocks another engine saved (the engine
+        core's loader, :meth:`KVCacheManager.admit`: the moves recorded before the load, then
+        the load), now rather than with the next step.
+
+        Returns:
+            None, or the message of the :class:`~kvserve.distributed.kv_transfer.KVTransferError`
+            that made the load fail: the moves before it were applied and the load wrote nothing
+            (a message, not an exception: an executor whose driver raises stops its ranks, and a
+            failed load is one request's, which the core recomputes).
+
+        Raises:
+            KVCacheOpsError: applying another move failed (the pools no longer match the core's books).
+        """
+        from kvserve.distributed.kv_transfer import KVTransferError
+
+        self._pin_threads()
+        try:
+            self.kv_mover.apply(ops)
+        except KVTransferError as e:
+            return str(e)
+        except Exception as e:
+            raise KVCacheOpsError(f"applying {len(ops)} KV block moves failed: {type(e).__name__}: {e}") from e
+        return None
+
     def init_model_runner(self, block_tables: dict[str, list[int]], block_size: int,
                           sliding_window: Optional[int]) -> None:
         """Build the model runner over the pools. ``block_tables`` is the KV manager's

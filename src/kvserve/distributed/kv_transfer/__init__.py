@@ -12,18 +12,23 @@ running decodes; the price is moving the prompt's K/V. vLLM hides the move behin
   :class:`KVTransferHandle`; the handle comes back in ``RequestOutput.kv_transfer_params``;
 * the **decode engine** gets the same prompt with ``kv_transfer_params=handle``: when it admits
   the request, it takes what its own prefix cache holds, allocates blocks for the rest, and
-  records a ``load`` of only those blocks (:mod:`kvserve.core.kv_ops`), which its workers apply
-  before the next forward (:meth:`KVConnector.fetch`); the request then computes just its last
-  prompt token (the one owed) and decodes.
+  has its workers load only those blocks at once (a ``load`` op, :mod:`kvserve.core.kv_ops`;
+  :meth:`KVConnector.fetch` moves only the blocks asked for); the request then computes just
+  its last prompt token (the one owed) and decodes. A load that fails (:class:`KVTransferError`:
+  the blocks are gone, their owner died, the fetch timed out) fails neither the engine nor the
+  request: the request recomputes its prompt after its cached blocks, and the failure is
+  counted (``kv_transfer_failed`` in ``EngineCore.stats()``) and logged.
 
 Connectors (:func:`get_connector`): ``"local"`` (:class:`LocalKVConnector`: a store in this
 process, for engines that share one, and the reference for the others) and ``"ray"``
 (:class:`~kvserve.distributed.kv_transfer.ray_connector.RayKVConnector`: Ray's object store,
-shared memory on one node, Ray's transfer across nodes). ``torch.distributed`` send/recv (NCCL
-on GPUs) or NIXL would plug in behind the same calls.
+one object per block: shared memory on one node, Ray's transfer across nodes).
+``torch.distributed`` send/recv (NCCL on GPUs) or NIXL would plug in behind the same calls.
 """
 
-from kvserve.distributed.kv_transfer.base import KVConnector, KVTransferHandle, get_connector
+from kvserve.distributed.kv_transfer.base import (KV_TRANSFER_TIMEOUT_S, KVConnector, KVTransferError,
+                                                  KVTransferHandle, get_connector, kv_transfer_timeout_s)
 from kvserve.distributed.kv_transfer.local_connector import LocalKVConnector
 
-__all__ = ["KVConnector", "KVTransferHandle", "LocalKVConnector", "get_connector"]
+__all__ = ["KV_TRANSFER_TIMEOUT_S", "KVConnector", "KVTransferError", "KVTransferHandle", "LocalKVConnector",
+           "get_connector", "kv_transfer_timeout_s"]

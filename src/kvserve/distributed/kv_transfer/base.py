@@ -1,8 +1,10 @@
-"""The KV connector interface (:class:`KVConnector`) and its handle (:class:`KVTransferHandle`)."""
+"""The KV connector interface (:class:`KVConnector`), its handle (:class:`KVTransferHandle`), and
+the error a failed load raises (:class:`KVTransferError`)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -13,6 +15,45 @@ import torch
 #: row]`` in the pools' dtype, on the CPU (``row``: ``head_dim``, or ``head_dim + 4`` for 8-bit
 #: pools, whose rows carry their scale).
 KVPayload = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+#: Seconds a connector waits for saved blocks (a fetch, an existence check) before it gives up
+#: with a :class:`KVTransferError`: the default of :func:`kv_transfer_timeout_s`.
+KV_TRANSFER_TIMEOUT_S = 30.0
+
+#: The environment variable that overrides :data:`KV_TRANSFER_TIMEOUT_S` (seconds, > 0).
+KV_TRANSFER_TIMEOUT_ENV = "KVSERVE_KV_TRANSFER_TIMEOUT_S"
+
+
+class KVTransferError(RuntimeError):
+    """Saved blocks could not be fetched: released or dropped, their owner (the prefill engine's
+    process) died, or the fetch ran past :func:`kv_transfer_timeout_s`. One request's fault, not
+    the engine's: the decode engine recomputes that request's prompt instead
+    (:meth:`kvserve.core.kv_cache_manager.KVCacheManager.admit`)."""
+
+
+def kv_transfer_timeout_s() -> float:
+    """Seconds a fetch may wait: ``$KVSERVE_KV_TRANSFER_TIMEOUT_S`` if set, else
+    :data:`KV_TRANSFER_TIMEOUT_S` (read at each call).
+
+    Raises:
+        ValueError: naming the variable: not a number of seconds > 0.
+    """
+    raw = os.environ.get(KV_TRANSFER_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return KV_TRANSFER_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{KV_TRANSFER_TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
+def payload_bytes(payload: KVPayload) -> int:
+    """Bytes of the tensors of one worker's payload."""
+    return sum(t.numel() * t.element_size() for pair in payload for t in pair)
 
 
 def token_digest(token_ids: Sequence[int]) -> str:
@@ -35,7 +76,8 @@ class KVTransferHandle:
         block_size: tokens per block of the saved payload.
         layout: ``(num_layers, num_kv_heads, row, dtype, tensor_parallel_size)`` of the pools
             the blocks came from; a decode engine with another layout cannot take them.
-        num_bytes: bytes saved, all workers.
+        num_bytes: bytes saved, all workers (every block is whole, the last one too: a
+            block's share is ``num_bytes // num_blocks``).
     """
 
     connector: str
@@ -50,29 +92,53 @@ class KVTransferHandle:
     def num_blocks(self) -> int:
         return -(-self.num_tokens // self.block_size)
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one saved block, all workers."""
+        return self.num_bytes // self.num_blocks if self.num_tokens else 0
+
 
 class KVConnector(ABC):
-    """Keeps saved KV blocks between a prefill engine and a decode engine."""
+    """Keeps saved KV blocks between a prefill engine and a decode engine.
+
+    A decode engine fetches only the blocks its prefix cache lacks, and a connector moves only
+    those (:meth:`fetch`). Counters (this process's): ``num_saved`` / ``num_saved_bytes``
+    (requests and bytes saved), ``num_loaded_blocks`` / ``num_loaded_bytes`` (blocks and bytes
+    fetched), ``num_failed`` (fetches that raised :class:`KVTransferError`).
+    """
 
     #: the name handles carry
     name: str = ""
 
+    def __init__(self) -> None:
+        self.num_saved = 0
+        self.num_saved_bytes = 0
+        self.num_loaded_blocks = 0
+        self.num_loaded_bytes = 0
+        self.num_failed = 0
+
     @abstractmethod
     def save(self, payloads: Sequence[KVPayload]) -> Any:
-        """Keep one request's blocks (``payloads[rank]``: each worker's shard); returns the key
-        a :class:`KVTransferHandle` carries."""
+        """Keep one request's blocks (``payloads[rank]``: each worker's shard, per layer ``(K,
+        V)`` of ``[num_blocks, block_size, num_kv_heads, row]``); returns the key a
+        :class:`KVTransferHandle` carries (small and picklable)."""
 
     @abstractmethod
     def fetch(self, key: Any, rank: int, blocks: Sequence[int]) -> KVPayload:
-        """Blocks ``blocks`` (indices into the saved payload) of worker ``rank``'s shard.
+        """Blocks ``blocks`` (indices into the saved payload, ascending) of worker ``rank``'s
+        shard: per layer ``(K, V)`` of ``[len(blocks), block_size, num_kv_heads, row]``, on the
+        CPU. Only those blocks move. A key is loaded once (:meth:`has` is False after).
 
         Raises:
-            KeyError: no such key (released, or saved by another process's store).
+            KVTransferError: the blocks are gone (released, dropped, loaded already, saved by
+                another process's store, their owner died) or did not come within
+                :func:`kv_transfer_timeout_s`.
         """
 
     @abstractmethod
     def has(self, key: Any) -> bool:
-        """Whether the blocks of ``key`` are still kept (not loaded in full, not released)."""
+        """Whether the blocks of ``key`` can still be fetched (not loaded, not released, not
+        lost): a cheap check that moves no block, made when a decode request arrives."""
 
     @abstractmethod
     def release(self, key: Any) -> None:
