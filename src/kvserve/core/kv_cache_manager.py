@@ -24,9 +24,10 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -363,6 +364,15 @@ class KVCacheManager:
             block_size, num_kv_heads, head_dim]`` (unit tests, a draft model's own pool): the
             manager then applies each copy to them at once
             (:class:`~kvserve.worker.kv_block_mover.KVBlockMover`) and :attr:`ops` stays empty.
+        kv_loader: with ``kv_caches`` None, how a load of blocks another engine saved (a KV
+            transfer, :meth:`admit`) is applied at once: called with the ops recorded so far
+            (:meth:`KVCacheOps.take`, the load last), it applies them in order on the pools
+            (the engine core: :meth:`Worker.load_kv_blocks` on every worker) and raises
+            :class:`~kvserve.distributed.kv_transfer.KVTransferError` when the load failed (the
+            moves before it applied). Applied at admission, a failed load is one request's and
+            :meth:`admit` falls back to recomputing its prompt. Without pools or a loader the
+            load is recorded in :attr:`ops` like a copy, for the caller to apply before the next
+            forward, and a failure there is the caller's (the engine core passes a loader).
         namespace_model: the model part of the cache namespace (model path or name; the
             tokenizer comes from the same path).
         hit_rate_window: requests covered by the recent hit rate.
@@ -394,6 +404,7 @@ class KVCacheManager:
         hit_rate_window: int = 1000,
         partial_block_reuse: bool = True,
         sliding_window: Optional[int] = None,
+        kv_loader: Optional[Callable[[KVCacheOps], None]] = None,
     ) -> None:
         if hit_rate_window < 1:
             raise ValueError(f"hit_rate_window must be ≥ 1, got {hit_rate_window}")
@@ -406,8 +417,14 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self.kv_caches = kv_caches
         self.ops = KVCacheOps()
-        self.num_transfer_loaded_blocks = 0  # blocks loaded from other engines' KV transfers
+        # KV transfers (prefill/decode disaggregation) taken in: blocks and bytes loaded, seconds
+        # spent applying loads (fetch and write; failed ones too), loads that failed (recomputed)
+        self.num_transfer_loaded_blocks = 0
+        self.num_transfer_loaded_bytes = 0
+        self.num_transfer_load_seconds = 0.0
+        self.num_transfer_failed = 0
         self._mover = None if kv_caches is None else KVBlockMover(kv_caches)
+        self._loader = kv_loader
         self.namespace_model = namespace_model
         self.partial_block_reuse = partial_block_reuse
         self.cache: Optional[RadixCache] = RadixCache(self.pool) if enable_prefix_caching else None
@@ -565,8 +582,14 @@ class KVCacheManager:
         ``num_computed_tokens`` is set to the tokens served from it. A request whose prompt
         K/V another engine saved (``request.kv_transfer``, prefill/decode disaggregation)
         takes the cached full blocks, and the blocks after them are loaded from the transfer
-        (a ``load`` op in :attr:`ops`: only the blocks the cache does not hold move); it then
-        has ``num_computed_tokens = len(prompt) - 1`` and computes the last prompt token.
+        (a ``load`` op, applied at once by the pools' mover or ``kv_loader``: only the blocks
+        the cache does not hold move); it then has ``num_computed_tokens = len(prompt) - 1`` and
+        computes the last prompt token. If the load fails
+        (:class:`~kvserve.distributed.kv_transfer.KVTransferError`), the request keeps its
+        cached blocks and computes the rest of its prompt (``num_computed_tokens`` = the cache
+        hit; the blocks the chunk does not need go back to the pool), the failure is counted
+        (``kv_transfer_failed``) and logged. Either way ``request.kv_transfer_stats`` records
+        the transfer (:meth:`_load_transfer`).
 
         Args:
             token_budget: most tokens the request may compute this step (≥ 1).
@@ -623,12 +646,13 @@ class KVCacheManager:
         if partial is not None:
             self._copy_block_prefix(partial.block_id, new[0], partial.num_tokens)
             cache.unlock(partial.node)
-        if computed > hit:  # load the transferred blocks the cache did not hold
-            first, end = len(blocks), self.blocks_needed(computed)
-            self.ops.load(transfer, list(range(first, end)), new[: end - first])
-            self.num_transfer_loaded_blocks += end - first
-            if self._mover is not None:
-                self._mover.apply(self.ops.take())
+        if transfer is not None:
+            if not self._load_transfer(request, transfer, hit, new):  # recompute after the cached blocks
+                computed = hit
+                num_new = min(request.num_tokens - computed, token_budget)
+                keep = self.blocks_needed(computed + num_new) - len(blocks)
+                self.pool.decref(new[keep:])  # (fresh blocks the load may have half written: free again)
+                new = new[:keep]
         request.kv_transfer = None  # (taken: a request preempted later recomputes or swaps as any)
         self.block_tables[rid] = blocks + new
         if node is not None:
@@ -641,6 +665,42 @@ class KVCacheManager:
             if resumed or cap > 0 or request.sampling_params.prompt_logprobs is None:
                 self.metrics.record(request.num_tokens, hit, resumed)
         return num_new
+
+    def _load_transfer(self, request: Request, transfer, hit: int, new: list[int]) -> bool:
+        """Load the blocks of ``transfer`` (a
+        :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`) after the ``hit`` cached
+        tokens into the request's first new blocks ``new``, now (the pools' mover, or
+        ``kv_loader``; without either the load waits in :attr:`ops`); returns False when the
+        load failed. Sets ``request.kv_transfer_stats``: ``{"blocks", "bytes", "seconds",
+        "cached_blocks", "failed"}`` (blocks and bytes loaded, all workers; seconds spent;
+        blocks the prefix cache held; whether the load failed)."""
+        first, end = hit // self.block_size, self.blocks_needed(transfer.num_tokens)
+        stats = {"blocks": 0, "bytes": 0, "seconds": 0.0, "cached_blocks": first, "failed": False}
+        request.kv_transfer_stats = stats
+        if end <= first:
+            return True  # the cache held every transferred block
+        self.ops.load(transfer, list(range(first, end)), new[: end - first])
+        apply = self._mover.apply if self._mover is not None else self._loader
+        ok = True
+        if apply is not None:
+            from kvserve.distributed.kv_transfer import KVTransferError
+
+            t0 = time.perf_counter()
+            try:
+                apply(self.ops.take())
+            except KVTransferError as e:
+                ok = False
+                self.num_transfer_failed += 1
+                logger.warning("request %s: loading %d transferred KV block(s) failed (%s); it recomputes its prompt "
+                               "after its %d cached token(s)", request.request_id, end - first, e, hit)
+            stats["seconds"] = time.perf_counter() - t0
+            self.num_transfer_load_seconds += stats["seconds"]
+        if ok:
+            stats["blocks"], stats["bytes"] = end - first, (end - first) * transfer.block_bytes
+            self.num_transfer_loaded_blocks += end - first
+            self.num_transfer_loaded_bytes += stats["bytes"]
+        stats["failed"] = not ok
+        return ok
 
     def _copy_block_prefix(self, src: int, dst: int, num_tokens: int) -> None:
         """Record the copy of the K/V of slots ``0..num_tokens-1`` of block ``src`` into block
@@ -774,6 +834,9 @@ class KVCacheManager:
             "kv_blocks_cached": self.num_cached_blocks,  # cached, unused, evictable
             "kv_blocks_in_use": self.num_used_blocks,
             "kv_transfer_loaded_blocks": self.num_transfer_loaded_blocks,
+            "kv_transfer_loaded_bytes": self.num_transfer_loaded_bytes,
+            "kv_transfer_load_seconds": self.num_transfer_load_seconds,
+            "kv_transfer_failed": self.num_transfer_failed,
         }
 
     # ------------------------------------------------------------------ beam search

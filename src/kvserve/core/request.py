@@ -127,9 +127,12 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: Any = field(default=None, repr=False, compare=False)
     # prefill/decode disaggregation (kvserve.distributed.kv_transfer): the handle of prompt K/V
-    # saved by another engine, loaded when the request is first admitted (then None); and
-    # whether to save this sequence's prompt K/V for another engine when it finishes
+    # saved by another engine, loaded when the request is first admitted (then None); what that
+    # load did (KVCacheManager._load_transfer: blocks, bytes, seconds, cached_blocks, failed;
+    # reported once, with the request's next output); and whether to save this sequence's
+    # prompt K/V for another engine when it finishes
     kv_transfer: Any = field(default=None, repr=False, compare=False)
+    kv_transfer_stats: Optional[dict] = field(default=None, repr=False, compare=False)
     kv_save: bool = False
 
     @property
@@ -211,6 +214,13 @@ class RequestOutput:
         kv_transfer_params: for a request sent with ``{"do_remote_decode": True}``, the
             :class:`~kvserve.distributed.kv_transfer.KVTransferHandle` of its saved prompt K/V
             (in the final output), for a decode engine's ``kv_transfer_params``.
+        kv_transfer_stats: for a request sent with a handle as ``kv_transfer_params``, what
+            taking its prompt K/V cost, from its first output on (the same dict on each output:
+            record it once, e.g. when ``finished``): ``{"blocks": int, "bytes": int, "seconds":
+            float, "cached_blocks": int, "failed": bool}``: blocks and bytes loaded (all
+            workers), seconds spent loading, blocks the prefix cache held (not moved), and
+            whether the load failed (the prompt was then recomputed after the cached blocks).
+            None for other requests.
     """
 
     request_id: str
@@ -224,6 +234,7 @@ class RequestOutput:
     error: Optional[str] = None
     error_param: Optional[str] = None
     kv_transfer_params: Any = None
+    kv_transfer_stats: Optional[dict] = None
 
     @property
     def text(self) -> str:

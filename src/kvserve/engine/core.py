@@ -71,6 +71,26 @@ class RequestGroup:
         return not self.pending_forks and all(s.is_finished for s in self.seqs)
 
 
+def kv_loader(executor: Executor):
+    """The KV manager's loader over ``executor``'s workers (``kv_loader`` of
+    :class:`KVCacheManager`): ``load(ops)`` has every worker apply ``ops`` (the block moves
+    recorded so far, then a KV transfer's load) now (:meth:`Worker.load_kv_blocks`).
+
+    ``load`` raises:
+        KVTransferError: a worker's load failed (the request recomputes its prompt).
+        KVCacheOpsError: another move failed (an engine fault).
+    """
+
+    def load(ops) -> None:
+        from kvserve.distributed.kv_transfer import KVTransferError
+
+        errors = [e for e in executor.collective_rpc("load_kv_blocks", (ops,)) if e]
+        if errors:
+            raise KVTransferError(errors[0])
+
+    return load
+
+
 class EngineCore:
     """The engine core: :class:`EngineCoreRequest` in, :class:`EngineCoreOutput` per step out.
 
@@ -122,6 +142,7 @@ class EngineCore:
         self._deltas: dict[str, SampleDelta] = {}  # sequence id -> its tokens of this step, until output
         self._transfers: dict = {}  # request id -> the KVTransferHandle of its saved prompt K/V, until output
         self.num_kv_transfer_saved = 0
+        self.num_kv_transfer_saved_bytes = 0
         self._rng = random.Random(args.seed)
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -228,8 +249,11 @@ class EngineCore:
         # clones) and swaps in self.kv.ops, which go to every worker with the next step
         # (_schedule: SchedulerOutput.kv_ops) and are applied there, in order, before its forward.
         self.executor.collective_rpc("initialize_kv_cache", (cfg, self.kv_spec, self.kv_cache_dtype))
+        # (a KV transfer's load is applied at admission, not with the step: a failed one is then
+        # one request's, which recomputes its prompt: kv_loader)
         self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, prefix_caching,
-                                 None, namespace_model=str(path), sliding_window=window)
+                                 None, namespace_model=str(path), sliding_window=window,
+                                 kv_loader=kv_loader(self.executor) if args.kv_connector else None)
         self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting)
         self.preemption_mode = check_swap_options(args.swap_space, args.preemption_mode)
         self.swap: Optional[KVSwapSpace] = None
@@ -474,7 +498,8 @@ class EngineCore:
             raise ValueError(f"kv_transfer_params: the handle holds the K/V of {h.num_tokens} other tokens than this "
                              f"prompt's first {len(ids) - 1}")
         if h.num_tokens and not get_connector(name).has(h.key):
-            raise ValueError("kv_transfer_params: the handle's blocks were already loaded or released")
+            raise ValueError("kv_transfer_params: the handle's blocks can no longer be loaded (already loaded or "
+                             "released, dropped, or the engine that saved them is gone)")
         return (h if h.num_tokens else None), False
 
     def _save_kv(self, req: Request) -> None:
@@ -496,6 +521,7 @@ class EngineCore:
         self._transfers[req.parent_id] = KVTransferHandle(connector.name, key, n, token_digest(req.prompt_token_ids[:n]),
                                                           self.args.block_size, self._kv_layout(), nbytes)
         self.num_kv_transfer_saved += 1
+        self.num_kv_transfer_saved_bytes += nbytes
 
     def _seq_id(self, request_id: str) -> str:
         """A new sequence id ``"{request_id}#{k}"``, ``k`` an engine-wide counter: read from the
@@ -765,8 +791,10 @@ class EngineCore:
         samples = [d for s in group.seqs if (d := self._deltas.pop(s.request_id, None)) is not None]
         self._retire(group)
         lead = group.seqs[0]
+        transfer_stats, lead.kv_transfer_stats = lead.kv_transfer_stats, None
         return EngineCoreOutput(group.request_id, samples, True, lead.metrics, lead.num_cached_tokens, error=msg,
-                                error_param=error.param if isinstance(error, GrammarLimitError) else None)
+                                error_param=error.param if isinstance(error, GrammarLimitError) else None,
+                                kv_transfer_stats=transfer_stats)
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprob, now: float) -> None:
         self._append_tokens(req, [tok], [lp], now)
@@ -884,9 +912,10 @@ class EngineCore:
         if group.beam is not None:
             beams = [BeamOutput(list(h.token_ids), h.cum_logprob, h.finished_by_eos)
                      for h in group.beam.best(params.n)]
+        transfer_stats, lead.kv_transfer_stats = lead.kv_transfer_stats, None  # (sent once)
         return EngineCoreOutput(group.request_id, samples, group.finished, lead.metrics, lead.num_cached_tokens,
                                 new_plp, beams, kv_transfer_params=self._transfers.get(group.request_id)
-                                if group.finished else None)
+                                if group.finished else None, kv_transfer_stats=transfer_stats)
 
     # --------------------------------------------------------------- metrics
     def spec_stats(self) -> dict:
@@ -916,6 +945,7 @@ class EngineCore:
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             "generated_tokens": self.num_generated_tokens,
             "kv_transfer_saved": self.num_kv_transfer_saved,
+            "kv_transfer_saved_bytes": self.num_kv_transfer_saved_bytes,
             **self.spec_stats(),
             **self.swap_stats(),
             **self.kv.stats(),  # prefix-cache queries/hits/hit rates/evictions, blocks free/cached/in use

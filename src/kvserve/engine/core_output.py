@@ -80,6 +80,8 @@ class EngineCoreOutput:
             input, else None.
         kv_transfer_params: in the final output of a request sent with
             ``{"do_remote_decode": True}``: the handle of its saved prompt K/V.
+        kv_transfer_stats: in the first output of a request sent with a handle: what loading
+            its prompt K/V did (``RequestOutput.kv_transfer_stats``); else None.
     """
 
     request_id: str
@@ -92,6 +94,7 @@ class EngineCoreOutput:
     error: Optional[str] = None
     error_param: Optional[str] = None
     kv_transfer_params: Any = None
+    kv_transfer_stats: Optional[dict] = None
 
 
 def append_output_tokens(req: Request, toks: list[int], lps: list[TokenLogprob], now: float,

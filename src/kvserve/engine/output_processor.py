@@ -62,6 +62,7 @@ class RequestState:
     samples: list[_Sample]
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     beams: list[BeamOutput] = field(default_factory=list)
+    kv_transfer_stats: Optional[dict] = None  # (the core sends it once; every output carries it)
 
     @property
     def finished(self) -> bool:
@@ -126,6 +127,8 @@ class OutputProcessor:
             state = self.requests.get(out.request_id)
             if state is None:
                 continue
+            if out.kv_transfer_stats is not None:
+                state.kv_transfer_stats = out.kv_transfer_stats
             try:
                 if out.error is not None:
                     res.request_outputs.append(self._error_output(state, out))
@@ -253,6 +256,7 @@ class OutputProcessor:
             prompt_logprobs=(list(state.prompt_logprobs) or [None]) if state.prompt_logprobs is not None else None,
             num_cached_tokens=out.num_cached_tokens,
             kv_transfer_params=out.kv_transfer_params,
+            kv_transfer_stats=state.kv_transfer_stats,
         )
 
     def _error_output(self, state: RequestState, out: EngineCoreOutput, msg: Optional[str] = None) -> RequestOutput:
@@ -266,7 +270,8 @@ class OutputProcessor:
             return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                                  outs or [CompletionOutput(0, "", [], "error")], True, out.metrics,
                                  num_cached_tokens=out.num_cached_tokens, error=msg or out.error,
-                                 error_param=out.error_param if msg is None else None)
+                                 error_param=out.error_param if msg is None else None,
+                                 kv_transfer_stats=state.kv_transfer_stats)
         by_index = {d.index: d for d in out.samples}
         outs = []
         for s in state.samples[: state.params.n]:
@@ -276,4 +281,5 @@ class OutputProcessor:
                                          finish_reason="error", cumulative_logprob=s.cumulative_logprob))
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, True, out.metrics,
                              num_cached_tokens=out.num_cached_tokens, error=msg or out.error,
-                             error_param=out.error_param if msg is None else None)
+                             error_param=out.error_param if msg is None else None,
+                             kv_transfer_stats=state.kv_transfer_stats)
