@@ -17,7 +17,10 @@ its own pools, in order, before that forward
 * ``swap_in``: host block → device block (the same request resumed);
 * ``load``: blocks saved by another engine (a KV connector's payload,
   :mod:`kvserve.distributed.kv_transfer`) → device blocks (prefill/decode disaggregation: a
-  decode engine takes a request's prompt K/V from the prefill engine).
+  decode engine takes a request's prompt K/V from the prefill engine). The engine core applies
+  a load at once, as it admits the request, with the ops recorded before it
+  (:meth:`Worker.load_kv_blocks`), not with the step: a load can fail (the blocks are gone), and
+  then only that request recomputes its prompt (:meth:`KVCacheManager.admit`).
 
 Semantics: the ops of a :class:`KVCacheOps` mean exactly what applying them one by one, in the
 order recorded, would do. For speed, consecutive moves of one kind are kept together in a
