@@ -175,7 +175,8 @@ def _save(prompt, payload=None):
     payload = payload or [(torch.randn(blocks, 4, 1, 2), torch.randn(blocks, 4, 1, 2)) for _ in range(2)]
     key = get_connector("local").save([payload])
     nbytes = sum(t.numel() * t.element_size() for pair in payload for t in pair)
-    return KVTransferHandle("local", key, n, token_digest(prompt[:n]), 4, (2, 1, 2, "torch.float32", 1), nbytes), payload
+    layout = (2, 1, 2, "torch.float32", 1)
+    return KVTransferHandle("local", key, n, token_digest(prompt[:n]), 4, layout, nbytes), payload
 
 
 def _req(rid: str, prompt, handle) -> Request:

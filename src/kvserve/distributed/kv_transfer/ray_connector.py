@@ -117,8 +117,9 @@ class RayKVConnector(KVConnector):
         except Exception as e:  # noqa: BLE001 - OwnerDiedError, ObjectLostError, GetTimeoutError, ...
             with self._lock:
                 self.num_failed += 1
+            first_line = (str(e).splitlines() or [""])[0]
             raise KVTransferError(f"KV transfer: fetching {len(blocks)} block(s) from Ray's object store failed "
-                                  f"(timeout {timeout:g} s): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from e
+                                  f"(timeout {timeout:g} s): {type(e).__name__}: {first_line}") from e
         with self._lock:
             self.num_loaded_blocks += len(blocks)
             self.num_loaded_bytes += payload_bytes(payload)
