@@ -210,8 +210,14 @@ def test_disaggregated_equals_offline_and_the_decode_replica_computes_one_prompt
     assert after["prefill-0"]["kv_transfer_saved"] - before["prefill-0"]["kv_transfer_saved"] == n
     assert after["prefill-0"]["generated_tokens"] - before["prefill-0"]["generated_tokens"] == n  # (1 each, dropped)
     text = disaggregated.api.metrics.render().decode()
-    line = next(ln for ln in text.splitlines() if ln.startswith("kvserve:ttft_transfer_seconds_count"))
-    assert float(line.split()[-1]) >= n
+    def value(name):
+        return float(next(ln for ln in text.splitlines() if ln.startswith(name)).split()[-1])
+
+    assert value("kvserve:ttft_transfer_seconds_count") >= n
+    assert value("kvserve:kv_transfer_bytes_count") >= n
+    loaded = after["decode-0"]["kv_transfer_loaded_bytes"] - before["decode-0"]["kv_transfer_loaded_bytes"]
+    assert loaded > 0 and value("kvserve:kv_transfer_bytes_sum") >= loaded
+    assert after["decode-0"]["kv_transfer_failed"] == before["decode-0"]["kv_transfer_failed"]
     engine = disaggregated.api.async_engine
     assert engine.num_transfers >= n
 
