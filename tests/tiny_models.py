@@ -50,6 +50,8 @@ def _config(arch: str):
     )
     if arch == "llama":
         return tf.LlamaConfig(**common, rope_theta=10000.0)
+    if arch == "llama_long":  # a 4,096-token context (prompts of thousands of tokens, quickly)
+        return tf.LlamaConfig(**{**common, "max_position_embeddings": 4096}, rope_theta=10000.0)
     if arch == "llama3":  # tied embeddings + llama3 RoPE scaling
         common["tie_word_embeddings"] = True
         return tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
