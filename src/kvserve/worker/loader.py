@@ -8,6 +8,8 @@ names (``model.layers.0.self_attn.q_proj.weight`` ...), dequantized to float32.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import functools
 import json
 import logging
@@ -32,8 +34,15 @@ class ModelLoadError(ValueError):
 def resolve_model_path(model: str | Path | None) -> Path:
     """The model file or folder to load: ``model``, or the default SmolLM2 GGUF when None.
 
+    ``model`` is a ``.gguf`` file, a Hugging Face folder (``config.json`` + ``*.safetensors``),
+    a Hugging Face cache entry (a ``models--org--name`` folder: its snapshot), or a repository
+    id ``org/name`` that is not a path here, looked up in the local Hugging Face cache
+    (:func:`hf_cache_snapshot`; nothing is downloaded). A snapshot that holds one ``.gguf``
+    file and no ``config.json`` resolves to that file.
+
     Raises:
-        ModelNotFoundError: if the path does not exist (or the default model is not installed).
+        ModelNotFoundError: if the path does not exist and no cache entry matches (or the
+            default model is not installed).
     """
     if model is None:
         return default_model_path()
@@ -41,9 +50,73 @@ def resolve_model_path(model: str | Path | None) -> Path:
         raise ModelNotFoundError("model path is empty: give a .gguf file or a Hugging Face folder, or leave it "
                                  "out for the default model")
     path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
-    return path
+    if path.is_dir() and path.name.startswith("models--") and (path / "snapshots").is_dir():
+        return _snapshot_model(_latest_snapshot(path), str(model))
+    if path.exists():
+        return path
+    if is_repo_id(str(model)):
+        snapshot = hf_cache_snapshot(str(model))
+        if snapshot is not None:
+            return _snapshot_model(snapshot, str(model))
+        raise ModelNotFoundError(f"model {str(model)!r} is not a path here and not in the Hugging Face cache "
+                                 f"({hf_hub_cache()}/models--{str(model).replace('/', '--')}); kvserve does not "
+                                 "download models: give a .gguf file or a model folder, or download it first "
+                                 "(e.g. huggingface-cli download)")
+    raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+
+
+def is_repo_id(model: str) -> bool:
+    """Whether ``model`` has the shape of a Hugging Face repository id, ``org/name``."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]", model) is not None and ".." not in model \
+        and not model.endswith(".gguf")
+
+
+def hf_hub_cache() -> Path:
+    """The local Hugging Face hub cache: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+    ``~/.cache/huggingface/hub`` (huggingface_hub's own rule)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Optional[Path]:
+    """The snapshot folder of ``repo_id`` in the local hub cache
+    (``models--org--name/snapshots/<commit>``, the commit ``refs/<revision>`` names, else the
+    newest snapshot), or None when the cache has no entry for it."""
+    entry = hf_hub_cache() / ("models--" + repo_id.replace("/", "--"))
+    if not (entry / "snapshots").is_dir():
+        return None
+    try:
+        return _latest_snapshot(entry, revision)
+    except ModelNotFoundError:
+        return None
+
+
+def _latest_snapshot(entry: Path, revision: str = "main") -> Path:
+    ref = entry / "refs" / revision
+    if ref.is_file():
+        snap = entry / "snapshots" / ref.read_text().strip()
+        if snap.is_dir():
+            return snap
+    snaps = sorted((p for p in (entry / "snapshots").iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    if not snaps:
+        raise ModelNotFoundError(f"the Hugging Face cache entry {str(entry)!r} has no snapshot")
+    return snaps[-1]
+
+
+def _snapshot_model(snapshot: Path, model: str) -> Path:
+    """A cache snapshot as a model: the folder, or its only ``.gguf`` file when it has no ``config.json``."""
+    if (snapshot / "config.json").exists():
+        return snapshot
+    ggufs = sorted(snapshot.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        raise ModelNotFoundError(f"{model!r}: the cache snapshot {str(snapshot)!r} holds {len(ggufs)} .gguf files; "
+                                 f"give one of them as the model: {', '.join(p.name for p in ggufs)}")
+    raise ModelNotFoundError(f"{model!r}: the cache snapshot {str(snapshot)!r} has neither config.json nor a .gguf "
+                             "file (only part of the model was downloaded?)")
 
 
 def load_model_config(path: Path) -> ModelConfig:

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API on FastAPI.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+GET /metrics, POST /tokenize, POST /detokenize, GET /version; the web page (``/``, its
+dashboard's ``/dashboard/stats``) and the API docs (``/docs``, ``/redoc``), all offline
+(:mod:`kvserve.entrypoints.openai.web`).
 
 A handler parses and checks the request (strict types, value ranges, prompt size) on the
 event loop, tokenizes in a worker thread, hands the token ids to the :class:`AsyncEngine`
@@ -15,6 +17,18 @@ and the server's tool-call parser (``--tool-call-parser``, :mod:`kvserve.entrypo
 reads its calls into ``message.tool_calls``; all three stream as OpenAI's ``delta.tool_calls``.
 A chat template that ignores ``tools`` gets them under "auto" as a system message in the
 parser's format.
+
+Reasoning (chat, ``--reasoning-parser``, :mod:`kvserve.entrypoints.openai.reasoning_parsers`):
+the reply's thinking goes to ``message.reasoning_content`` / ``delta.reasoning_content`` and
+the rest to ``content`` (read by the tool-call parser after that). ``max_thinking_tokens``
+bounds the thinking by budget forcing (as :func:`kvserve.inference_time.generate_with_thinking_budget`):
+the reply is generated in two engine requests, the thinking (up to the budget or the model's
+``</think>``) and, after a ``</think>`` appended when the budget ran out, the answer, under
+the request's stop strings and structured output (which the thinking does not follow).
+
+Server-wide defaults: ``chat_template`` replaces the model's chat template, and
+``generation_defaults`` (the model's generation config) fill the sampling fields a request
+leaves unset.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for an
 invalid parameter (``param`` names it: an invalid JSON schema, regex or grammar names
@@ -76,6 +90,8 @@ from kvserve.entrypoints.openai.tool_parsers import (
     new_tool_call_id,
 )
 from kvserve.engine.tokenizer import apply_chat_template, chat_template_renders_tools
+from kvserve.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser, keep_reasoning_tags
+from kvserve.entrypoints.openai.web import add_web_routes
 
 logger = logging.getLogger("kvserve.entrypoints.openai")
 
@@ -129,6 +145,23 @@ class _Submitted:
         return len(self.finished) == len(self.request_ids)
 
 
+@dataclasses.dataclass
+class _ThinkingRelay(_Submitted):
+    """A chat request under a thinking budget: its thinking and its answer are two engine
+    requests, whose outputs a task relays to :attr:`queue` as one reply's (see
+    :meth:`OpenAIServer._think_then_answer`). ``current`` is the engine request running."""
+
+    current: str = ""
+    task: Optional[asyncio.Task] = None
+
+    def abort_unfinished(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        if 0 not in self.finished:
+            self.engine.abort(self.current)
+            self.finished.add(0)
+
+
 class OpenAIServer:
     """The API's state and handlers around one engine.
 
@@ -144,16 +177,26 @@ class OpenAIServer:
         max_body_bytes: larger request bodies get 413 before they are read.
         tool_call_parser: the :data:`~kvserve.entrypoints.openai.tool_parsers.TOOL_PARSERS` name of the
             parser that reads the model's tool calls under ``tool_choice: "auto"``.
+        reasoning_parser: the :data:`~kvserve.entrypoints.openai.reasoning_parsers.REASONING_PARSERS`
+            name of the parser that moves a chat reply's thinking to ``reasoning_content`` (None: none).
+        chat_template: a Jinja chat template used instead of the model's (None: the model's).
+        generation_defaults: SamplingParams field → value, for the fields a request leaves
+            unset (:func:`kvserve.engine.generation_config.generation_defaults`).
 
     Raises:
-        ValueError: no served model name, or an unknown ``tool_call_parser``.
+        ValueError: no served model name, or an unknown ``tool_call_parser`` or ``reasoning_parser``.
     """
 
     def __init__(self, engine: LLMEngine | CoreClient | ReplicaPool, served_model_names: Sequence[str], api_key: Optional[str] = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER,
+                 reasoning_parser: Optional[str] = None, chat_template: Optional[str] = None,
+                 generation_defaults: Optional[dict] = None) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
         self.tool_parser_cls = get_tool_parser(tool_call_parser)
+        self.reasoning_parser_cls: Optional[type[ReasoningParser]] = get_reasoning_parser(reasoning_parser)
+        self.chat_template = chat_template
+        self.generation_defaults = dict(generation_defaults or {})
         self.engine = engine
         self.model_names = list(served_model_names)
         self.model_name = self.model_names[0]
@@ -186,13 +229,15 @@ class OpenAIServer:
         @asynccontextmanager
         async def lifespan(app: FastAPI):
             self.async_engine.start(asyncio.get_running_loop())
+            self.dashboard.start()
             try:
                 yield
             finally:
+                await self.dashboard.stop()
                 await asyncio.to_thread(self.async_engine.shutdown)
                 self._tok_pool.shutdown(wait=False)
 
-        app = FastAPI(title="kvserve", version=_version(), lifespan=lifespan)
+        app = FastAPI(title="kvserve", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
 
         @app.exception_handler(APIError)
         async def api_error(_: Request, e: APIError):
@@ -217,6 +262,7 @@ class OpenAIServer:
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         app.get("/version")(self.version)
+        self.dashboard = add_web_routes(app, self)
         return app
 
     # -------------------------------------------------------------- helpers
@@ -314,7 +360,7 @@ class OpenAIServer:
                 set it, ``response_format``, ``structured_outputs`` or ``tools``, with
                 llguidance's message).
         """
-        params = to_sampling_params(req, max_tokens, logprobs, self.tokenizer, renames)
+        params = to_sampling_params(req, max_tokens, logprobs, self.tokenizer, renames, self.generation_defaults)
         tool = tool_call_spec(req) if isinstance(req, ChatCompletionRequest) else None
         if tool is not None and not tool.forced:  # auto: the parameters are not compiled to a grammar, but checked
             for i, t in enumerate(tool.tools):
@@ -671,10 +717,11 @@ class OpenAIServer:
                         tools: Optional[list[dict]]) -> list[int]:
         if continue_final:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
-                                                      continue_final_message=True, tools=tools)
+                                                      continue_final_message=True, tools=tools,
+                                                      chat_template=self.chat_template)
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                                   tools=tools)
+                                   tools=tools, chat_template=self.chat_template)
 
     async def chat_completions(self, request: Request):
         arrival = time.perf_counter()
@@ -693,26 +740,33 @@ class OpenAIServer:
         parser, history_written = None, False
         if tool is not None and not tool.forced:
             parser = self.tool_parser_cls(tool.tools, tool.max_calls)
-            if not chat_template_renders_tools(self.tokenizer):  # the model would never see the tools
+            if not chat_template_renders_tools(self.tokenizer, self.chat_template):  # the model would never see them
                 msgs = _with_system_prompt(parser.history_as_text(msgs), parser.system_prompt(tool.tools))
                 history_written = True
         params = await self._in_tokenizer_thread(self._sampling_params, req, max_tokens, k, renames)
         if parser is not None:
             params = keep_tool_tags(params, parser, self.tokenizer)
+        reasoning = self.reasoning_parser_cls if tool is None or not tool.forced else None
+        if reasoning is not None:
+            params = keep_reasoning_tags(params, reasoning, self.tokenizer)
+        self._check_thinking_budget(req, params, tool)
         add_gen = req.add_generation_prompt and not req.continue_final_message
         ids = await self._in_tokenizer_thread(self._render_chat, msgs, add_gen, req.continue_final_message,
                                               tool.tools if tool is not None else None, not history_written)
         ids, _ = self._truncate(ids, None, params)
         self._check_length(ids, "messages")
         base = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages",
-                                 streaming=bool(req.stream))
+        if req.max_thinking_tokens is not None:
+            sub = await self._submit_thinking(base, ids, params, req, arrival)
+        else:
+            sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages",
+                                     streaming=bool(req.stream))
         created = int(time.time())
         echo = ""
         if req.echo and msgs[-1]["role"] == ("assistant" if add_gen else msgs[-1]["role"]):
             echo = msgs[-1]["content"]
         if req.stream:
-            gen = self._stream_chat(sub, req, params, base, created, echo, tool, parser)
+            gen = self._stream_chat(sub, req, params, base, created, echo, tool, parser, reasoning)
             return _AbortOnClose(gen, sub.abort_unfinished)
         finals = await self._collect(sub, request)
         out = finals[0]
@@ -722,12 +776,17 @@ class OpenAIServer:
             if req.logprobs:
                 logprobs = {"content": self.texts.chat_logprobs(o.logprobs or [], k or 0)}
             message = {"role": "assistant", "content": echo + o.text}
+            text, thought = o.text, {}
+            if reasoning is not None:  # the thinking apart (vLLM's reasoning_content), the rest as content
+                split = reasoning.extract(o.text)
+                text, thought = split.content or "", {"reasoning_content": split.reasoning_content}
+                message = {"role": "assistant", "content": (echo + text) or None, **thought}
             finish = o.finish_reason
             if parser is not None:  # auto: the model's own tool-call format
-                found = parser.extract(o.text)
+                found = parser.extract(text)
                 if found.calls:
                     content = None if found.content is None and not echo else echo + (found.content or "")
-                    message = {"role": "assistant", "content": content, "tool_calls": [
+                    message = {"role": "assistant", "content": content, **thought, "tool_calls": [
                         {"id": new_tool_call_id(), "type": "function",
                          "function": {"name": c.name, "arguments": c.arguments}} for c in found.calls]}
                     if finish == "stop":
@@ -749,15 +808,18 @@ class OpenAIServer:
 
     def _stream_chat(self, sub: _Submitted, req: ChatCompletionRequest, params: SamplingParams,
                      base: str, created: int, echo: str, tool: Optional[ToolCallSpec] = None,
-                     parser: Optional[ToolParser] = None) -> AsyncIterator[str]:
+                     parser: Optional[ToolParser] = None,
+                     reasoning: Optional[type[ReasoningParser]] = None) -> AsyncIterator[str]:
         """Chat chunks; with tools, each choice's text goes through a :class:`ToolCallStream`
         (auto: ``parser``'s; required/named: the grammar-forced JSON's), whose events become
         ``delta.content`` and ``delta.tool_calls`` chunks (OpenAI's shapes: a call's first
         chunk has its ``id``, ``type``, ``function.name`` and ``arguments: ""``, the next
-        ones pieces of ``function.arguments``)."""
+        ones pieces of ``function.arguments``). With a ``reasoning`` parser, the thinking is
+        sent first as ``delta.reasoning_content`` chunks and only the rest goes on as content."""
         k = req.top_logprobs or 0
         sent_lp: dict[int, int] = {}
         streams: dict[int, ToolCallStream] = {}
+        thinking = {}
         opening = []
         for i in range(params.n):
             opening.append({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -772,21 +834,32 @@ class OpenAIServer:
                 entries = (o.logprobs or [])[start:]
                 sent_lp[o.index] = start + len(entries)
                 logprobs = {"content": self.texts.chat_logprobs(entries, k)}
-            if tool is None:
+            if tool is None and reasoning is None:
                 delta = {"content": o.delta_text} if o.delta_text else {}
                 return {"index": o.index, "delta": delta, "logprobs": logprobs, "finish_reason": o.finish_reason}
-            stream = streams.get(o.index)
-            if stream is None:
-                stream = streams[o.index] = (parser.stream() if parser is not None else
-                                             NamedToolCallStream(tool.name) if tool.name is not None else
-                                             RequiredToolCallStream())
-            events = stream.feed(o.delta_text) if o.delta_text else []
+            text, thought = o.delta_text, ""
+            if reasoning is not None:
+                rs = thinking.get(o.index) or thinking.setdefault(o.index, reasoning.stream())
+                thought, text = rs.feed(text) if text else ("", "")
+                if o.finish_reason is not None:
+                    more = rs.finish()
+                    thought, text = thought + more[0], text + more[1]
+            deltas = [{"reasoning_content": thought}] if thought else []
             finish = o.finish_reason
-            if finish is not None:
-                events += stream.finish()
-                if stream.calls and finish == "stop" and (parser is not None or o.stop_reason is None):
-                    finish = "tool_calls"
-            deltas = [_tool_delta(e) for e in events]
+            if tool is None:
+                deltas += [{"content": text}] if text else []
+            else:
+                stream = streams.get(o.index)
+                if stream is None:
+                    stream = streams[o.index] = (parser.stream() if parser is not None else
+                                                 NamedToolCallStream(tool.name) if tool.name is not None else
+                                                 RequiredToolCallStream())
+                events = stream.feed(text) if text else []
+                if finish is not None:
+                    events += stream.finish()
+                    if stream.calls and finish == "stop" and (parser is not None or o.stop_reason is None):
+                        finish = "tool_calls"
+                deltas += [_tool_delta(e) for e in events]
             if not deltas and (finish is not None or (logprobs and logprobs["content"])):
                 deltas = [{}]
             chunks = [{"index": o.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
@@ -796,6 +869,108 @@ class OpenAIServer:
             return chunks
 
         return self._stream(sub, req, base, "chat.completion.chunk", created, opening, choice, "messages")
+
+    # ------------------------------------------------------ thinking budget
+    def _check_thinking_budget(self, req: ChatCompletionRequest, params: SamplingParams,
+                               tool: Optional[ToolCallSpec]) -> None:
+        """400 naming ``max_thinking_tokens`` when the budget cannot apply: no reasoning parser
+        (the end of the thinking is unknown), a value below 1 or of max_model_len or more,
+        several samples or beams, or a reply forced into a tool call from its first token."""
+        budget = req.max_thinking_tokens
+        if budget is None:
+            return
+        if self.reasoning_parser_cls is None:
+            raise APIError(400, "max_thinking_tokens needs a server started with --reasoning-parser (which says "
+                                "where the thinking ends)", param="max_thinking_tokens", code="invalid_value")
+        if not 1 <= budget < self.max_model_len:
+            raise APIError(400, f"max_thinking_tokens must be an integer in [1, {self.max_model_len - 1}] "
+                                f"(max_model_len - 1), got {budget}", param="max_thinking_tokens", code="invalid_value")
+        if params.n != 1 or params.use_beam_search or (params.best_of or 1) > 1:
+            raise APIError(400, f"max_thinking_tokens generates one reply per request (n=1, no best_of or beam "
+                                f"search); got n={params.n}", param="max_thinking_tokens", code="invalid_value")
+        if tool is not None and tool.forced:
+            raise APIError(400, "max_thinking_tokens cannot be combined with a forced tool call (tool_choice "
+                                "'required' or a named function)", param="max_thinking_tokens", code="invalid_value")
+
+    async def _submit_thinking(self, base: str, ids: list[int], params: SamplingParams,
+                               req: ChatCompletionRequest, arrival: float) -> _ThinkingRelay:
+        """Start a reply under ``req.max_thinking_tokens``: the thinking phase is submitted now
+        (its errors are this request's), the rest runs in :meth:`_think_then_answer`."""
+        end = self.reasoning_parser_cls.end
+        end_ids = list(self.tokenizer.encode(end, add_special_tokens=False))
+        room = self.max_model_len - len(ids) - len(end_ids) - 1  # the answer's prompt must fit, with one token
+        budget = max(1, min(req.max_thinking_tokens, room, params.max_tokens or room))
+        think = dataclasses.replace(params, max_tokens=budget, min_tokens=0, stop=[end], stop_token_ids=None,
+                                    include_stop_str_in_output=True, structured_outputs=None)
+        phase = await self._submit(base, [ids], think, req.priority, req.cache_salt, arrival, "messages")
+        relay = _ThinkingRelay([base], [ids], asyncio.Queue(), self.async_engine, current=base)
+        relay.task = asyncio.create_task(self._think_then_answer(relay, phase, ids, params, end, end_ids, req))
+        return relay
+
+    async def _think_then_answer(self, relay: _ThinkingRelay, phase: _Submitted, ids: list[int],
+                                 params: SamplingParams, end: str, end_ids: list[int],
+                                 req: ChatCompletionRequest) -> None:
+        """Relay the thinking's outputs as the reply's (not finished); then, with ``end``
+        appended if the model did not write it (its EOS dropped), submit the answer from the
+        prompt and the thinking (the prefix cache holds their K/V) with what is left of
+        ``max_tokens`` and relay its outputs, text and token ids after the thinking's, as the
+        reply's. A failure anywhere goes to the reply's queue as the engine's would."""
+        put = relay.queue.put_nowait
+        try:
+            while True:
+                _, out = await phase.queue.get()
+                if isinstance(out, Exception) or out.error is not None or out.outputs[0].finish_reason in ("abort", "error"):
+                    put((0, out))
+                    return
+                o = out.outputs[0]
+                if out.finished:
+                    break
+                put((0, out))
+            phase.finished.add(0)
+            thought = dataclasses.replace(o, finish_reason=None, stop_reason=None)
+            put((0, dataclasses.replace(out, finished=False, outputs=[thought])))
+            tokens = list(o.token_ids)
+            forced = not (o.finish_reason == "stop" and o.stop_reason == end)
+            if forced:  # the budget ran out, or the model ended (EOS) without the delimiter
+                eos = set(self.engine.eos_token_ids)
+                while tokens and tokens[-1] in eos:
+                    tokens.pop()
+                tokens += end_ids
+            text = o.text + (end if forced else "")
+            reply = dataclasses.replace(o, text=text, token_ids=tokens, delta_text=end if forced else "",
+                                        finish_reason=None, stop_reason=None)
+            left = None if params.max_tokens is None else params.max_tokens - len(tokens)
+            if left is not None and left < 1:  # max_tokens spent on the thinking: no answer
+                put((0, dataclasses.replace(out, outputs=[dataclasses.replace(reply, finish_reason="length")])))
+                return
+            if forced:
+                put((0, dataclasses.replace(out, finished=False, outputs=[reply])))
+            answer = params if left is None else dataclasses.replace(params, max_tokens=left,
+                                                                     min_tokens=min(params.min_tokens, left))
+            relay.current = f"{relay.request_ids[0]}-answer"
+            second = await self._submit(relay.current, [ids + tokens], answer, req.priority, req.cache_salt,
+                                        time.perf_counter(), "messages")
+            while True:
+                _, a = await second.queue.get()
+                if isinstance(a, Exception) or a.error is not None:
+                    put((0, a))
+                    return
+                second.finished.update([0] if a.finished else [])
+                ao = a.outputs[0]
+                logprobs = None if params.logprobs is None else (o.logprobs or []) + (ao.logprobs or [])
+                combined = dataclasses.replace(ao, text=text + ao.text, token_ids=tokens + list(ao.token_ids),
+                                               cumulative_logprob=o.cumulative_logprob + ao.cumulative_logprob,
+                                               logprobs=logprobs)
+                put((0, dataclasses.replace(a, request_id=relay.request_ids[0], prompt_token_ids=ids,
+                                            outputs=[combined], num_cached_tokens=out.num_cached_tokens,
+                                            prompt_logprobs=out.prompt_logprobs)))
+                if a.finished:
+                    return
+        except APIError as e:
+            put((0, ValueError(e.message)))
+        except Exception as e:  # noqa: BLE001 - the client gets it as an error, not a hang
+            logger.exception("the thinking-budget relay failed")
+            put((0, e))
 
 
 def keep_tool_tags(params: SamplingParams, parser: ToolParser, tokenizer: Any) -> SamplingParams:
@@ -878,7 +1053,8 @@ def _version() -> str:
 
 def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: Sequence[str] | str | None = None,
               api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:
+              tool_call_parser: str = DEFAULT_TOOL_PARSER, reasoning_parser: Optional[str] = None,
+              chat_template: Optional[str] = None, generation_defaults: Optional[dict] = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     ``engine`` is an :class:`LLMEngine` (its step loop runs in a thread of this process, started
@@ -887,10 +1063,10 @@ def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: S
     process; this returns once it has loaded the model). The lifespan's end stops the thread or
     the core process.
 
-    The :class:`OpenAIServer` is at ``app.state.server``.
+    The :class:`OpenAIServer` is at ``app.state.server``; the other arguments are its own.
 
     Raises:
-        ValueError: an unknown ``tool_call_parser``; from :class:`EngineArgs`, what the core
+        ValueError: an unknown ``tool_call_parser`` or ``reasoning_parser``; from :class:`EngineArgs`, what the core
             raised while it built its engine (see :class:`CoreClient`).
     """
     client = None
@@ -901,7 +1077,8 @@ def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: S
             served_model_names = [engine.model_config.name]
         elif isinstance(served_model_names, str):
             served_model_names = [served_model_names]
-        server = OpenAIServer(engine, served_model_names, api_key, max_body_bytes, tool_call_parser)
+        server = OpenAIServer(engine, served_model_names, api_key, max_body_bytes, tool_call_parser,
+                              reasoning_parser, chat_template, generation_defaults)
     except BaseException:
         if client is not None:
             client.shutdown(timeout=5.0)

@@ -406,7 +406,7 @@ class AsyncEngine:
                 t.first_token = now
                 m.ttft.observe(now - t.arrival)
             else:
-                m.itl.observe(now - t.last_output)
+                m.record_itl(now - t.last_output)
             t.last_output = now
         for o in out.outputs if not t.beam or out.finished else ():
             if o.finish_reason is not None and o.index not in t.finished_indices:
@@ -415,8 +415,15 @@ class AsyncEngine:
         if out.finished:
             m.e2e.observe(now - t.arrival)
             longest = max((len(o.token_ids) for o in out.outputs), default=0)
+            tpot = None
             if longest >= 2 and t.first_token is not None:
-                m.tpot.observe((now - t.first_token) / (longest - 1))
+                tpot = (now - t.first_token) / (longest - 1)
+                m.tpot.observe(tpot)
+            scheduled = out.metrics.first_scheduled_time
+            m.record_request(len(out.prompt_token_ids), 0 if t.prompt_only else total,
+                             None if t.first_token is None else t.first_token - t.arrival, tpot, now - t.arrival,
+                             None if scheduled is None else max(0.0, scheduled - t.arrival),
+                             out.outputs[0].finish_reason if out.outputs else None)
 
     def _update_gauges(self) -> None:
         if self.metrics is None:

@@ -1,4 +1,4 @@
-"""``kvserve serve``: the OpenAI-compatible server on uvicorn."""
+"""``kvserve serve [MODEL]``: the OpenAI-compatible server (and its web page) on uvicorn."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ from typing import Callable
 def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None],
                 engine_kwargs: Callable[[argparse.Namespace], dict]) -> None:
     """Register ``serve`` on the ``kvserve`` command's subparsers."""
-    p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat, metrics) over HTTP")
+    p = subparsers.add_parser("serve", help="serve the OpenAI API (completions, chat, metrics) and a web page "
+                                            "(chat, dashboard) over HTTP")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vllm serve takes it (or --model): a .gguf file, a Hugging Face folder, or a "
+                        "Hugging Face repository id (org/name) already in the local cache ($HF_HOME/hub)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -29,6 +33,19 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=sorted(TOOL_PARSERS),
                    help="how to read the model's tool calls under tool_choice 'auto' (default hermes: "
                         "<tool_call>{...}</tool_call> blocks, as Hermes, Qwen2.5/Qwen3 and SmolLM3 write them)")
+    from kvserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="move the thinking of chat replies (<think>...</think>) to message.reasoning_content / "
+                        "delta.reasoning_content: deepseek_r1 (the reply starts thinking: the chat template "
+                        "opened <think>) or qwen3 (thinking starts at the model's <think>); also enables the "
+                        "request field max_thinking_tokens (default: none)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template, or a file holding one, used instead of the model's")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for the fields a request leaves unset (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_tokens): 'auto' (default) the model's generation_config.json "
+                        "or GGUF sampling metadata, 'vllm' none, or a folder with a generation_config.json")
     p.add_argument("--engine-core", default="process", choices=["process", "in-process"],
                    help="where the engine core (scheduler, model, sampling) runs: 'process' (default) in a child "
                         "process, this one keeping HTTP, tokenization and metrics; 'in-process' in a thread of "
@@ -94,19 +111,50 @@ def check_listen_address(host: str, port: int) -> None:
 
 
 def default_served_name(model: str | None, engine) -> str:
+    """The name clients use without ``--served-model-name``: a repository id as given (as vLLM
+    serves it), else the file or folder's name."""
+    from kvserve.worker.loader import is_repo_id
+
     if model is None:
         return "SmolLM2-135M-Instruct"
+    if is_repo_id(model) and not Path(model).expanduser().exists():
+        return model
     return Path(model).name.removesuffix(".gguf") or engine.model_config.name
 
 
+def serve_model(a: argparse.Namespace) -> str | None:
+    """The model of ``kvserve serve``: the positional MODEL or ``--model`` (None: the default).
+
+    Raises:
+        ValueError: both are given and differ.
+    """
+    tag, opt = getattr(a, "model_tag", None), a.model
+    if tag is not None and opt is not None and tag != opt:
+        raise ValueError(f"the model is given twice, as MODEL {tag!r} and as --model {opt!r}: give one of them")
+    return tag if tag is not None else opt
+
+
+def _browser_host(host: str) -> str:
+    """The host to type into a browser for a server listening on ``host``."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
 def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict]) -> int:
+    from kvserve.engine.generation_config import describe, generation_defaults
     from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+    from kvserve.engine.tokenizer import load_chat_template
 
     # before loading the model, which can take a while
+    a.model = serve_model(a)
     args = EngineArgs(model=a.model, dtype=a.dtype, max_waiting=a.max_waiting, **engine_kwargs(a))
     args.check(option_names=True)
     if a.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be ≥ 1, got {a.max_body_bytes}")
+    chat_template = load_chat_template(a.chat_template) if a.chat_template is not None else None
+    if a.generation_config not in ("auto", "vllm") and not Path(a.generation_config).expanduser().is_dir():
+        raise ValueError(f"--generation-config: {a.generation_config!r} is not 'auto', 'vllm' or a folder")
     check_listen_address(a.host, a.port)
     import uvicorn
 
@@ -159,11 +207,26 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
         where = f", engine core in process {engine.pid}"
     try:
         names = a.served_model_name or [default_served_name(a.model, engine)]
+        try:
+            defaults = generation_defaults(engine.model_path, a.generation_config)
+        except ValueError as e:
+            raise ValueError(str(e).replace("generation_config:", "--generation-config:", 1)) from None
         app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
-                        tool_call_parser=a.tool_call_parser)
+                        tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
+                        chat_template=chat_template, generation_defaults=defaults)
         print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}"
               f"{where}) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         print(f"kvserve: {kv_description}", file=sys.stderr, flush=True)
+        source = "--generation-config " + a.generation_config if a.generation_config != "auto" else \
+            "the model's generation config"
+        print(f"kvserve: sampling defaults from {source}: {describe(defaults) or 'none'}"
+              + (" (a request's own values win)" if defaults else ""), file=sys.stderr, flush=True)
+        extras = [f"reasoning parser {a.reasoning_parser}" if a.reasoning_parser else "",
+                  "chat template from --chat-template" if chat_template is not None else ""]
+        if any(extras):
+            print(f"kvserve: {', '.join(e for e in extras if e)}", file=sys.stderr, flush=True)
+        print(f"kvserve: web page (chat, dashboard) at http://{_browser_host(a.host)}:{a.port}/, API docs at /docs",
+              file=sys.stderr, flush=True)
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
                     timeout_graceful_shutdown=5)
     finally:

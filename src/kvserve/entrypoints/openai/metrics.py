@@ -24,9 +24,18 @@ Counters: prompt_tokens_total, generation_tokens_total, num_preemptions_total,
     pool and back), swap_out_blocks_total / swap_in_blocks_total (KV blocks moved, all layers),
     swap_recompute_fallbacks_total (preemptions recomputed because the host pool was full),
     request_success_total{finished_reason} (one per returned sequence: stop, length, abort, error).
+
+Besides the registry, bounded rings of the most recent finished requests (their prompt and
+output lengths and latencies, :meth:`ServerMetrics.record_request`) and inter-token gaps feed
+the web dashboard's distributions (:meth:`ServerMetrics.recent`), and :meth:`ServerMetrics.values`
+reads every series' current value (summed over the replicas of a server of replicas).
 """
 
 from __future__ import annotations
+
+import threading
+import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -41,6 +50,10 @@ BLOCK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 BYTE_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: how many finished requests, and inter-token gaps, the rings behind the dashboard keep
+RECENT_REQUESTS = 1000
+RECENT_ITL = 5000
 
 
 class ServerMetrics:
@@ -65,6 +78,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._model = model_name
         self._families: dict = {}
+        self._lock = threading.Lock()  # (the rings: shared with the replicas' views)
+        self._requests: deque = deque(maxlen=RECENT_REQUESTS)
+        self._itl: deque = deque(maxlen=RECENT_ITL)
         r, lab = self.registry, ["model_name"] + (["replica"] if replicas is not None else [])
 
         def hist(attr, name, doc, buckets):
@@ -144,6 +160,7 @@ class ServerMetrics:
     def _view(self, replica: str) -> "ServerMetrics":
         view = object.__new__(ServerMetrics)
         view.registry, view._model, view.replicas = self.registry, self._model, None
+        view._lock, view._requests, view._itl = self._lock, self._requests, self._itl
         self._bind(view, (self._model, replica))
         return view
 
@@ -154,6 +171,45 @@ class ServerMetrics:
             KeyError: not a replica of this server.
         """
         return self._views[replica]
+
+    def record_itl(self, seconds: float) -> None:
+        """One inter-token gap (also observed in the ``inter_token_latency_seconds`` histogram)."""
+        self.itl.observe(seconds)
+        with self._lock:
+            self._itl.append(round(seconds, 6))
+
+    def record_request(self, prompt_tokens: int, output_tokens: int, ttft: "float | None", tpot: "float | None",
+                       e2e: float, queue_time: "float | None", finish_reason: "str | None") -> None:
+        """A finished request in the ring of recent ones (latencies in seconds, None when not
+        measured: no token generated, fewer than 2 tokens, never scheduled)."""
+        r = lambda x: None if x is None else round(x, 6)  # noqa: E731
+        with self._lock:
+            self._requests.append({"time": round(time.time(), 3), "prompt_tokens": prompt_tokens,
+                                   "output_tokens": output_tokens, "ttft": r(ttft), "tpot": r(tpot), "e2e": r(e2e),
+                                   "queue_time": r(queue_time), "finish_reason": finish_reason})
+
+    def recent(self) -> tuple[list[dict], list[float]]:
+        """Copies of the rings: the recent finished requests (oldest first: ``time`` (Unix s),
+        ``prompt_tokens``, ``output_tokens``, ``ttft``, ``tpot``, ``e2e``, ``queue_time``,
+        ``finish_reason``) and the recent inter-token gaps (s)."""
+        with self._lock:
+            return list(self._requests), list(self._itl)
+
+    def values(self) -> dict[str, float]:
+        """Every sample's current value, by name without the ``kvserve:`` prefix (counters
+        as ``..._total``, histograms as ``..._sum`` / ``..._count``; the finish-reason counter
+        as ``request_success_total.<reason>``); a server of replicas' series summed over them
+        (gauges too: requests running in all, KV usage as the sum of the replicas' fractions)."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    continue
+                name = sample.name.removeprefix("kvserve:")
+                reason = sample.labels.get("finished_reason")
+                key = f"{name}.{reason}" if reason else name
+                out[key] = out.get(key, 0.0) + sample.value
+        return out
 
     def finished(self, reason: str, count: int = 1) -> None:
         self._success.labels(*self._values, reason).inc(count)

@@ -128,6 +128,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[StrictInt] = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    # kvserve: the thinking budget (needs the server's --reasoning-parser)
+    max_thinking_tokens: Optional[StrictInt] = None
 
 
 class TokenizeRequest(BaseModel):
@@ -437,7 +439,8 @@ def sampling_error(e: ValueError, renames: Optional[dict[str, str]] = None) -> A
 
 
 def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
-                       tokenizer: Any = None, renames: Optional[dict[str, str]] = None) -> SamplingParams:
+                       tokenizer: Any = None, renames: Optional[dict[str, str]] = None,
+                       defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
     """Build validated :class:`SamplingParams` from a request.
 
     Args:
@@ -446,6 +449,10 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
         logprobs: number of top alternatives per generated token, or None.
         tokenizer: to turn ``bad_words`` strings into token id sequences.
         renames: SamplingParams field → the request field that set it, for error messages.
+        defaults: the server's defaults (the model's generation config): SamplingParams field
+            → value for ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+            ``repetition_penalty`` and ``max_tokens``, used where the request sets no value
+            (``max_tokens``: neither ``max_tokens`` nor ``max_completion_tokens``).
 
     Raises:
         APIError: 400 naming the parameter for any invalid value.
@@ -461,6 +468,9 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
     if req.use_beam_search and req.stream:
         raise APIError(400, "use_beam_search is not supported with stream (the best beams are only known at the end)",
                        param="use_beam_search")
+    defaults = defaults or {}
+    if "max_tokens" in defaults and not {"max_tokens", "max_completion_tokens"} & req.model_fields_set:
+        max_tokens = defaults["max_tokens"]
     kw: dict[str, Any] = dict(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
@@ -484,6 +494,8 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "length_penalty"):
         value = getattr(req, name)
+        if value is None:
+            value = defaults.get(name)
         if value is not None:
             kw[name] = value
     if kw.get("stop") == []:
