@@ -2,7 +2,7 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics, POST /tokenize, POST /detokenize, GET /version; the web page (``/``, its
-dashboard's ``/dashboard/stats``) and the API docs (``/docs``, ``/redoc``), all offline
+dashboard's ``/dashboard/stats``) and the API docs (``/docs``), all offline
 (:mod:`kvserve.entrypoints.openai.web`).
 
 A handler parses and checks the request (strict types, value ranges, prompt size) on the

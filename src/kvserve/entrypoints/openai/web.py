@@ -10,8 +10,9 @@
   throughput) and the recent finished requests (prompt and output lengths, TTFT, TPOT, E2E,
   queue time) and inter-token gaps, for the distributions. Like ``/metrics`` it needs no API key
   and holds no text of any request.
-- ``GET /docs`` (Swagger UI) and ``GET /redoc``: FastAPI's pages with their scripts and styles
-  served from the ``fastapi-offline`` package instead of a CDN (no font or validator is fetched).
+- ``GET /docs``: FastAPI's Swagger UI page with its script and style served from the
+  ``fastapi-offline`` package instead of a CDN (no validator badge is fetched). There is no
+  ``/redoc``: ReDoc's script loads its logo from its makers' CDN.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from fastapi import FastAPI
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -39,8 +40,8 @@ HISTORY_POINTS = 600
 
 
 def docs_assets_dir() -> Path:
-    """The folder of Swagger UI's and ReDoc's files (``swagger-ui-bundle.js``, ``swagger-ui.css``,
-    ``redoc.standalone.js``, ``favicon.png``) in the ``fastapi-offline`` package."""
+    """The folder of Swagger UI's files (``swagger-ui-bundle.js``, ``swagger-ui.css``,
+    ``favicon.png``) in the ``fastapi-offline`` package."""
     return Path(str(importlib.resources.files("fastapi_offline") / "static"))
 
 
@@ -118,8 +119,8 @@ class DashboardHistory:
 
 
 def add_web_routes(app: FastAPI, server: "OpenAIServer") -> DashboardHistory:
-    """Add ``/``, ``/static``, ``/dashboard/stats``, ``/docs`` and ``/redoc`` to ``app`` (built
-    with ``docs_url=None, redoc_url=None``).
+    """Add ``/``, ``/static``, ``/dashboard/stats`` and ``/docs`` to ``app`` (built with
+    ``docs_url=None, redoc_url=None``).
 
     Returns:
         The :class:`DashboardHistory` to start and stop with the app's lifespan.
@@ -155,11 +156,5 @@ def add_web_routes(app: FastAPI, server: "OpenAIServer") -> DashboardHistory:
     @app.get(app.swagger_ui_oauth2_redirect_url, include_in_schema=False)
     async def swagger_ui_redirect() -> HTMLResponse:
         return get_swagger_ui_oauth2_redirect_html()
-
-    @app.get("/redoc", include_in_schema=False)
-    async def redoc() -> HTMLResponse:
-        return get_redoc_html(openapi_url=app.openapi_url, title=f"{app.title} - ReDoc",
-                              redoc_js_url="/docs-assets/redoc.standalone.js", redoc_favicon_url="/docs-assets/favicon.png",
-                              with_google_fonts=False)
 
     return history

@@ -40,6 +40,7 @@ const Charts = (() => {
     return sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo);
   }
 
+  // The chart's title, and a second line in grey under it (right).
   function title(ctx, text, right) {
     ctx.fillStyle = INK;
     ctx.font = "600 12px system-ui, sans-serif";
@@ -47,7 +48,7 @@ const Charts = (() => {
     ctx.font = "12px system-ui, sans-serif";
     if (right) {
       ctx.fillStyle = MUTED;
-      ctx.fillText(right, Math.max(10 + ctx.measureText(text).width + 12, 0), 16);
+      ctx.fillText(right, 10, 31);
     }
   }
 
@@ -61,7 +62,7 @@ const Charts = (() => {
     canvas.dataset.p50 = p50 === null ? "" : p50;
     canvas.dataset.max = vals.length ? vals[vals.length - 1] : "";
     title(ctx, opts.title, vals.length ? `n=${vals.length}  p50 ${fmt(p50, unit)}  p90 ${fmt(p90, unit)}  p99 ${fmt(p99, unit)}` : "");
-    const L = 36, R = w - 10, T = 28, B = h - 22;
+    const L = 36, R = w - 10, T = 40, B = h - 22;
     if (!vals.length) {
       ctx.fillStyle = MUTED;
       ctx.fillText("no requests yet", L, (T + B) / 2);
@@ -118,6 +119,7 @@ const Charts = (() => {
       return [s.name, pts.length ? pts[pts.length - 1][1] : null];
     })));
     title(ctx, opts.title, "");
+    ctx.font = "12px system-ui, sans-serif";
     let lx = 10;
     shown.forEach((s) => {  // legend with the latest value
       const pts = s.points.filter((p) => p[1] !== null);
