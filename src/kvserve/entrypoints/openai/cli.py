@@ -156,6 +156,9 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     if a.generation_config not in ("auto", "vllm") and not Path(a.generation_config).expanduser().is_dir():
         raise ValueError(f"--generation-config: {a.generation_config!r} is not 'auto', 'vllm' or a folder")
     check_listen_address(a.host, a.port)
+    from kvserve.worker.loader import resolve_model_path
+
+    resolve_model_path(a.model)  # a model that is not there (or not in the HF cache) fails now
     import uvicorn
 
     from kvserve.entrypoints.openai.api import build_app
