@@ -203,16 +203,29 @@ def _chat(base: str, **kw) -> dict:
 def test_serve_a_gguf_file_with_a_chat_template_file(smollm2_path, tmp_path):
     f = tmp_path / "chat.jinja"
     f.write_text(TEMPLATE)
-    p, base, log = _serving([str(smollm2_path), "--chat-template", str(f)])
+    p, base, log = _serving([str(smollm2_path), "--chat-template", str(f), "--reasoning-parser", "deepseek_r1"])
     try:
         assert f"({smollm2_path}," in log and "sampling defaults from the model's generation config: none" in log
-        assert "chat template from --chat-template" in log
+        assert "reasoning parser deepseek_r1, chat template from --chat-template" in log
         model = httpx.get(base + "/v1/models").json()["data"][0]
         assert (model["id"], model["root"]) == ("SmolLM2-135M-Instruct.Q4_1", str(smollm2_path))
         ids = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
         text = httpx.post(base + "/detokenize", json={"tokens": ids}).json()["prompt"]
         assert text == "<|im_start|>user: Hi\n<|im_start|>assistant:"
         assert _chat(base, max_tokens=3, messages=[{"role": "user", "content": "Hi"}])["usage"]["prompt_tokens"] == len(ids)
+        # the thinking budget with the engine core in its own process (the default): 3 thinking
+        # tokens, the appended </think>, then the answer, whole and streamed alike
+        end = len(httpx.post(base + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"])
+        body = _chat(base, max_tokens=3 + end + 4, temperature=0, ignore_eos=True, max_thinking_tokens=3)
+        message = body["choices"][0]["message"]
+        assert message["reasoning_content"] and message["content"] and body["usage"]["completion_tokens"] == 3 + end + 4
+        with httpx.stream("POST", base + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 3 + end + 4, "temperature": 0,
+                "ignore_eos": True, "max_thinking_tokens": 3, "stream": True}) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+        assert "".join(d.get("content") or "" for d in deltas) == message["content"]
     finally:
         _stop(p)
 
