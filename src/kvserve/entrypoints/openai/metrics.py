@@ -199,8 +199,9 @@ class ServerMetrics:
         """Every sample's current value, by name without the ``kvserve:`` prefix (counters
         as ``..._total``, histograms as ``..._sum`` / ``..._count``; the finish-reason counter
         as ``request_success_total.<reason>``); a server of replicas' series summed over them
-        (gauges too: requests running in all, KV usage as the sum of the replicas' fractions)."""
+        (fractions such as KV usage: their mean)."""
         out: dict[str, float] = {}
+        seen: dict[str, int] = {}
         for family in self.registry.collect():
             for sample in family.samples:
                 if sample.name.endswith("_bucket"):
@@ -209,6 +210,10 @@ class ServerMetrics:
                 reason = sample.labels.get("finished_reason")
                 key = f"{name}.{reason}" if reason else name
                 out[key] = out.get(key, 0.0) + sample.value
+                seen[key] = seen.get(key, 0) + 1
+        for key, n in seen.items():  # fractions: the replicas' mean
+            if n > 1 and (key.endswith("_perc") or key.endswith("_rate")):
+                out[key] /= n
         return out
 
     def finished(self, reason: str, count: int = 1) -> None:
