@@ -213,6 +213,12 @@ def test_metrics_and_health_per_replica(replicas):
     assert r.status_code == 200
     states = r.json()["replicas"]
     assert set(states) == {"replica-0", "replica-1"} and all(s["state"] == "healthy" for s in states.values())
+    # the web dashboard's feed sums the replicas
+    stats = httpx.get(replicas.base_url + "/dashboard/stats", timeout=10).json()
+    ttft_counts = sum(float(ln.split()[-1]) for ln in text.splitlines()
+                      if ln.startswith("kvserve:time_to_first_token_seconds_count"))
+    assert stats["totals"]["time_to_first_token_seconds_count"] == ttft_counts
+    assert len(stats["requests"]) >= 3 * len(PROMPTS)
 
 
 def test_disaggregated_equals_offline_and_the_decode_replica_computes_one_prompt_token(disaggregated, reference):
