@@ -529,3 +529,78 @@ def test_beam_handles_clone_keeps_the_tree_rule(caching):
     assert h3 == ([], None)
     kv.release(h3)
     assert kv.num_used_blocks == 0
+
+
+def _user_req(i, user, n_prompt=4, max_tokens=100):
+    r = _req(i, n_prompt, max_tokens)
+    r.user = user
+    return r
+
+
+def test_one_users_burst_cannot_hold_every_slot():
+    """User a fills all 8 slots; user b's request gets a slot at once (a's last sequence is
+    preempted, recomputed later), and b's later requests take slots up to the fair share."""
+    kv = KVCacheManager(num_blocks=400, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=400), kv)
+    burst = [_user_req(i, "a") for i in range(12)]
+    for r in burst:
+        s.add_request(r)
+    _run_step(s)
+    assert len(s.running) == 8 and all(r.user == "a" for r in s.running)
+    b = _user_req(100, "b", max_tokens=3)
+    s.add_request(b)
+    out = _run_step(s)
+    assert b in [r for r, _ in out.scheduled]
+    assert [r.request_id for r in out.preempted] == ["r7"]  # a's last admitted
+    assert s.num_fair_preemptions == 1
+    for _ in range(3):
+        _run_step(s)
+    assert b.is_finished
+    # b sends 6 more: it gets up to its share (4 of 8 slots), no more
+    more = [_user_req(200 + i, "b", max_tokens=50) for i in range(6)]
+    for r in more:
+        s.add_request(r)
+    _run_step(s)
+    counts = {u: sum(r.user == u for r in s.running) for u in ("a", "b")}
+    assert counts == {"a": 4, "b": 4}, counts
+    for _ in range(5):
+        _run_step(s)
+        assert sum(r.user == "b" for r in s.running) == 4  # no thrash: the shares hold
+    assert s.num_fair_preemptions == 1 + 4  # (b finished; a had all 8 slots again)
+
+
+def test_fair_share_keeps_priorities_and_changes_nothing_for_one_user():
+    kv = KVCacheManager(num_blocks=400, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=400), kv)
+    urgent = [_user_req(i, "a") for i in range(4)]
+    for r in urgent:
+        r.priority = -1
+        s.add_request(r)
+    _run_step(s)
+    late = _user_req(50, "b")  # priority 0: below a's -1, never preempts it
+    s.add_request(late)
+    out = _run_step(s)
+    assert not out.preempted and late.status.name == "WAITING"
+    # one user: the FCFS order and the (priority, arrival) victim as before
+    kv2 = KVCacheManager(num_blocks=400, block_size=4)
+    s2 = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=400), kv2)
+    reqs = [_user_req(i, "a") for i in range(6)]
+    for r in reqs:
+        s2.add_request(r)
+    _run_step(s2)
+    assert [r.request_id for r in s2.running] == ["r0", "r1", "r2", "r3"] and s2.num_fair_preemptions == 0
+
+
+def test_waiting_order_prefers_the_user_running_fewest():
+    kv = KVCacheManager(num_blocks=400, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=400, max_num_seqs=6, max_model_len=400), kv)
+    for i in range(3):
+        s.add_request(_user_req(i, "a"))
+    _run_step(s)  # a runs 3
+    for i in range(3):
+        s.add_request(_user_req(10 + i, "a"))  # a waits with 3 more, first in line
+    for i in range(2):
+        s.add_request(_user_req(20 + i, "c"))
+    _run_step(s)
+    users = sorted(r.user for r in s.running)
+    assert users == ["a", "a", "a", "a", "c", "c"], users  # c's two first, then a's fourth

@@ -89,6 +89,8 @@ class Request:
         num_computed_tokens: tokens (prompt + output) whose K/V are in the cache.
         priority: lower runs first; FCFS within a level.
         cache_salt: isolates prefix-cache entries per tenant.
+        user: who sent it (the OpenAI ``user`` field, or the API key's name), for the
+            scheduler's fair share of sequence slots between users; None: the anonymous user.
         token_history: the sampler's incremental record of this sequence's tokens
             (:class:`kvserve.sample.sampler.TokenHistory`, created on first use), which makes the
             repetition/frequency/presence penalties cheap to build every step.
@@ -105,6 +107,7 @@ class Request:
     prompt: Optional[str] = None
     priority: int = 0
     cache_salt: Optional[str] = None
+    user: Optional[str] = None
     arrival_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -21,6 +21,16 @@ runs first, first come first served within a level.
    preempted. A waiting request that does not fit may preempt running requests of strictly
    lower priority (higher value), never requests of its own level.
 
+Fair share between users (``Request.user``: the OpenAI ``user`` field or the API key; None is
+one anonymous user): with requests of two or more users present, each user's fair share is
+``max_num_seqs // users`` sequence slots. Within a priority level the next waiting request is
+that of the user running the fewest sequences (FCFS within a user), and a waiting request of a
+user below its share that finds no slot (or no blocks) preempts the last sequence of the user
+furthest above its share (never a request of a higher priority); when blocks run short, the
+victim is taken from a user above its share first. So one user's burst (``n=128``, or a flood
+of requests) cannot hold every slot while another user waits. With one user nothing of this
+applies and the order is as above.
+
 Beam search: the beams of a group extend together (each step waits for all of them), so
 they are preempted together, and a beam whose group is running is admitted without the
 watermark below. If every running request waits for beams that do not fit, the last group
@@ -57,6 +67,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
@@ -122,6 +133,8 @@ class Scheduler:
         self.num_preemptions = 0  # all preemptions (out of blocks or by priority)
         self.num_priority_preemptions = 0  # of those, to admit a higher-priority request
         self.num_chunked_prefills = 0
+        self.num_fair_preemptions = 0  # of those, to give a user below its fair share a slot
+        self._waiting_users: Counter = Counter()  # user -> waiting sequences
         self.swap = swap
         self.max_swap_in_blocks = max(1, config.max_num_batched_tokens // kv.block_size)  # per step
 
@@ -134,6 +147,65 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         keys = [self._order(r) for r in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, self._order(req)), req)
+        self._waiting_users[req.user] += 1
+
+    def _pop_waiting(self, index: int) -> Request:
+        req = self.waiting.pop(index)
+        self._waiting_users[req.user] -= 1
+        if not self._waiting_users[req.user]:
+            del self._waiting_users[req.user]
+        return req
+
+    # ------------------------------------------------------------ fair share
+    def _fair_share(self) -> tuple[Counter, int]:
+        """``(running sequences per user, fair share in slots)``; a share of 0 when fewer than two
+        users have requests (fairness does not apply)."""
+        running = Counter(r.user for r in self.running)
+        users = set(running) | set(self._waiting_users)
+        if len(users) < 2:
+            return running, 0
+        return running, max(1, self.config.max_num_seqs // len(users))
+
+    def _next_waiting(self) -> int:
+        """Index in ``waiting`` of the request to admit next: the first of the best priority
+        level, or with several users, the first of that level whose user runs the fewest
+        sequences."""
+        running, share = self._fair_share()
+        if not share:
+            return 0
+        level = self.waiting[0].priority
+        best, best_count = 0, running[self.waiting[0].user]
+        for i, r in enumerate(self.waiting):
+            if best_count == 0 or r.priority != level:
+                break
+            if running[r.user] < best_count:
+                best, best_count = i, running[r.user]
+        return best
+
+    def _preempt_over_share(self, req: Request, out: SchedulerOutput) -> bool:
+        """For ``req``, whose user runs fewer sequences than its fair share: preempt the last
+        sequence (of ``req``'s priority or lower) of the user furthest above its share."""
+        running, share = self._fair_share()
+        if not share or running[req.user] >= share:
+            return False
+        over = [u for u, n in running.items() if n > share and u != req.user]
+        if not over:
+            return False
+        user = max(over, key=lambda u: running[u])
+        victims = [r for r in self.running if r.user == user and r.priority >= req.priority]
+        if not victims:
+            return False
+        self._preempt(max(victims, key=self._order), out)
+        self.num_fair_preemptions += 1
+        return True
+
+    def _victim(self) -> Request:
+        """The running request to preempt when blocks run short: the last in ``(priority,
+        arrival)`` order, of a user above its fair share where there is one."""
+        running, share = self._fair_share()
+        if not share:
+            return max(self.running, key=self._order)
+        return max(self.running, key=lambda r: (r.priority, running[r.user] > share, r.arrival_index))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -147,7 +219,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._pop_waiting(self.waiting.index(req))
         self.kv.free(req, cache=status is not RequestStatus.FINISHED_ERROR)
         if self.swap is not None:
             self.swap.discard(req.request_id)  # (an aborted request swapped out)
@@ -240,8 +312,7 @@ class Scheduler:
             while not self.kv.allocate_slots(req, num_new):  # (evicts cached blocks first)
                 if self._release_waiting_blocks():
                     continue
-                victim = max(self.running, key=self._order)
-                budget += self._preempt(victim, out)
+                budget += self._preempt(self._victim(), out)
                 if req.status is not RequestStatus.RUNNING:  # req itself, or its beam group
                     num_new = 0
                     break
@@ -263,12 +334,13 @@ class Scheduler:
         """Admit waiting requests in order while budget, sequence slots and blocks allow."""
         swapped_in = 0  # blocks swapped in this step
         while self.waiting and budget > 0:
-            req = self.waiting[0]
+            index = self._next_waiting()
+            req = self.waiting[index]
             swap_blocks = self.swap.num_blocks_of(req.request_id) if self.swap is not None else 0
             if swap_blocks and swapped_in and swapped_in + swap_blocks > self.max_swap_in_blocks:
                 break  # this step's swap-in allowance is spent: it comes back next step
             if len(self.running) >= self.config.max_num_seqs:
-                if self._preempt_lower_priority(req, out):
+                if self._preempt_lower_priority(req, out) or self._preempt_over_share(req, out):
                     budget = self.config.max_num_batched_tokens - out.num_batched_tokens
                     continue
                 break
@@ -280,7 +352,7 @@ class Scheduler:
             else:
                 num_new = self.kv.admit(req, budget, headroom)
             if num_new == 0:
-                if self._preempt_lower_priority(req, out):
+                if self._preempt_lower_priority(req, out) or self._preempt_over_share(req, out):
                     budget = self.config.max_num_batched_tokens - out.num_batched_tokens
                     continue
                 if not self.running and self._release_waiting_blocks(keep=req):
@@ -291,7 +363,7 @@ class Scheduler:
                     self.swap.num_swap_drops += 1  # type: ignore[union-attr]
                     continue
                 break
-            self.waiting.pop(0)
+            self._pop_waiting(index)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if req.sampling_params.prompt_logprobs is not None and req.prompt_logprobs:

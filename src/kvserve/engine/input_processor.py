@@ -38,6 +38,7 @@ class EngineCoreRequest:
         sampling_params: the request's own copy, ``bad_words`` as token ids.
         priority: lower runs first.
         cache_salt: tenant key for prefix-cache isolation, or None.
+        user: who sent it (fair share of the sequence slots between users), or None.
         kv_transfer_params: prefill/decode disaggregation (:mod:`kvserve.distributed.kv_transfer`):
             ``{"do_remote_decode": True}`` (save the prompt's K/V when the request finishes),
             or the :class:`~kvserve.distributed.kv_transfer.KVTransferHandle` a prefill engine
@@ -51,6 +52,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: Optional[str] = None
     kv_transfer_params: Any = None
+    user: Optional[str] = None
 
 
 class InputProcessor:
@@ -99,6 +101,7 @@ class InputProcessor:
         request_id: Optional[str] = None,
         priority: int = 0,
         cache_salt: Optional[str] = None,
+        user: Optional[str] = None,
     ) -> EngineCoreRequest:
         """Check and tokenize one request.
 
@@ -109,6 +112,7 @@ class InputProcessor:
             request_id: a string, or None.
             priority: an integer; lower runs first.
             cache_salt: a non-empty string, or None.
+            user: a string (the scheduler shares the sequence slots fairly between users), or None.
 
         Raises:
             TypeError: ``params`` is not a SamplingParams, or the prompt is neither text nor
@@ -127,6 +131,8 @@ class InputProcessor:
             raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string or None, got {type(request_id).__name__}")
+        if user is not None and not isinstance(user, str):
+            raise ValueError(f"user must be a string or None, got {type(user).__name__}")
         # A checked copy: fields may have been changed since the object was built (SamplingParams
         # checks them in __post_init__), and later changes must not reach a running request.
         params = dataclasses.replace(params)
@@ -136,7 +142,7 @@ class InputProcessor:
                                 + bad_words_token_ids(self.tokenizer, words))
         text, ids = self._prompt(prompt)
         ids, text = self.truncate_prompt(ids, text, params.truncate_prompt_tokens)
-        return EngineCoreRequest(request_id, ids, text, params, int(priority), cache_salt)
+        return EngineCoreRequest(request_id, ids, text, params, int(priority), cache_salt, user=user)
 
     def _prompt(self, prompt) -> tuple[Optional[str], list]:
         """``(text or None, token ids)`` of a prompt in any accepted form."""
