@@ -80,3 +80,30 @@ class ServerThread:
             if time.monotonic() > deadline:
                 raise TimeoutError("engine still busy")
             time.sleep(0.02)
+
+
+def accumulate_chat_stream(chunks, no_text: Sequence[str] = ("<tool_", "tool_call>")):
+    """What an OpenAI client makes of a streamed chat reply (one choice): (content or None,
+    [(id, name, arguments)], finish reasons), checking each tool-call chunk's shape on the way
+    (a call's first chunk: id, type, name and empty arguments; then pieces of the arguments)
+    and that no content delta holds any of ``no_text`` (a tool-call format's markers: a tag
+    split over tokens never leaks into the content)."""
+    content, calls, finishes = [], {}, []
+    for ch in chunks:
+        assert len(ch.choices) == 1
+        c = ch.choices[0]
+        if c.finish_reason:
+            finishes.append(c.finish_reason)
+        if c.delta.content:
+            assert not any(t in c.delta.content for t in no_text), c.delta.content
+            content.append(c.delta.content)
+        for tc in c.delta.tool_calls or []:
+            if tc.index not in calls:
+                assert tc.id.startswith("chatcmpl-tool-") and tc.type == "function"
+                assert tc.function.name and tc.function.arguments == ""
+                calls[tc.index] = [tc.id, tc.function.name, ""]
+            else:
+                assert tc.id is None and tc.function.name is None and tc.function.arguments
+                calls[tc.index][2] += tc.function.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return ("".join(content) or None), [tuple(calls[i]) for i in sorted(calls)], finishes

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import ServerThread
+from server_helpers import ServerThread, accumulate_chat_stream
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
@@ -273,31 +273,6 @@ def test_bad_tool_calls_get_400_naming_the_field(server, extra, param, words):
 
 
 # ------------------------------------------------------- streamed tool calls, tool_choice auto
-def _accumulate(chunks, text_has_tags=False):
-    """What an OpenAI client makes of a streamed chat reply: (content or None, [(id, name,
-    arguments)], finish reasons), checking each tool-call chunk's shape on the way."""
-    content, calls, finishes = [], {}, []
-    for ch in chunks:
-        assert len(ch.choices) == 1
-        c = ch.choices[0]
-        if c.finish_reason:
-            finishes.append(c.finish_reason)
-        if c.delta.content:
-            if not text_has_tags:  # (a tag split over tokens never leaks into the content)
-                assert "<tool_" not in c.delta.content and "tool_call>" not in c.delta.content
-            content.append(c.delta.content)
-        for tc in c.delta.tool_calls or []:
-            if tc.index not in calls:  # a call's first chunk: id, type, name and empty arguments
-                assert tc.id.startswith("chatcmpl-tool-") and tc.type == "function"
-                assert tc.function.name and tc.function.arguments == ""
-                calls[tc.index] = [tc.id, tc.function.name, ""]
-            else:  # then pieces of the arguments only
-                assert tc.id is None and tc.function.name is None and tc.function.arguments
-                calls[tc.index][2] += tc.function.arguments
-    assert sorted(calls) == list(range(len(calls)))
-    return ("".join(content) or None), [tuple(calls[i]) for i in sorted(calls)], finishes
-
-
 def _whole(message):
     return message.content, [(t.id, t.function.name, t.function.arguments) for t in message.tool_calls or []]
 
@@ -310,7 +285,7 @@ def test_streamed_forced_tool_calls_equal_the_whole_reply(client, tool_choice):
         kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=150, tool_choice=tool_choice,
                   parallel_tool_calls=True, **sample)
         whole = client.chat.completions.create(**kw).choices[0]
-        content, calls, finishes = _accumulate(client.chat.completions.create(stream=True, **kw))
+        content, calls, finishes = accumulate_chat_stream(client.chat.completions.create(stream=True, **kw))
         assert finishes == [whole.finish_reason]
         if whole.finish_reason != "tool_calls":  # (whitespace padding up to max_tokens: text, cut mid-call)
             assert whole.finish_reason == "length"
@@ -347,7 +322,7 @@ def test_auto_tool_calls_are_parsed_from_the_reply_whole_and_streamed(tools_clie
         assert args["city"] in city.split("|")
         assert calls[0][2] == f'{{"city": "{args["city"]}", "unit": "celsius"}}'  # as the model wrote it
         assert re.fullmatch(r'\{"zone": [1-9]\}', calls[1][2])
-        s_content, s_calls, finishes = _accumulate(tools_client.chat.completions.create(stream=True, **kw))
+        s_content, s_calls, finishes = accumulate_chat_stream(tools_client.chat.completions.create(stream=True, **kw))
         assert (s_content, [c[1:] for c in s_calls], finishes) == (content, [c[1:] for c in calls], ["tool_calls"])
 
 
@@ -363,7 +338,7 @@ def test_auto_malformed_calls_stay_text_and_parallel_tool_calls_false_keeps_one(
     # streamed, the first block alone (the second's header is complete, so a stream sends its call
     # before it can see the missing "}": the difference the parser documents)
     first = {**kw, "extra_body": {"structured_outputs": {"regex": bad.split(" and ")[0]}}}
-    streamed = _accumulate(tools_client.chat.completions.create(stream=True, **first), text_has_tags=True)
+    streamed = accumulate_chat_stream(tools_client.chat.completions.create(stream=True, **first), no_text=())
     assert streamed[:2] == (text.split(" and ")[0], [])
     oslo = {"structured_outputs": {"regex": AUTO_REGEX.replace("CITY", "Oslo")}}
     one = tools_client.chat.completions.create(**{**kw, "parallel_tool_calls": False, "extra_body": oslo}).choices[0]
@@ -421,7 +396,7 @@ def test_streamed_auto_tool_calls_with_n_2_logprobs_and_usage(tools_client):
     n_logprobs = 0
     for i in range(2):
         mine = [c for c in chunks if c.choices and c.choices[0].index == i]
-        content, calls, finishes = _accumulate(mine)
+        content, calls, finishes = accumulate_chat_stream(mine)
         w = next(c for c in whole.choices if c.index == i)
         w_content, w_calls = _whole(w.message)
         assert (content, [c[1:] for c in calls], finishes) == (w_content, [c[1:] for c in w_calls], ["tool_calls"])

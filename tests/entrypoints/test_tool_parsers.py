@@ -155,8 +155,8 @@ def test_system_prompt_lists_the_tools_and_the_format():
 
 def test_get_tool_parser():
     assert get_tool_parser("hermes") is HermesToolParser
-    with pytest.raises(ValueError, match=r"unknown tool-call parser 'mistral'; choose one of \['hermes'\]"):
-        get_tool_parser("mistral")
+    with pytest.raises(ValueError, match=r"unknown tool-call parser 'xml'; choose one of \['hermes', "):
+        get_tool_parser("xml")
 
 
 REQUIRED = ('[{"name":"get_weather","parameters":{"city":"[x]}","unit":"celsius"}},'
@@ -200,10 +200,12 @@ def test_the_server_option_names_the_parsers():
 
     assert build_parser().parse_args(["serve"]).tool_call_parser == "hermes"
     assert build_parser().parse_args(["serve", "--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
+    for name in ("llama3_json", "mistral", "pythonic"):
+        assert build_parser().parse_args(["serve", "--tool-call-parser", name]).tool_call_parser == name
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
-    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'"):
-        build_app(None, ["m"], tool_call_parser="mistral")  # (checked before the engine is touched)
+        build_parser().parse_args(["serve", "--tool-call-parser", "xml"])
+    with pytest.raises(ValueError, match="unknown tool-call parser 'xml'"):
+        build_app(None, ["m"], tool_call_parser="xml")  # (checked before the engine is touched)
 
 
 def test_history_as_text_writes_earlier_tool_turns_as_blocks():
