@@ -1,7 +1,8 @@
 """kvserve: an LLM inference and serving engine in PyTorch.
 
 Public API: :class:`LLM` (offline generation), :class:`SamplingParams`,
-:class:`LLMEngine` / :class:`EngineArgs` (the step loop).
+:class:`LLMEngine` / :class:`EngineArgs` (the step loop), and the outputs
+(:class:`RequestOutput`, :class:`CompletionOutput`, :class:`Logprob`: vLLM's shapes).
 """
 
 import os as _os
@@ -18,7 +19,8 @@ if "torch" not in _sys.modules:
 
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineArgs", "RequestOutput", "GenerationError", "TokenLogprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineArgs", "RequestOutput",
+           "CompletionOutput", "Logprob", "GenerationError", "TokenLogprob"]
 __version__ = "0.1.0"
 
 
@@ -31,7 +33,7 @@ def __getattr__(name):  # lazy: importing kvserve stays cheap
         from kvserve.engine import llm_engine as engine
 
         return getattr(engine, name)
-    if name in ("RequestOutput", "TokenLogprob"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob", "TokenLogprob"):
         from kvserve.core import request
 
         return getattr(request, name)

@@ -235,7 +235,7 @@ class LLMJudge:
 
 def _suffix_logprob(out, n: int) -> float:
     """Sum of the prompt logprobs of the last ``n`` prompt tokens."""
-    return sum(lp.logprob for lp in out.prompt_logprobs[-n:])
+    return sum(lp.logprob for lp in out.prompt_token_logprobs[-n:])
 
 
 def _logaddexp(a: float, b: float) -> float:

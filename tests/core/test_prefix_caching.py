@@ -181,7 +181,7 @@ def test_fully_cached_prompt_still_prefills_its_last_token(on_llm, off_llm, leng
     assert first.num_cached_tokens == 0 and hit.num_cached_tokens == length - 1
     assert eng.num_prompt_tokens_computed - before == 1  # a one-token prefill, with logits
     assert hit.token_ids == first.token_ids == cold.token_ids
-    for a, b in zip(hit.outputs[0].logprobs, cold.outputs[0].logprobs):
+    for a, b in zip(hit.outputs[0].token_logprobs, cold.outputs[0].token_logprobs):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
     eng.kv.check_invariants()
 
@@ -194,9 +194,9 @@ def test_prompt_logprobs_identical_with_and_without_a_cache_hit(on_llm, off_llm)
     _gen(on_llm, [prompt], SamplingParams(max_tokens=2, temperature=0), salt=salt)  # warm the cache
     (warm,) = _gen(on_llm, [prompt], params, salt=salt)
     assert warm.num_cached_tokens == 0  # prompt logprobs need every position computed
-    assert len(warm.prompt_logprobs) == len(prompt) and warm.prompt_logprobs[0] is None
-    assert [(l.token_id, l.logprob, l.rank, l.top) for l in warm.prompt_logprobs[1:]] == [
-        (l.token_id, l.logprob, l.rank, l.top) for l in cold.prompt_logprobs[1:]
+    assert len(warm.prompt_token_logprobs) == len(prompt) and warm.prompt_token_logprobs[0] is None
+    assert [(l.token_id, l.logprob, l.rank, l.top) for l in warm.prompt_token_logprobs[1:]] == [
+        (l.token_id, l.logprob, l.rank, l.top) for l in cold.prompt_token_logprobs[1:]
     ]
     assert warm.token_ids == cold.token_ids
     (hit,) = _gen(on_llm, [prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), salt=salt)
@@ -215,8 +215,8 @@ def test_preempted_request_hits_the_cache_on_resumption(off_llm):
     assert st["num_preemptions"] > 0 and st["prefix_cache_resumed_hits"] > 0
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
     for o, e in zip(outs[1:], expected[1:]):
-        assert len(o.prompt_logprobs) == len(e.prompt_logprobs) == 40
-        for a, b in zip(o.prompt_logprobs[1:], e.prompt_logprobs[1:]):
+        assert len(o.prompt_token_logprobs) == len(e.prompt_token_logprobs) == 40
+        for a, b in zip(o.prompt_token_logprobs[1:], e.prompt_token_logprobs[1:]):
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
     llm.engine.kv.check_invariants()
 

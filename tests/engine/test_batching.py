@@ -87,7 +87,7 @@ def test_bf16_chunked_prefill_of_a_long_prompt(llm_fp32):
     for o, r in zip(outs, ref):
         assert len(o.token_ids) == 8 and o.finish_reason == "length"
         # the first two fp32 tokens lead by > 1.2 nats, far beyond bf16 rounding: bf16 agrees
-        for lp in r.outputs[0].logprobs[:2]:
+        for lp in r.outputs[0].token_logprobs[:2]:
             assert lp.logprob - max(l for t, l in lp.top if t != lp.token_id) > 1.2
         assert o.token_ids[:2] == r.token_ids[:2]
 

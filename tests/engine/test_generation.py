@@ -29,8 +29,8 @@ def test_generated_logprobs_match_reference(llm_fp32, reference):
         SamplingParams(max_tokens=6, temperature=0)
     ] * len(others)
     out = llm_fp32.generate([case["prompt_ids"]] + others, params)[0]
-    assert len(out.outputs[0].logprobs) == 4
-    for step, (lp, ref_top) in enumerate(zip(out.outputs[0].logprobs, case["top5_logprobs_first4"])):
+    assert len(out.outputs[0].token_logprobs) == 4
+    for step, (lp, ref_top) in enumerate(zip(out.outputs[0].token_logprobs, case["top5_logprobs_first4"])):
         assert lp.token_id == case["greedy_ids"][step] and lp.rank == 1
         p_eos = math.exp(dict(lp.top).get(eos, float("-inf")))
         renorm = [(t, v - math.log1p(-p_eos)) for t, v in lp.top if t != eos][:5]
@@ -48,9 +48,9 @@ def test_logprobs_match_transformers_in_a_batch(llm_fp32, hf_smollm2):
     full = prompt + out.outputs[0].token_ids
     ref = _hf_logprobs(hf_smollm2, full)
     # prompt logprobs: position 0 has none, position i scores prompt[i] given prompt[:i]
-    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_token_logprobs[0] is None and len(out.prompt_token_logprobs) == len(prompt)
     for i in range(1, len(prompt)):
-        lp = out.prompt_logprobs[i]
+        lp = out.prompt_token_logprobs[i]
         assert lp.token_id == prompt[i]
         assert abs(lp.logprob - ref[i - 1, prompt[i]].item()) < 1e-4
         assert lp.rank == 1 + int((ref[i - 1] > ref[i - 1, prompt[i]]).sum())
@@ -58,11 +58,12 @@ def test_logprobs_match_transformers_in_a_batch(llm_fp32, hf_smollm2):
         assert [t for t, _ in lp.top] == top.indices.tolist()
     # a one-token prompt has one entry too (None), as in vLLM
     one = llm_fp32.generate([prompt[:1]], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
-    assert one.prompt_logprobs == [None]
-    for j, lp in enumerate(out.outputs[0].logprobs):
+    assert one.prompt_token_logprobs == [None]
+    for j, lp in enumerate(out.outputs[0].token_logprobs):
         pos = len(prompt) + j - 1
         assert abs(lp.logprob - ref[pos, lp.token_id].item()) < 1e-4
-    assert math.isclose(out.outputs[0].cumulative_logprob, sum(l.logprob for l in out.outputs[0].logprobs), abs_tol=1e-4)
+    assert math.isclose(out.outputs[0].cumulative_logprob, sum(l.logprob for l in out.outputs[0].token_logprobs),
+                        abs_tol=1e-4)
 
 
 def _stream(llm, prompt, params):
@@ -225,9 +226,9 @@ def test_prompt_logprobs_do_not_depend_on_chunking(tiny_model_dir, engine_kw):
     if "num_blocks" in engine_kw:
         assert llm.engine.scheduler.num_preemptions > 0
     for o, r, p in zip(outs, ref, prompts):
-        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(p)
-        assert [x.token_id for x in o.prompt_logprobs[1:]] == p[1:]
-        for a, b in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
+        assert o.prompt_token_logprobs[0] is None and len(o.prompt_token_logprobs) == len(p)
+        assert [x.token_id for x in o.prompt_token_logprobs[1:]] == p[1:]
+        for a, b in zip(o.prompt_token_logprobs[1:], r.prompt_token_logprobs[1:]):
             assert abs(a.logprob - b.logprob) < 1e-4 and a.rank == b.rank
         assert o.token_ids == r.token_ids
 

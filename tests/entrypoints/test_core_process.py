@@ -110,8 +110,8 @@ def test_core_outputs_are_deltas_that_do_not_grow_with_the_sequence(tiny_folder)
             last = o
     assert len(sizes) == 200 and max(sizes[100:]) <= max(sizes[1:10]) * 1.1, (sizes[1:10], sizes[100:])
     assert last.finished and last.outputs[0].token_ids == ref.outputs[0].token_ids
-    assert last.outputs[0].text == ref.outputs[0].text and len(last.outputs[0].logprobs) == 200
-    got, want = last.outputs[0].logprobs, ref.outputs[0].logprobs  # (the second run hits the prefix cache)
+    assert last.outputs[0].text == ref.outputs[0].text and len(last.outputs[0].token_logprobs) == 200
+    got, want = last.outputs[0].token_logprobs, ref.outputs[0].token_logprobs  # (the second run hits the prefix cache)
     assert [(x.token_id, x.rank, [t for t, _ in x.top]) for x in got] == \
            [(x.token_id, x.rank, [t for t, _ in x.top]) for x in want]
     assert [v for x in got for _, v in x.top] == pytest.approx([v for x in want for _, v in x.top], abs=1e-4)
@@ -311,7 +311,7 @@ def test_n_and_logprobs_equal_offline(client, offline):
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     for c in r.choices:
         assert c.text == ref.text
-        assert c.logprobs.token_logprobs == pytest.approx([e.logprob for e in ref.outputs[0].logprobs], abs=1e-4)
+        assert c.logprobs.token_logprobs == pytest.approx([e.logprob for e in ref.outputs[0].token_logprobs], abs=1e-4)
         assert len(c.logprobs.top_logprobs) == 8 and all(len(t) >= 2 for t in c.logprobs.top_logprobs)
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, n=2, max_tokens=8, temperature=0,
                                             logprobs=2, stream=True, extra_body={"ignore_eos": True}))
@@ -319,7 +319,7 @@ def test_n_and_logprobs_equal_offline(client, offline):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
         assert "".join(c.text for c in mine) == ref.text
         lps = [lp for c in mine if c.logprobs for lp in c.logprobs.token_logprobs]
-        assert lps == pytest.approx([e.logprob for e in ref.outputs[0].logprobs], abs=1e-4)
+        assert lps == pytest.approx([e.logprob for e in ref.outputs[0].token_logprobs], abs=1e-4)
 
 
 def test_stop_strings_end_samples_in_the_api_process(client, server, offline):
@@ -365,10 +365,10 @@ def test_beam_search_and_prompt_logprobs_equal_offline(client, offline):
                                   extra_body={"prompt_logprobs": 2})
     got = r.choices[0].model_extra["prompt_logprobs"]
     assert got[0] is None and len(got) == len(ref.prompt_token_ids)
-    for entry, tid, e in zip(got[1:], ref.prompt_token_ids[1:], ref.prompt_logprobs[1:]):
+    for entry, tid, e in zip(got[1:], ref.prompt_token_ids[1:], ref.prompt_token_logprobs[1:]):
         assert entry[str(tid)]["logprob"] == pytest.approx(e.logprob, abs=1e-4)
     assert r.choices[0].logprobs.token_logprobs[1:len(got)] == pytest.approx(
-        [e.logprob for e in ref.prompt_logprobs[1:]], abs=1e-4)
+        [e.logprob for e in ref.prompt_token_logprobs[1:]], abs=1e-4)
 
 
 def test_greedy_chat_equals_offline(client, offline):
@@ -784,7 +784,7 @@ def test_smollm2_greedy_equals_offline(smol_server, llm_fp32):
     assert [ch.text for ch in got] == [o.text for o in refs]
     assert [ch.finish_reason for ch in got] == [o.finish_reason for o in refs]
     for ch, o in zip(got, refs):
-        assert ch.logprobs.token_logprobs == pytest.approx([e.logprob for e in o.outputs[0].logprobs], abs=1e-4)
+        assert ch.logprobs.token_logprobs == pytest.approx([e.logprob for e in o.outputs[0].token_logprobs], abs=1e-4)
     stream = c.completions.create(model="smollm2", prompt=SMOL_PROMPTS[0], max_tokens=16, temperature=0, stream=True,
                                   n=2)
     texts = {0: "", 1: ""}

@@ -159,7 +159,7 @@ def test_greedy_is_token_identical_and_drafts_are_accepted(folder, arch):
     outs = _run(eng, PROMPTS, params)
     for b, o in zip(base, outs):
         assert _summary(o) == _summary(b)
-        for lb, lo in zip(b.outputs[0].logprobs, o.outputs[0].logprobs):
+        for lb, lo in zip(b.outputs[0].token_logprobs, o.outputs[0].token_logprobs):
             assert lb.token_id == lo.token_id and lb.rank == lo.rank
             assert lo.logprob == pytest.approx(lb.logprob, abs=1e-4)
             assert [t for t, _ in lo.top] == [t for t, _ in lb.top]
@@ -457,8 +457,8 @@ def test_structured_output_greedy_with_drafts_is_token_identical(folder, drafts,
         assert _summary(o) == _summary(b), kind
         assert o.outputs[0].finish_reason == "stop"
         _check_valid(kind, o.outputs[0].text)
-        assert [lp.logprob for lp in o.outputs[0].logprobs] == pytest.approx(
-            [lp.logprob for lp in b.outputs[0].logprobs], abs=1e-4)
+        assert [lp.logprob for lp in o.outputs[0].token_logprobs] == pytest.approx(
+            [lp.logprob for lp in b.outputs[0].token_logprobs], abs=1e-4)
     counts = dict(zip(kinds, (seen.get(o.request_id, [0, 0, 0]) for o in outs)))
     s = eng.stats()
     assert s["spec_decode_num_grammar_cut_tokens"] == sum(c[2] for c in counts.values()) > 0

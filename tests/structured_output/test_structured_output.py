@@ -232,8 +232,8 @@ def test_free_requests_are_unchanged_by_constrained_batch_mates(llm):
     assert mixed[1].outputs[0].token_ids == alone[0].token_ids
     assert mixed[3].outputs[0].token_ids == alone[1].token_ids
     # (the logits can differ in their last bits with the batch's shape)
-    assert [lp.logprob for lp in mixed[3].outputs[0].logprobs] == pytest.approx([lp.logprob for lp in alone[1].logprobs],
-                                                                                abs=1e-5)
+    assert [lp.logprob for lp in mixed[3].outputs[0].token_logprobs] == pytest.approx(
+        [lp.logprob for lp in alone[1].token_logprobs], abs=1e-5)
     jsonschema.validate(json.loads(mixed[0].outputs[0].text), SCHEMAS["nested"])
     assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", mixed[2].outputs[0].text)
 
@@ -289,7 +289,7 @@ def test_logprobs_are_the_raw_model_logprobs(llm):
     raw = torch.log_softmax(prefill_logits(llm, ids)[-1].float(), 0)
     o = llm.generate([ids], SamplingParams(temperature=0, max_tokens=5, logprobs=3,
                                            structured_outputs=StructuredOutputsParams(regex="[0-9]{5}")))[0].outputs[0]
-    first = o.logprobs[0]
+    first = o.token_logprobs[0]
     assert abs(first.logprob - raw[first.token_id].item()) < 1e-5
     assert first.rank == 1 + int((raw > raw[first.token_id]).sum())
     assert [t for t, _ in first.top] == torch.topk(raw, 3).indices.tolist()

@@ -108,7 +108,7 @@ def test_c_kernel_window_equals_sdpa_and_transformers(tiny_model_dir, monkeypatc
         ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].double(), -1)
     want = torch.tensor([ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(a.token_ids)], dtype=torch.float64)
     for out in (a, b):
-        got = torch.tensor([lp.logprob for lp in out.logprobs], dtype=torch.float64)
+        got = torch.tensor([lp.logprob for lp in out.token_logprobs], dtype=torch.float64)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 

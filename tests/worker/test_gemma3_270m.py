@@ -78,7 +78,7 @@ def test_greedy_matches_transformers_batched(gemma_fp32, reference):
         out = o.outputs[0]
         assert out.token_ids == c["greedy_ids"], c["prompt"][:40]
         assert out.text == c["greedy_text"]
-        for t, ref in zip(out.logprobs, c["top5_logprobs_first4"]):
+        for t, ref in zip(out.token_logprobs, c["top5_logprobs_first4"]):
             assert [i for i, _ in t.top] == [i for i, _ in ref]
             assert max(abs(a - b) for (_, a), (_, b) in zip(t.top, ref)) < 1e-3
 
@@ -103,7 +103,7 @@ def test_bfloat16_agrees_with_float32(gemma_path, shared_tokenizer, reference):
         assert o.outputs[0].token_ids[:3] == c["greedy_ids"][:3], c["prompt"][:40]
     scored = llm.generate([c["prompt_ids"] + c["greedy_ids"] for c in cases],
                           SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-    ranks = [t.rank for c, o in zip(cases, scored) for t in o.prompt_logprobs[-len(c["greedy_ids"]):]]
+    ranks = [t.rank for c, o in zip(cases, scored) for t in o.prompt_token_logprobs[-len(c["greedy_ids"]):]]
     assert sum(r == 1 for r in ranks) / len(ranks) >= 0.9
 
 

@@ -166,7 +166,7 @@ def test_logits_close_to_the_unquantized_cache(tiny_model_dir, arch, kv):
     assert 0 < diff < LOGIT_TOL[kv]  # > 0: the cache is really quantized
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
     a, b = base.generate([ids], params)[0].outputs[0], quant.generate([ids], params)[0].outputs[0]
-    for la, lb in zip(a.logprobs, b.logprobs):
+    for la, lb in zip(a.token_logprobs, b.token_logprobs):
         if la.token_id != lb.token_id:
             break
         assert abs(la.logprob - lb.logprob) < LOGIT_TOL[kv]
@@ -255,7 +255,7 @@ def test_smollm2_bf16_int8_cache_tracks_the_reference_like_the_bf16_cache(smollm
                   max_num_batched_tokens=16, enable_prefix_caching=False)
         outs = llm.generate(seqs, params)
         assert llm.engine.scheduler.num_chunked_prefills > 0
-        runs[kv] = [o.prompt_logprobs[s:] for o, s in zip(outs, starts)]
+        runs[kv] = [o.prompt_token_logprobs[s:] for o, s in zip(outs, starts)]
     top1 = {kv: sum(lp.rank == 1 for r in runs[kv] for lp in r) / sum(len(r) for r in runs[kv])
             for kv in runs}
     dlp = [abs(a.logprob - b.logprob) for ra, rb in zip(runs["auto"], runs["int8"]) for a, b in zip(ra, rb)]

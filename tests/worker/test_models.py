@@ -92,7 +92,7 @@ def test_c_decode_step_is_bit_identical_to_the_module_path(tiny_model_dir, arch,
 
     def run():
         llm = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=block_size, device="cpu")
-        return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].logprobs])
+        return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].token_logprobs])
                 for o in llm.generate(prompts, params)]
 
     calls = []

@@ -91,10 +91,10 @@ def test_mistral_logprobs_match_transformers_in_chunks_and_decode(mistral, path)
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].double(), -1)
     want_prompt = [ref[i, seq[i + 1]].item() for i in range(len(prompt) - 1)]
-    got_prompt = [lp.logprob for lp in out.prompt_logprobs[1:]]
+    got_prompt = [lp.logprob for lp in out.prompt_token_logprobs[1:]]
     torch.testing.assert_close(torch.tensor(got_prompt), torch.tensor(want_prompt), atol=1e-4, rtol=0)
     want_out = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(toks)]
-    got_out = [lp.logprob for lp in out.outputs[0].logprobs]
+    got_out = [lp.logprob for lp in out.outputs[0].token_logprobs]
     torch.testing.assert_close(torch.tensor(got_out), torch.tensor(want_out, dtype=torch.float32), atol=1e-4, rtol=0)
     assert llm.engine.scheduler.num_chunked_prefills > 0
 

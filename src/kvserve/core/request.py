@@ -32,12 +32,60 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class TokenLogprob:
-    """Logprob of one chosen token plus the top alternatives (raw model distribution)."""
+    """Logprob of one chosen token plus the top alternatives (raw model distribution): what
+    the engine computes per position, and what the OpenAI server formats.
+
+    Attributes:
+        token_id: the sampled (or prompt) token.
+        logprob: its log-probability (natural log; may be ``-inf``).
+        rank: its 1-based rank in the vocabulary (1 + the number of tokens with a strictly
+            larger logprob).
+        top: the ``k`` most likely tokens ``(token_id, logprob)``, most likely first (``k`` =
+            ``SamplingParams.logprobs`` / ``prompt_logprobs``; empty for 0).
+    """
 
     token_id: int
     logprob: float
     rank: int
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Logprob:
+    """vLLM's ``Logprob``: one token's entry in a position's ``{token_id: Logprob}`` dict.
+
+    Attributes:
+        logprob: the log-probability (natural log; may be ``-inf``).
+        rank: 1-based rank in the vocabulary.
+        decoded_token: the token's own text (its bytes decoded, a partial UTF-8 character as
+            U+FFFD; SentencePiece's leading space kept).
+    """
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's shapes: one {token_id: Logprob} dict per generated token; per prompt token, None first
+LogprobsOnePosition = dict[int, Logprob]
+SampleLogprobs = list[LogprobsOnePosition]
+PromptLogprobs = list[Optional[LogprobsOnePosition]]
+
+
+def logprob_dict(entry: TokenLogprob, token_str) -> LogprobsOnePosition:
+    """A :class:`TokenLogprob` in vLLM's shape: ``{token_id: Logprob}`` with the sampled (or
+    prompt) token first, at its own rank, then the top alternatives at ranks 1..k (as vLLM
+    builds it: a sampled token among the top keeps its place and takes the top entry's rank),
+    so ``k`` or ``k + 1`` entries.
+
+    Args:
+        entry: the position's logprobs.
+        token_str: ``token_id -> str``, the decoded token.
+    """
+    out = {entry.token_id: Logprob(entry.logprob, entry.rank, token_str(entry.token_id))}
+    for rank, (tid, lp) in enumerate(entry.top, start=1):
+        out[tid] = Logprob(lp, rank, token_str(tid))
+    return out
 
 
 @dataclass
@@ -181,8 +229,13 @@ class CompletionOutput:
         finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"`` (max_tokens
             or max_model_len), ``"abort"``, ``"error"``, or None while running.
         stop_reason: the matched stop string or stop token id, None for EOS/length.
-        cumulative_logprob: sum of the raw logprobs of the generated tokens.
-        logprobs: per generated token, when asked.
+        cumulative_logprob: sum of the raw logprobs of the generated tokens (for a beam: the
+            beam's score before length normalization).
+        logprobs: with ``SamplingParams(logprobs=k)``, vLLM's shape: per generated token a
+            ``{token_id: Logprob}`` dict of the sampled token and the ``k`` most likely ones
+            (``k`` or ``k + 1`` entries, :func:`logprob_dict`); else None.
+        token_logprobs: the same positions as :class:`TokenLogprob` (what the OpenAI server
+            formats); None when not asked.
         delta_text: text added since the request's previous output (for streaming); empty
             for a sequence of an n > 1 request that did not move (it finished earlier).
     """
@@ -193,8 +246,13 @@ class CompletionOutput:
     finish_reason: Optional[str] = None
     stop_reason: Any = None
     cumulative_logprob: float = 0.0
-    logprobs: Optional[list[TokenLogprob]] = None
+    logprobs: Optional[SampleLogprobs] = None
     delta_text: str = ""
+    token_logprobs: Optional[list[TokenLogprob]] = None
+
+    def finished(self) -> bool:
+        """Whether this sequence ended (vLLM's ``CompletionOutput.finished()``)."""
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -208,7 +266,10 @@ class RequestOutput:
         outputs: one :class:`CompletionOutput` per returned sample.
         finished: True once every sample finished.
         metrics: timing (TTFT, decode tokens/s, queue time).
-        prompt_logprobs: per prompt position (the first is None), when asked.
+        prompt_logprobs: with ``SamplingParams(prompt_logprobs=k)``, vLLM's shape: per prompt
+            position a ``{token_id: Logprob}`` dict of the prompt token and the ``k`` most
+            likely ones, None for the first position (which nothing predicts); else None.
+        prompt_token_logprobs: the same positions as :class:`TokenLogprob` (None first).
         num_cached_tokens: prompt tokens served from the prefix cache.
         error: the error message of a request that failed.
         error_param: for a failure caused by the request's own input (its grammar hit one of
@@ -232,12 +293,13 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None
     error_param: Optional[str] = None
     kv_transfer_params: Any = None
     kv_transfer_stats: Optional[dict] = None
+    prompt_token_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
     @property
     def text(self) -> str:

@@ -6,6 +6,7 @@ read, so a bad option fails in milliseconds with an error naming the field.
 
 from __future__ import annotations
 
+import argparse
 import numbers
 import os
 from dataclasses import dataclass
@@ -138,6 +139,24 @@ class EngineArgs:
     distributed_executor_backend: Optional[str] = None
     distributed_timeout_s: float = 120.0
     kv_connector: Optional[str] = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """``parser`` with the engine options of ``kvserve generate``/``serve`` (``--model``,
+        ``--dtype``, ``--kv-cache-memory``, ...) added; returns it (vLLM's
+        ``EngineArgs.add_cli_args``)."""
+        from kvserve.entrypoints.cli import _add_engine_args
+
+        _add_engine_args(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The engine arguments of options parsed by a parser from :meth:`add_cli_args` (vLLM's
+        ``EngineArgs.from_cli_args``); not range-checked yet (:meth:`check`)."""
+        from kvserve.entrypoints.cli import _engine_kwargs
+
+        return cls(model=args.model, dtype=args.dtype, **_engine_kwargs(args))
 
     def check(self, option_names: bool = False) -> None:
         """The range checks that need no model; :class:`LLMEngine` runs them before it loads one.

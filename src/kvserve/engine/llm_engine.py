@@ -47,6 +47,11 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.core.model_config, self.core.tokenizer, self.core.max_model_len)
         self.output_processor = OutputProcessor(self.core.tokenizer)
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        """``LLMEngine(engine_args)``, by vLLM's name."""
+        return cls(engine_args)
+
     def __getattr__(self, name: str):  # the core's state, read through the engine
         if name == "core":  # (not built yet: __init__ failed)
             raise AttributeError(name)
@@ -73,7 +78,8 @@ class LLMEngine:
         cache_salt: Optional[str] = None,
         kv_transfer_params=None,
     ) -> str:
-        """Queue a request; returns its id.
+        """Queue a request; returns its id. vLLM's argument order, ``add_request(request_id,
+        prompt, params)``, is read too (a :class:`SamplingParams` third and a prompt second).
 
         Args:
             prompt: text (tokenized with the model's tokenizer) or token ids.
@@ -94,6 +100,8 @@ class LLMEngine:
                 unaffected.
             QueueFullError: the waiting queue holds ``max_waiting`` requests.
         """
+        if isinstance(request_id, SamplingParams) and not isinstance(params, SamplingParams):  # (vLLM's order)
+            request_id, prompt, params = prompt, params, request_id
         request = self.input_processor.process(prompt, params, request_id, priority, cache_salt)
         request.kv_transfer_params = kv_transfer_params
         return self.add_core_request(request)

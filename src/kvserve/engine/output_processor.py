@@ -5,7 +5,8 @@ The engine core reports, per request and step, the tokens each sample gained
 each request's text: it detokenizes the new tokens incrementally (UTF-8 safe,
 :class:`~kvserve.engine.detokenizer.IncrementalDetokenizer`), ends a sample at a stop string
 (the tokens after the one that completes it are dropped, so a verified speculative run stops
-exactly where one-token steps would) and builds the request's ``n`` samples, ``best_of``
+exactly where one-token steps would), writes the logprobs of the kept tokens in vLLM's
+``{token_id: Logprob}`` shape too, and builds the request's ``n`` samples, ``best_of``
 selection or beams into one :class:`RequestOutput`.
 
 It runs where requests arrive: in the offline engine's process, and in the API process of
@@ -22,9 +23,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvserve.core.request import CompletionOutput, RequestOutput, TokenLogprob
+from kvserve.core.request import (
+    CompletionOutput,
+    LogprobsOnePosition,
+    RequestOutput,
+    TokenLogprob,
+    logprob_dict,
+)
 from kvserve.engine.core_output import BeamOutput, EngineCoreOutput, SampleDelta
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.token_strings import TokenStrings
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,14 +41,15 @@ logger = logging.getLogger(__name__)
 class _Sample:
     """The front end's state of one sample: its kept tokens, text and finish."""
 
-    __slots__ = ("index", "detokenizer", "token_ids", "logprobs", "cumulative_logprob", "finish_reason",
-                 "stop_reason", "delta")
+    __slots__ = ("index", "detokenizer", "token_ids", "token_logprobs", "logprobs", "cumulative_logprob",
+                 "finish_reason", "stop_reason", "delta")
 
     def __init__(self, index: int, detokenizer: IncrementalDetokenizer, logprobs: bool) -> None:
         self.index = index
         self.detokenizer = detokenizer
         self.token_ids: list[int] = []
-        self.logprobs: Optional[list[TokenLogprob]] = [] if logprobs else None
+        self.token_logprobs: Optional[list[TokenLogprob]] = [] if logprobs else None
+        self.logprobs: Optional[list[LogprobsOnePosition]] = [] if logprobs else None  # (vLLM's shape)
         self.cumulative_logprob = 0.0
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
@@ -60,7 +69,8 @@ class RequestState:
     prompt: Optional[str]
     prompt_token_ids: list[int]
     samples: list[_Sample]
-    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    prompt_token_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    prompt_logprobs: Optional[list[Optional[LogprobsOnePosition]]] = None  # (vLLM's shape)
     beams: list[BeamOutput] = field(default_factory=list)
     kv_transfer_stats: Optional[dict] = None  # (the core sends it once; every output carries it)
 
@@ -95,6 +105,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.strings = TokenStrings(tokenizer)  # (Logprob.decoded_token)
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], prompt: Optional[str],
@@ -104,9 +115,9 @@ class OutputProcessor:
         samples = [] if params.use_beam_search else [
             _Sample(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params), params.logprobs is not None)
             for i in range(params.num_samples)]
-        self.requests[request_id] = RequestState(
-            request_id, params, prompt, prompt_token_ids, samples,
-            [] if params.prompt_logprobs is not None else None)
+        asked = params.prompt_logprobs is not None
+        self.requests[request_id] = RequestState(request_id, params, prompt, prompt_token_ids, samples,
+                                                 [] if asked else None, [] if asked else None)
 
     def abort_request(self, request_id: str) -> None:
         """Forget a request (unknown ids are ignored)."""
@@ -152,7 +163,9 @@ class OutputProcessor:
     def _apply(self, state: RequestState, out: EngineCoreOutput) -> list[int]:
         """Take in ``out``'s deltas; returns the indices of the samples a stop string ended."""
         if out.new_prompt_logprobs and state.prompt_logprobs is not None:
-            state.prompt_logprobs.extend(out.new_prompt_logprobs)
+            state.prompt_token_logprobs.extend(out.new_prompt_logprobs)
+            state.prompt_logprobs.extend(None if e is None else logprob_dict(e, self.strings.token_str)
+                                         for e in out.new_prompt_logprobs)
         if out.beams is not None:
             state.beams = out.beams
         stopped = []
@@ -168,8 +181,7 @@ class OutputProcessor:
                     s.finish_reason = "abort"
         return stopped
 
-    @staticmethod
-    def _append(s: _Sample, d: SampleDelta, p: SamplingParams) -> bool:
+    def _append(self, s: _Sample, d: SampleDelta, p: SamplingParams) -> bool:
         """Detokenize ``d``'s tokens into ``s``, cut at a stop string; True when a stop string
         ended the sample while the core goes on with it."""
         toks, n0 = d.new_token_ids, len(s.token_ids)
@@ -195,7 +207,8 @@ class OutputProcessor:
         s.token_ids += toks
         s.cumulative_logprob += sum(d.new_logprobs[:k])
         if s.logprobs is not None and d.new_token_logprobs is not None:
-            s.logprobs += d.new_token_logprobs[:k]
+            s.token_logprobs += d.new_token_logprobs[:k]
+            s.logprobs += [logprob_dict(e, self.strings.token_str) for e in d.new_token_logprobs[:k]]
         s.delta += delta
         if finish is not None:
             s.finish_reason, s.stop_reason = finish, reason
@@ -240,6 +253,7 @@ class OutputProcessor:
                     cumulative_logprob=s.cumulative_logprob,
                     logprobs=list(s.logprobs) if s.logprobs is not None else None,
                     delta_text=s.delta,
+                    token_logprobs=list(s.token_logprobs) if s.token_logprobs is not None else None,
                 )
                 for idx, s in enumerate(chosen)
             ]
@@ -257,6 +271,8 @@ class OutputProcessor:
             num_cached_tokens=out.num_cached_tokens,
             kv_transfer_params=out.kv_transfer_params,
             kv_transfer_stats=state.kv_transfer_stats,
+            prompt_token_logprobs=(list(state.prompt_token_logprobs) or [None])
+            if state.prompt_token_logprobs is not None else None,
         )
 
     def _error_output(self, state: RequestState, out: EngineCoreOutput, msg: Optional[str] = None) -> RequestOutput:

@@ -464,10 +464,10 @@ class OpenAIServer:
 
     def _prompt_logprobs_field(self, out: RequestOutput) -> Optional[list]:
         """vLLM's ``prompt_logprobs``: per prompt position, {token_id: {logprob, rank, decoded_token}}."""
-        if out.prompt_logprobs is None:
+        if out.prompt_token_logprobs is None:
             return None
         res: list = []
-        for tid, e in zip(out.prompt_token_ids, out.prompt_logprobs):
+        for tid, e in zip(out.prompt_token_ids, out.prompt_token_logprobs):
             if e is None:
                 res.append(None)
                 continue
@@ -625,6 +625,7 @@ class OpenAIServer:
         if echo_only:
             finals = [dataclasses.replace(out, outputs=[
                 dataclasses.replace(o, text="", token_ids=[], logprobs=[] if o.logprobs is not None else None,
+                                    token_logprobs=[] if o.token_logprobs is not None else None,
                                     cumulative_logprob=0.0, finish_reason="length", stop_reason=None)
                 for o in out.outputs]) for out in finals]
         choices = []
@@ -633,9 +634,9 @@ class OpenAIServer:
                 text = o.text
                 logprobs = None
                 if req.logprobs is not None:
-                    entries, token_ids = list(o.logprobs or []), list(o.token_ids)
+                    entries, token_ids = list(o.token_logprobs or []), list(o.token_ids)
                     if req.echo:
-                        entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+                        entries = list(out.prompt_token_logprobs or [None] * len(out.prompt_token_ids)) + entries
                         token_ids = list(out.prompt_token_ids) + token_ids
                     logprobs = self.texts.completion_logprobs(entries, token_ids, req.logprobs)
                 if req.echo:
@@ -670,12 +671,12 @@ class OpenAIServer:
             logprobs, text = None, o.delta_text
             if req.logprobs is not None:
                 start = sent_lp.get(key, 0)
-                entries = (o.logprobs or [])[start:]
+                entries = (o.token_logprobs or [])[start:]
                 sent_lp[key] = start + len(entries)
                 token_ids = [e.token_id for e in entries]
                 if key in echo_later:
                     echo_later.discard(key)
-                    entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+                    entries = list(out.prompt_token_logprobs or [None] * len(out.prompt_token_ids)) + entries
                     token_ids = list(out.prompt_token_ids) + token_ids
                     text = texts[tag] + text
                 start_offset = offsets.get(key, 0)  # from the tokens' strings, as without streaming
@@ -774,7 +775,7 @@ class OpenAIServer:
         for o in out.outputs:
             logprobs = None
             if req.logprobs:
-                logprobs = {"content": self.texts.chat_logprobs(o.logprobs or [], k or 0)}
+                logprobs = {"content": self.texts.chat_logprobs(o.token_logprobs or [], k or 0)}
             message = {"role": "assistant", "content": echo + o.text}
             text, thought = o.text, {}
             if reasoning is not None:  # the thinking apart (vLLM's reasoning_content), the rest as content
@@ -831,7 +832,7 @@ class OpenAIServer:
             logprobs = None
             if req.logprobs:
                 start = sent_lp.get(o.index, 0)
-                entries = (o.logprobs or [])[start:]
+                entries = (o.token_logprobs or [])[start:]
                 sent_lp[o.index] = start + len(entries)
                 logprobs = {"content": self.texts.chat_logprobs(entries, k)}
             if tool is None and reasoning is None:
