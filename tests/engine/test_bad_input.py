@@ -281,7 +281,7 @@ def test_bad_device_and_max_model_len(tiny_model_dir, monkeypatch):
         LLM(model=str(folder), max_model_len=999999)
     # checked from the config alone, before the weights are read
     import kvserve.worker.worker
-    monkeypatch.setattr(kvserve.worker.worker, "load_weights", lambda path: pytest.fail("weights read"))
+    monkeypatch.setattr(kvserve.worker.worker, "load_weights", lambda path, **kw: pytest.fail("weights read"))
     with pytest.raises(ValueError, match=r"max_model_len must be in \[2, 512\]"):
         LLM(model=str(folder), max_model_len=513)
     monkeypatch.undo()

@@ -1,4 +1,5 @@
-"""``kvserve bench serve``: measure any OpenAI-compatible server (kvserve, vLLM, llama-server)."""
+"""``kvserve bench serve``: measure any OpenAI-compatible server (kvserve, vLLM, llama-server);
+a progress bar of the requests on a terminal, ``--plot`` draws the latency distributions."""
 
 from __future__ import annotations
 
@@ -42,7 +43,10 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="untimed requests sent first (default 1)")
     p.add_argument("--label", default="", help="name of the run in the table and JSON")
-    p.add_argument("--save-json", default=None, help="write the result JSON here")
+    p.add_argument("--save-json", default=None, help="write the result JSON here (with every latency sample)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="draw the TTFT, TPOT, ITL and end-to-end latency distributions (histograms and CDFs) "
+                        "into this .png/.svg/.pdf (needs matplotlib: pip install 'kvserve[plot]')")
     p.set_defaults(func=cmd_bench_serve)
 
 
@@ -82,6 +86,10 @@ def _check_args(a: argparse.Namespace) -> None:
         except OSError as e:
             raise ValueError(f"--save-json: cannot create {str(out.parent)!r}: {e.strerror or e}") from None
         need(not out.is_dir(), "--save-json", "a file path", a.save_json)
+    if a.plot:
+        from kvserve.bench.plot import check_plot_path
+
+        check_plot_path(a.plot)
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
@@ -109,7 +117,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     prompts = make_prompts(cfg, len(tok), tok.all_special_ids)
     texts = [tok.decode(p) for p in prompts] if cfg.endpoint == "chat" else None
     try:
-        summary = asyncio.run(run_benchmark(cfg, prompts, texts))
+        summary = asyncio.run(run_benchmark(cfg, prompts, texts, progress=None))  # (a bar on a terminal)
     except RuntimeError as e:  # the warm-up failed: the server is unreachable or rejects these requests
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -118,4 +126,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         Path(a.save_json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.save_json).write_text(json.dumps(summary, indent=2))
         print(f"saved {a.save_json}", file=sys.stderr)
+    if a.plot:
+        from kvserve.bench.plot import plot_latencies
+
+        print(f"saved {plot_latencies(summary, a.plot)}", file=sys.stderr)
     return 0 if summary["completed"] > 0 else 1

@@ -12,6 +12,7 @@ flight, and measures per request (client side, ``time.perf_counter``):
 and overall: successful and failed requests, request throughput, output-token throughput
 (output tokens from the final ``usage`` chunk when the server sends one, else the number of
 text chunks) over the benchmark's wall time, from the first request sent to the last answer.
+The summary keeps every sample too (``series_ms``), which :mod:`kvserve.bench.plot` draws.
 
 Workloads (token ids drawn from the tokenizer's vocabulary, special tokens excluded):
 
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 import httpx
+from tqdm import tqdm
 
 
 @dataclass
@@ -180,8 +182,14 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, prompt: list
     return res
 
 
-async def run_benchmark(cfg: BenchConfig, prompts: list[list[int]], texts: Optional[list[str]] = None) -> dict:
-    """Warm up, then send ``cfg.num_prompts`` requests; return the summary (see :func:`summarize`)."""
+async def run_benchmark(cfg: BenchConfig, prompts: list[list[int]], texts: Optional[list[str]] = None,
+                        progress: Optional[bool] = False) -> dict:
+    """Warm up, then send ``cfg.num_prompts`` requests; return the summary (see :func:`summarize`).
+
+    Args:
+        progress: a tqdm bar of the requests answered on stderr (None: when stderr is a
+            terminal).
+    """
     texts = texts or [None] * len(prompts)
     limit = cfg.max_concurrency or len(prompts)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -195,9 +203,20 @@ async def run_benchmark(cfg: BenchConfig, prompts: list[list[int]], texts: Optio
         sem = asyncio.Semaphore(limit)
         rng = random.Random(cfg.seed + 1)
 
+        bar = tqdm(total=len(work), desc=cfg.label or "requests", unit="req", disable=None if progress is None
+                   else not progress, dynamic_ncols=True)
+
+        failed = 0
+
         async def one(p, t):
+            nonlocal failed
             async with sem:
-                return await send_request(client, cfg, p, t)
+                res = await send_request(client, cfg, p, t)
+            if not res.ok:
+                failed += 1
+                bar.set_postfix(failed=failed, refresh=False)
+            bar.update(1)
+            return res
 
         tasks = []
         load_start = os.getloadavg()[0]
@@ -206,7 +225,10 @@ async def run_benchmark(cfg: BenchConfig, prompts: list[list[int]], texts: Optio
             tasks.append(asyncio.create_task(one(p, t)))
             if math.isfinite(cfg.request_rate) and cfg.request_rate > 0:
                 await asyncio.sleep(rng.expovariate(cfg.request_rate))
-        results = await asyncio.gather(*tasks)
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            bar.close()
         duration = time.perf_counter() - start
     summary = summarize(cfg, results, duration)
     # The machine's 1-minute load average around the run: a busy machine skews every figure.
@@ -226,7 +248,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def summarize(cfg: BenchConfig, results: list[RequestResult], duration: float) -> dict:
-    """Throughputs and mean/median/P99 latencies (milliseconds) of the successful requests."""
+    """Throughputs and mean/median/P99 latencies (milliseconds) of the successful requests, and
+    ``series_ms``: the samples themselves (per request TTFT, TPOT and end-to-end latency, and
+    every inter-token gap; ms)."""
     ok = [r for r in results if r.ok]
     out: dict[str, Any] = {
         "label": cfg.label,
@@ -248,11 +272,13 @@ def summarize(cfg: BenchConfig, results: list[RequestResult], duration: float) -
         "itl": [x for r in ok for x in r.itl],
         "e2el": [r.latency for r in ok],
     }
+    out["series_ms"] = {}
     for name, xs in series.items():
         ms = [x * 1000 for x in xs]
         out[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else 0.0
         out[f"median_{name}_ms"] = _pct(ms, 50)
         out[f"p99_{name}_ms"] = _pct(ms, 99)
+        out["series_ms"][name] = ms
     return out
 
 

@@ -2,7 +2,9 @@
 (``config.json`` + ``*.safetensors``).
 
 Both paths yield a :class:`ModelConfig` and a state dict in Hugging Face parameter
-names (``model.layers.0.self_attn.q_proj.weight`` ...), dequantized to float32.
+names (``model.layers.0.self_attn.q_proj.weight`` ...), dequantized to float32. A progress
+bar (tqdm, on stderr) counts the tensors read when stderr is a terminal or kvserve logs at
+INFO (``--verbose``); ``TQDM_DISABLE=1`` turns it off everywhere.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import logging
 import math
 import mmap
+import sys
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Optional
 
@@ -133,11 +136,36 @@ def load_model_config(path: Path) -> ModelConfig:
     raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a folder with config.json")
 
 
-def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def show_progress(progress: Optional[bool] = None) -> bool:
+    """Whether to draw a progress bar: ``progress`` when given, else when stderr is a terminal
+    or the ``kvserve`` logger is enabled for INFO (``--verbose``); never in a test's captured
+    stderr unless asked."""
+    if progress is not None:
+        return progress
+    try:
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):  # (a replaced or closed stderr)
+        tty = False
+    return tty or logging.getLogger("kvserve").isEnabledFor(logging.INFO)
+
+
+def _progress_bar(items, total: int, desc: str, progress: Optional[bool]):
+    """``items`` wrapped in a tqdm bar of ``total`` tensors (a plain iterator when not shown)."""
+    if not show_progress(progress):
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.1 if sys.stderr.isatty() else 2.0)
+
+
+def load_weights(path: Path, progress: Optional[bool] = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a model's config and float32 weights.
 
     Args:
         path: a ``.gguf`` file or a folder with ``config.json`` and ``*.safetensors``.
+        progress: draw a progress bar of the tensors read (None: :func:`show_progress`'s
+            default, on a terminal or with ``--verbose``).
 
     Returns:
         (config, state dict in Hugging Face names, every tensor float32 on CPU).
@@ -147,9 +175,9 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         UnsupportedModelError: architecture outside the Llama family.
     """
     if path.is_dir():
-        return _load_hf_folder(path)
+        return _load_hf_folder(path, progress)
     if path.suffix == ".gguf":
-        return _load_gguf(path)
+        return _load_gguf(path, progress)
     raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a folder with config.json")
 
 
@@ -510,13 +538,13 @@ def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
     return fast(blocks).numpy().reshape(-1)
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, progress: Optional[bool] = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = _gguf_reader(path)
     cfg = gguf_model_config(reader, path)
     gemma = cfg.architecture == "Gemma3ForCausalLM"
     layer_names = _GGUF_GEMMA3_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES
     state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in _progress_bar(reader.tensors, len(reader.tensors), f"Loading {path.name}", progress):
         try:
             arr = _dequantize(t.data, t.tensor_type)
         except Exception as e:
@@ -571,21 +599,35 @@ def _hf_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(cfg_dict, name=path.name)
 
 
-def _load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _load_hf_folder(path: Path, progress: Optional[bool] = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
 
     cfg = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{str(path)!r} has no *.safetensors files")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
+    errors = (SafetensorError, OSError, RuntimeError)
+    keys = {}
+    for f in files:  # (the headers first, for the bar's total)
         try:
-            for k, v in load_file(str(f)).items():
-                state[k] = v.float()
-        except (SafetensorError, OSError, RuntimeError) as e:
+            with safe_open(str(f), "pt") as h:
+                keys[f] = list(h.keys())
+        except errors as e:
             raise ModelLoadError(f"cannot read {str(f)!r}: {e}") from e
+
+    def tensors():
+        for f in files:
+            try:
+                with safe_open(str(f), "pt") as h:
+                    for k in keys[f]:
+                        yield f, k, h.get_tensor(k)
+            except errors as e:
+                raise ModelLoadError(f"cannot read {str(f)!r}: {e}") from e
+
+    state: dict[str, torch.Tensor] = {}
+    total = sum(len(k) for k in keys.values())
+    for _, k, v in _progress_bar(tensors(), total, f"Loading {path.name}", progress):
+        state[k] = v.float()
     return cfg, state
 
 
