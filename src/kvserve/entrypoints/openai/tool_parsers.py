@@ -865,9 +865,11 @@ class _ListParser(_FormatParser):
 
     A list with at least one well-formed call: each well-formed element is a call, each other
     element's text is content, and the rest (tag, brackets, commas) is dropped. A list with no
-    well-formed call is content, all of it. A list that does not close ends with the reply or
-    at a ``<`` (a special token) outside strings. With ``FIRST_MUST_BE_CALL``, an opening whose
-    first element does not start like a call is not a list at all (its tag is text).
+    well-formed call is content, all of it. A list that does not close ends with the reply, or
+    where something outside strings cannot belong to it: a ``<`` (a special token), a bracket
+    that does not match, and in JSON any character JSON does not allow there (the text from
+    there on is read as text again). With ``FIRST_MUST_BE_CALL``, an opening whose first
+    element does not start like a call is not a list at all (its tag is text).
     """
 
     OPEN_TAG: ClassVar[str]
