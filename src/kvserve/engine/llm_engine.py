@@ -77,6 +77,7 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         kv_transfer_params=None,
+        user: Optional[str] = None,
     ) -> str:
         """Queue a request; returns its id. vLLM's argument order, ``add_request(request_id,
         prompt, params)``, is read too (a :class:`SamplingParams` third and a prompt second).
@@ -92,6 +93,8 @@ class LLMEngine:
                 ``{"do_remote_decode": True}`` to save the prompt's K/V when the request
                 finishes (its final output's ``kv_transfer_params`` is the handle), or a
                 prefill engine's handle, to load that K/V instead of computing the prompt.
+            user: who sent it: with requests of several users, the scheduler shares the
+                sequence slots fairly between them (:mod:`kvserve.core.scheduler`).
 
         Raises:
             ValueError: invalid prompt or params (:meth:`InputProcessor.process`,
@@ -102,7 +105,7 @@ class LLMEngine:
         """
         if isinstance(request_id, SamplingParams) and not isinstance(params, SamplingParams):  # (vLLM's order)
             request_id, prompt, params = prompt, params, request_id
-        request = self.input_processor.process(prompt, params, request_id, priority, cache_salt)
+        request = self.input_processor.process(prompt, params, request_id, priority, cache_salt, user=user)
         request.kv_transfer_params = kv_transfer_params
         return self.add_core_request(request)
 

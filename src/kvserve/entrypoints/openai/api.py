@@ -406,7 +406,7 @@ class OpenAIServer:
 
     async def _submit(self, base_id: str, prompts: list[list[int]], params: SamplingParams, priority: int,
                       cache_salt: Optional[str], arrival: float, prompt_param: str,
-                      prompt_only: bool = False, streaming: bool = True) -> _Submitted:
+                      prompt_only: bool = False, streaming: bool = True, user: Optional[str] = None) -> _Submitted:
         """Hand every prompt to the engine, all or nothing: if one is rejected, none runs."""
         q: asyncio.Queue = asyncio.Queue()
         rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
@@ -414,7 +414,7 @@ class OpenAIServer:
         try:
             await self.async_engine.add_requests([(rid, ids, i) for i, (rid, ids) in enumerate(zip(rids, prompts))],
                                                  params, q, priority=priority, cache_salt=cache_salt, arrival=arrival,
-                                                 prompt_only=prompt_only, streaming=streaming)
+                                                 prompt_only=prompt_only, streaming=streaming, user=user)
         except (ValueError, TypeError, QueueFullError, EngineStoppedError) as e:
             err = self._engine_error(e, prompt_param)
             index = getattr(e, "request_index", None)
@@ -614,7 +614,7 @@ class OpenAIServer:
                 raise (_in_batch(e, i) if len(ids_list) > 1 else e) from None
         base = f"cmpl-{uuid.uuid4().hex}"
         sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt", echo_only,
-                                 streaming=bool(req.stream))
+                                 streaming=bool(req.stream), user=req.user)
         created = int(time.time())
         if req.echo:
             texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list)]
@@ -761,7 +761,7 @@ class OpenAIServer:
             sub = await self._submit_thinking(base, ids, params, req, arrival)
         else:
             sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages",
-                                     streaming=bool(req.stream))
+                                     streaming=bool(req.stream), user=req.user)
         created = int(time.time())
         echo = ""
         if req.echo and msgs[-1]["role"] == ("assistant" if add_gen else msgs[-1]["role"]):
@@ -903,7 +903,7 @@ class OpenAIServer:
         budget = max(1, min(req.max_thinking_tokens, room, params.max_tokens or room))
         think = dataclasses.replace(params, max_tokens=budget, min_tokens=0, stop=[end], stop_token_ids=None,
                                     include_stop_str_in_output=True, structured_outputs=None)
-        phase = await self._submit(base, [ids], think, req.priority, req.cache_salt, arrival, "messages")
+        phase = await self._submit(base, [ids], think, req.priority, req.cache_salt, arrival, "messages", user=req.user)
         relay = _ThinkingRelay([base], [ids], asyncio.Queue(), self.async_engine, current=base)
         relay.task = asyncio.create_task(self._think_then_answer(relay, phase, ids, params, end, end_ids, req))
         return relay
@@ -951,7 +951,7 @@ class OpenAIServer:
                                                                      min_tokens=min(params.min_tokens, left))
             relay.current = f"{relay.request_ids[0]}-answer"
             second = await self._submit(relay.current, [ids + tokens], answer, req.priority, req.cache_salt,
-                                        time.perf_counter(), "messages")
+                                        time.perf_counter(), "messages", user=req.user)
             while True:
                 _, a = await second.queue.get()
                 if isinstance(a, Exception) or a.error is not None:

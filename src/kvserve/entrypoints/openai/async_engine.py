@@ -46,7 +46,8 @@ class EngineStoppedError(RuntimeError):
 
 
 def core_requests(input_processor: InputProcessor, items: Sequence[tuple[str, Sequence[int]]],
-                  params: SamplingParams, priority: int, cache_salt: Optional[str]) -> list[EngineCoreRequest]:
+                  params: SamplingParams, priority: int, cache_salt: Optional[str],
+                  user: Optional[str] = None) -> list[EngineCoreRequest]:
     """The :class:`EngineCoreRequest` of each ``(request_id, prompt_token_ids)`` of ``items``
     (:meth:`InputProcessor.process`).
 
@@ -57,7 +58,7 @@ def core_requests(input_processor: InputProcessor, items: Sequence[tuple[str, Se
     out = []
     for index, (rid, ids) in enumerate(items):
         try:
-            out.append(input_processor.process(ids, params, rid, priority, cache_salt))
+            out.append(input_processor.process(ids, params, rid, priority, cache_salt, user=user))
         except Exception as e:
             e.request_index = index
             raise
@@ -180,6 +181,7 @@ class AsyncEngine:
         arrival: Optional[float] = None,
         prompt_only: bool = False,
         streaming: bool = True,
+        user: Optional[str] = None,
     ) -> None:
         """Queue several requests ``(request_id, prompt_token_ids, tag)`` all or nothing.
 
@@ -187,7 +189,8 @@ class AsyncEngine:
         run as one sampled token that it drops): the metrics count no generated token and no
         TTFT/TPOT for these requests. ``streaming``: whether the caller passes outputs on as they
         come (False: only the final ones; engines of replicas may then send a request again
-        after its replica died).
+        after its replica died). ``user``: who sent them (the scheduler shares the sequence
+        slots fairly between users).
 
         The engine thread checks every request before it adds any (and takes back the ones it
         added if a later one still fails, before any step), so a rejected batch leaves no
@@ -211,7 +214,7 @@ class AsyncEngine:
         fut = asyncio.get_running_loop().create_future()
         arrival = time.perf_counter() if arrival is None else arrival
         items = [(rid, list(ids), tag) for rid, ids, tag in requests]
-        self._cmds.put(("add", items, params, out_queue, priority, cache_salt, arrival, prompt_only, fut))
+        self._cmds.put(("add", items, params, out_queue, priority, cache_salt, arrival, prompt_only, fut, user))
         try:
             await fut
         except asyncio.CancelledError:
@@ -323,11 +326,12 @@ class AsyncEngine:
             self._paused = False
 
     def _add(self, items: list[tuple[str, list[int], Any]], params: SamplingParams, out_queue: asyncio.Queue,
-             priority: int, salt: Optional[str], arrival: float, prompt_only: bool, fut: asyncio.Future) -> None:
+             priority: int, salt: Optional[str], arrival: float, prompt_only: bool, fut: asyncio.Future,
+             user: Optional[str] = None) -> None:
         """Add every request of ``items`` or none (see :meth:`add_requests`)."""
         try:
             requests = core_requests(self.engine.input_processor, [(rid, ids) for rid, ids, _ in items], params,
-                                     priority, salt)
+                                     priority, salt, user)
             self.engine.add_core_requests(requests)
         except Exception as e:  # noqa: BLE001 - handed to the handler (with its request_index)
             self._resolve(fut, error=e)
@@ -580,7 +584,7 @@ class MPAsyncEngine(AsyncEngine):
     async def add_requests(self, requests, params: SamplingParams, out_queue: asyncio.Queue, priority: int = 0,
                            cache_salt: Optional[str] = None, arrival: Optional[float] = None,
                            prompt_only: bool = False, kv_transfer_params: Any = None,
-                           streaming: bool = True) -> None:
+                           streaming: bool = True, user: Optional[str] = None) -> None:
         """See :meth:`AsyncEngine.add_requests` (the same checks run in the core process).
 
         ``kv_transfer_params``: every request's (prefill/decode disaggregation, see
@@ -595,7 +599,7 @@ class MPAsyncEngine(AsyncEngine):
         arrival = time.perf_counter() if arrival is None else arrival
         items = [(rid, list(ids), tag) for rid, ids, tag in requests]
         reqs = core_requests(self.client.input_processor, [(rid, ids) for rid, ids, _ in items], params,
-                             priority, cache_salt)
+                             priority, cache_salt, user)
         for r in reqs:
             r.kv_transfer_params = kv_transfer_params
         cid = self._register(("add", items, reqs, out_queue, arrival, prompt_only, fut))

@@ -168,7 +168,7 @@ class ReplicatedAsyncEngine:
     # -------------------------------------------------------------- requests
     async def add_requests(self, requests, params: SamplingParams, out_queue: asyncio.Queue, priority: int = 0,
                            cache_salt: Optional[str] = None, arrival: Optional[float] = None,
-                           prompt_only: bool = False, streaming: bool = True) -> None:
+                           prompt_only: bool = False, streaming: bool = True, user: Optional[str] = None) -> None:
         """See :meth:`AsyncEngine.add_requests`: each request is routed on its own; all are
         accepted or none runs. A request whose replica dies is sent again to another one if
         nothing of it reached the client yet: no output at all, or (``streaming`` False) no
@@ -186,7 +186,7 @@ class ReplicatedAsyncEngine:
         transfer = self.disaggregated and not (params.use_beam_search or params.prompt_logprobs is not None
                                                or prompt_only)
         relays = [_Relay(self, rid, list(ids), tag, params, out_queue, priority, cache_salt, arrival, prompt_only,
-                         transfer, streaming) for rid, ids, tag in requests]
+                         transfer, streaming, user) for rid, ids, tag in requests]
         for r in relays:
             self._relays[r.rid] = r
         try:
@@ -254,11 +254,12 @@ class _Relay:
 
     def __init__(self, owner: ReplicatedAsyncEngine, rid: str, ids: list[int], tag, params: SamplingParams,
                  out_queue: asyncio.Queue, priority: int, cache_salt: Optional[str], arrival: float,
-                 prompt_only: bool, transfer: bool, streaming: bool = True) -> None:
+                 prompt_only: bool, transfer: bool, streaming: bool = True, user: Optional[str] = None) -> None:
         self.owner, self.rid, self.ids, self.tag, self.params = owner, rid, ids, tag, params
         self.out_queue, self.priority, self.cache_salt = out_queue, priority, cache_salt
         self.arrival, self.prompt_only, self.transfer = arrival, prompt_only, transfer
         self.streaming = streaming
+        self.user = user
         self.phase = "prefill" if transfer else "decode"
         self.replica: Optional[str] = None
         self.delivered = False  # an output the client may have seen
@@ -309,10 +310,11 @@ class _Relay:
             if phase == "prefill":
                 await eng.add_requests([(self.rid, self.ids, self.tag)], _prefill_params(self.params), self,
                                        self.priority, self.cache_salt, self.arrival,
-                                       kv_transfer_params={"do_remote_decode": True})
+                                       kv_transfer_params={"do_remote_decode": True}, user=self.user)
             else:
                 await eng.add_requests([(self.rid, self.ids, self.tag)], self.params, self, self.priority,
-                                       self.cache_salt, self.arrival, self.prompt_only, kv_transfer_params=handle)
+                                       self.cache_salt, self.arrival, self.prompt_only, kv_transfer_params=handle,
+                                       user=self.user)
         except BaseException:
             self._uncount()
             raise
