@@ -5,7 +5,8 @@ computes at most 0.6x the prompt tokens of round robin on groups sharing a 1,000
 the decode replica computes one prompt token per request; a killed prefill replica leaks no
 decode block and no request hangs.
 
-The replicas run on a Ray instance this module starts (4 logical CPUs on this 2-core machine:
+The replicas run on a Ray instance this module starts (8 logical CPUs on this 2-core machine, 1 per
+replica:
 slow, but they prove correctness); the server runs in a thread of the test process.
 """
 
@@ -40,7 +41,7 @@ def ray_instance():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=4, object_store_memory=512 << 20, include_dashboard=False,
+        ray.init(address="local", num_cpus=8, object_store_memory=512 << 20, include_dashboard=False,
                  logging_level="WARNING", log_to_driver=False)
     yield
     if started:
@@ -325,3 +326,13 @@ def test_sampling_errors_and_options_as_one_engine(which, request, reference):
     assert len(r.choices) == 2
     engine = server.api.async_engine
     assert all(v == 0 for v in engine.router.load.values())
+
+
+def test_replicas_that_cannot_fit_the_cluster_fail_at_once(ray_instance, smollm2_path):
+    from kvserve.engine.ray_serve import ReplicaDeployment, replica_specs
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"free CPUs; 2 replicas of --replica-cpus 100 need 200"):
+        ReplicaDeployment(EngineArgs(model=str(smollm2_path)), replica_specs(2, app_prefix="test-big"),
+                          replica_cpus=100)
+    assert time.monotonic() - t0 < 10

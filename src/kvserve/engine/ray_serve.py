@@ -119,6 +119,14 @@ class ReplicaDeployment:
         if replica_cpus is None:
             replica_cpus = max(cores / len(specs), 0.01) if self.started_ray else 1.0
         self.replica_cpus = replica_cpus
+        if not self.started_ray:  # a cluster: the replicas must fit in its free CPUs, or they never start
+            import ray
+
+            free = ray.available_resources().get("CPU", 0.0)
+            if free + 1e-9 < replica_cpus * len(specs):
+                raise ValueError(f"the Ray cluster has {free:g} free CPUs; {len(specs)} replicas of --replica-cpus "
+                                 f"{replica_cpus:g} need {replica_cpus * len(specs):g} (lower --replica-cpus, or add "
+                                 f"nodes)")
         self.num_threads = max(1, int(replica_cpus)) if not self.started_ray else max(1, cores // len(specs))
         self.handles: dict = {}
         try:
