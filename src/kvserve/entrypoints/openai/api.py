@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvserve.engine.llm_engine import LLMEngine, QueueFullError
+from kvserve.entrypoints.openai.guards import check_caps, install_guards
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.core.request import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -256,8 +257,11 @@ class OpenAIServer:
         self._auth(request)
         body = await self._body(request)
         if len(body) > (1 << 20):  # big bodies are parsed off the event loop
-            return await asyncio.to_thread(parse_request, cls, body)
-        return parse_request(cls, body)
+            req = await asyncio.to_thread(parse_request, cls, body)
+        else:
+            req = parse_request(cls, body)
+        check_caps(req, self.max_model_len)  # (400 naming a list that is too long)
+        return req
 
     def _check_chars(self, n_chars: int, param: str) -> None:
         if n_chars > self.max_prompt_chars:
@@ -486,7 +490,7 @@ class OpenAIServer:
     async def models(self, request: Request):
         self._auth(request)
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "kvserve",
-                 "root": str(self.engine.model_path), "max_model_len": self.max_model_len}
+                 "root": name, "max_model_len": self.max_model_len}
                 for name in self.model_names]
         return {"object": "list", "data": data}
 
@@ -878,7 +882,7 @@ def _version() -> str:
 
 def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: Sequence[str] | str | None = None,
               api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:
+              tool_call_parser: str = DEFAULT_TOOL_PARSER, **guard_options) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     ``engine`` is an :class:`LLMEngine` (its step loop runs in a thread of this process, started
@@ -887,7 +891,9 @@ def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: S
     process; this returns once it has loaded the model). The lifespan's end stops the thread or
     the core process.
 
-    The :class:`OpenAIServer` is at ``app.state.server``.
+    The :class:`OpenAIServer` is at ``app.state.server``. ``guard_options`` go to
+    :func:`kvserve.entrypoints.openai.guards.install_guards` (Host check, content types, CORS,
+    the key on /metrics and the docs, time-outs).
 
     Raises:
         ValueError: an unknown ``tool_call_parser``; from :class:`EngineArgs`, what the core
@@ -907,4 +913,5 @@ def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: S
             client.shutdown(timeout=5.0)
         raise
     server.app.state.server = server
+    install_guards(server, api_key=api_key, **guard_options)
     return server.app

@@ -21,6 +21,17 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model file's name); the first is reported")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    g = p.add_argument_group("browser-origin safety")
+    g.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
+                   help="host names clients may send in the Host header besides IP addresses, localhost, --host and "
+                        "this machine's name (repeatable or a comma list; '.example.com' allows its subdomains; "
+                        "'*' allows any). Other Hosts get 400: a DNS-rebinding web page cannot reach the server")
+    g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                   help="web origins (scheme://host[:port], repeatable or a comma list, '*' for any) whose pages "
+                        "may call the API from a browser (CORS); default: none, CORS off")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="leave /metrics and the API docs (/docs, /redoc, /openapi.json) open when --api-key is set "
+                        "(default: they need the key too)")
     p.add_argument("--max-waiting", type=int, default=0,
                    help="most requests waiting for a slot before new ones get 503 (default 0: unbounded)")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (default 32 MiB)")
@@ -93,6 +104,20 @@ def check_listen_address(host: str, port: int) -> None:
                 raise ValueError(f"cannot listen on {where} (port {port}): {e.strerror or e}") from None
 
 
+def server_guard_options(a: argparse.Namespace) -> dict:
+    """``build_app``'s guard options from ``kvserve serve``'s, checked before the model loads.
+
+    Raises:
+        ValueError: a bad value, naming the option.
+    """
+    from kvserve.entrypoints.openai.guards import parse_allowed_hosts, parse_origins
+
+    parse_allowed_hosts(a.allowed_hosts)
+    parse_origins(a.allowed_origins)
+    return dict(bind_host=a.host, allowed_hosts=a.allowed_hosts, allowed_origins=a.allowed_origins,
+                metrics_public=a.metrics_public)
+
+
 def default_served_name(model: str | None, engine) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
@@ -108,6 +133,7 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     if a.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be ≥ 1, got {a.max_body_bytes}")
     check_listen_address(a.host, a.port)
+    guard_options = server_guard_options(a)
     import uvicorn
 
     from kvserve.entrypoints.openai.api import build_app
@@ -160,7 +186,7 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     try:
         names = a.served_model_name or [default_served_name(a.model, engine)]
         app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
-                        tool_call_parser=a.tool_call_parser)
+                        tool_call_parser=a.tool_call_parser, **guard_options)
         print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}"
               f"{where}) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         print(f"kvserve: {kv_description}", file=sys.stderr, flush=True)

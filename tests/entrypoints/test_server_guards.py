@@ -1,0 +1,124 @@
+"""Issue #21 on the real server on loopback: browser-origin safety, list caps, the tool-schema
+check at submission, liveness (/health's step heartbeat, /ready) and request time-outs."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import ServerThread
+
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.entrypoints.openai.guards import CAPS
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def _engine(folder, **kw) -> LLMEngine:
+    args = dict(model=str(folder), dtype="float32", num_blocks=256, block_size=4, max_model_len=256)
+    args.update(kw)
+    engine = LLMEngine(EngineArgs(**args))
+    engine.tokenizer.chat_template = CHAT_TEMPLATE
+    return engine
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tiny_model_dir):
+    return tiny_model_dir("llama")[0]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder):
+    with ServerThread(_engine(tiny_folder), names=["tiny"], api_key="sekrit") as s:
+        yield s
+
+
+def _raw(port: int, request: bytes, timeout: float = 10.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+
+
+KEY = {"Authorization": "Bearer sekrit"}
+
+
+# ------------------------------------------------------------ browser-origin safety
+def test_foreign_host_is_refused(server):
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    reply = _raw(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: evil.example:%d\r\n"
+                 b"Authorization: Bearer sekrit\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (server.port, len(body), body))
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert b"evil.example" in reply and b"--allowed-hosts" in reply
+    r = httpx.get(server.base_url + "/v1/models", headers={**KEY, "Host": "evil.example"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "Host"
+    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", "localhost", "[::1]:8000"):
+        assert httpx.get(server.base_url + "/v1/models", headers={**KEY, "Host": host}).status_code == 200, host
+
+
+def test_allowed_hosts_and_cors(tiny_folder):
+    with ServerThread(_engine(tiny_folder), names=["tiny"], allowed_hosts=["api.example,.corp.example"],
+                      allowed_origins=["https://app.example"]) as s:
+        ok = [httpx.get(s.base_url + "/v1/models", headers={"Host": h}).status_code
+              for h in ("api.example", "x.corp.example:8000", "corp.example")]
+        assert ok == [200, 200, 200]
+        assert httpx.get(s.base_url + "/v1/models", headers={"Host": "evil.example"}).status_code == 400
+        pre = httpx.options(s.base_url + "/v1/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+        bad = httpx.options(s.base_url + "/v1/completions", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in bad.headers
+    with ServerThread(_engine(tiny_folder), names=["tiny"], allowed_hosts=["*"]) as s:
+        assert httpx.get(s.base_url + "/v1/models", headers={"Host": "evil.example"}).status_code == 200
+
+
+def test_cors_is_off_by_default(server):
+    r = httpx.get(server.base_url + "/v1/models", headers={**KEY, "Origin": "https://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    pre = httpx.options(server.base_url + "/v1/completions", headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in pre.headers
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None])
+def test_non_json_content_type_is_refused(server, ctype):
+    headers = {**KEY} if ctype is None else {**KEY, "Content-Type": ctype}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        r = httpx.post(server.base_url + path, headers=headers, content=b'{"prompt": "hi", "max_tokens": 1}')
+        assert r.status_code == 415, (path, r.text)
+        assert r.json()["error"]["param"] == "content-type" and "application/json" in r.json()["error"]["message"]
+    r = httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}',
+                   headers={**KEY, "Content-Type": "application/json; charset=utf-8"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_metrics_and_docs_need_the_key(server, tiny_folder):
+    for path in ("/metrics", "/docs", "/openapi.json", "/redoc"):
+        r = httpx.get(server.base_url + path)
+        assert r.status_code == 401, path
+        assert httpx.get(server.base_url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(server.base_url + path, headers=KEY).status_code == 200, path
+    assert httpx.get(server.base_url + "/health").status_code == 200  # probes need no key
+    with ServerThread(_engine(tiny_folder), names=["tiny"], api_key="k", metrics_public=True) as s:
+        assert httpx.get(s.base_url + "/metrics").status_code == 200
+        assert httpx.get(s.base_url + "/openapi.json").status_code == 200
+        assert httpx.get(s.base_url + "/v1/models").status_code == 401
+
+
+def test_models_show_no_path(server):
+    data = httpx.get(server.base_url + "/v1/models", headers=KEY).json()["data"]
+    assert data[0]["root"] == "tiny"
+    assert "/" not in str(data)
