@@ -122,3 +122,43 @@ def test_models_show_no_path(server):
     data = httpx.get(server.base_url + "/v1/models", headers=KEY).json()["data"]
     assert data[0]["root"] == "tiny"
     assert "/" not in str(data)
+
+
+# ------------------------------------------------------------------ list caps
+def _post(server, path, body, timeout=60):
+    return httpx.post(server.base_url + path, json=body, headers=KEY, timeout=timeout)
+
+
+MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * (CAPS["stop"] + 1)}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": "x" * (CAPS["stop_chars"] + 1)}, "stop"),
+    ("/v1/chat/completions", {"messages": MSG, "stop": ["x"] * 100_000}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["w"] * (CAPS["bad_words"] + 1)}, "bad_words"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["w" * (CAPS["bad_words_chars"] + 1)]}, "bad_words"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(CAPS["logit_bias"] + 1)}},
+     "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1] * (CAPS["stop_token_ids"] + 1)}, "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [TOOL] * (CAPS["tools"] + 1)}, "tools"),
+    ("/v1/chat/completions", {"messages": MSG * (CAPS["messages"] + 1)}, "messages"),
+    ("/tokenize", {"messages": MSG * (CAPS["messages"] + 1)}, "messages"),
+    ("/detokenize", {"tokens": [1] * 257}, "tokens"),
+    ("/detokenize", {"tokens": [1] * 2_000_000}, "tokens"),
+])
+def test_every_cap_answers_400_naming_its_field(server, path, body, field):
+    t0 = time.perf_counter()
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"], err
+    assert time.perf_counter() - t0 < 10
+
+
+def test_lists_at_their_caps_are_accepted(server):
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": ["zz"] * CAPS["stop"],
+                                          "logit_bias": {str(i): 1 for i in range(CAPS["logit_bias"])}})
+    assert r.status_code == 200, r.text
+    assert _post(server, "/detokenize", {"tokens": [1] * 256}).status_code == 200
