@@ -162,3 +162,43 @@ def test_lists_at_their_caps_are_accepted(server):
                                           "logit_bias": {str(i): 1 for i in range(CAPS["logit_bias"])}})
     assert r.status_code == 200, r.text
     assert _post(server, "/detokenize", {"tokens": [1] * 256}).status_code == 200
+
+
+# ------------------------------------------------------------- tool schemas (point 6)
+LOOPS = [
+    {"$ref": "#"},
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"],
+     "$defs": {"n": {"allOf": [{"$ref": "#/$defs/n"}]}}},
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"],
+     "$defs": {"n": {"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/n"}]}}},
+    {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+]
+TREE = {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"],
+        "$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"}, "c": {"$ref": "#/$defs/n"}},
+                        "required": ["v"], "additionalProperties": False}}}
+
+
+def _fn(name, parameters):
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "loop"}}, "auto"])
+@pytest.mark.parametrize("schema", LOOPS)
+def test_a_looping_ref_is_refused_at_submission_naming_the_tool(server, choice, schema):
+    tools = [_fn("ok", {"type": "object", "properties": {"q": {"type": "string"}}}), _fn("loop", schema)]
+    free = server.engine_call(lambda e: e.kv.num_free_blocks)
+    r = _post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 20, "tools": tools,
+                                               "tool_choice": choice})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools[1].function.parameters" and "tools[1] (loop)" in err["message"], err
+    assert server.engine_call(lambda e: e.kv.num_free_blocks) == free  # never reached the engine
+
+
+def test_refs_in_a_tools_parameters_work_under_required(server):
+    """A function's own $defs are found once its parameters sit inside the required-call schema."""
+    for choice in ("required", {"type": "function", "function": {"name": "tree"}}):
+        r = _post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 60, "temperature": 0,
+                                                   "tools": [_fn("tree", TREE)], "tool_choice": choice})
+        assert r.status_code == 200, r.text

@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvserve.engine.llm_engine import LLMEngine, QueueFullError
-from kvserve.entrypoints.openai.guards import check_caps, install_guards
+from kvserve.entrypoints.openai.guards import check_caps, check_tool_schemas, install_guards
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.core.request import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -320,16 +320,11 @@ class OpenAIServer:
         """
         params = to_sampling_params(req, max_tokens, logprobs, self.tokenizer, renames)
         tool = tool_call_spec(req) if isinstance(req, ChatCompletionRequest) else None
-        if tool is not None and not tool.forced:  # auto: the parameters are not compiled to a grammar, but checked
-            for i, t in enumerate(tool.tools):
-                schema = t["function"].get("parameters") or {"type": "object", "properties": {}}
-                try:
-                    self.engine.structured_output.compile(StructuredOutputsParams(json=schema,
-                                                                                  disable_any_whitespace=True))
-                except ValueError as e:
-                    err = structured_output_error(e, "tools")
-                    err.message = f"tools[{i}] ({t['function']['name']}): {err.message}"
-                    raise err from None
+        if tool is not None:  # each function's parameters checked alone (auto: not compiled to a grammar)
+            names = [t["function"]["name"] for t in tool.tools]
+            check_tool_schemas(tool.tools, [names.index(tool.name)] if tool.name is not None else range(len(names)),
+                               lambda schema: self.engine.structured_output.compile(
+                                   StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
         if params.structured_outputs is not None:
             rf = req.response_format
             field = "response_format" if isinstance(rf, dict) and rf.get("type") != "text" else "structured_outputs"

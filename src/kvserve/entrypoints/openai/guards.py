@@ -247,3 +247,105 @@ def install_guards(server: Any, bind_host: str = "127.0.0.1", allowed_hosts: Opt
                            allow_headers=["authorization", "content-type"], allow_credentials=False)
     app.add_middleware(RequestGuard, bind_host=bind_host, allowed_hosts=hosts, api_key=api_key,
                        metrics_public=metrics_public)
+
+
+# ------------------------------------------------------------------ tool schemas
+def _pointer(schema: Any, ref: str) -> tuple[Optional[str], Any]:
+    """The canonical path and the sub-schema of a local ``$ref`` (``#`` or ``#/a/b``);
+    (None, None) when it is not local or does not resolve."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None, None
+    node, parts = schema, [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p != ""]
+    for p in parts:
+        if isinstance(node, dict) and p in node:
+            node = node[p]
+        elif isinstance(node, list) and p.isdigit() and int(p) < len(node):
+            node = node[int(p)]
+        else:
+            return None, None
+    return "/" + "/".join(parts), node
+
+
+def looping_ref(schema: Any) -> Optional[str]:
+    """The ``$ref`` of ``schema`` that leads back to itself without consuming any JSON (through
+    ``$ref``, ``allOf``, ``anyOf``, ``oneOf`` only: ``{"$ref": "#"}``, or a definition that is
+    one of its own alternatives), which no grammar can follow; None when there is none.
+    Recursion through ``properties`` or ``items`` (a tree) is fine."""
+    if not isinstance(schema, dict):
+        return None
+    state: dict[str, int] = {}  # path -> 1 on the stack, 2 done
+
+    def visit(path: str, node: Any, depth: int) -> Optional[str]:
+        if not isinstance(node, dict) or depth > 200:
+            return None
+        if state.get(path) == 1:
+            return path or "#"
+        if state.get(path) == 2:
+            return None
+        state[path] = 1
+        edges = []
+        if "$ref" in node:
+            target_path, target = _pointer(schema, node["$ref"])
+            if target_path is not None:
+                edges.append((target_path.rstrip("/") if target_path != "/" else "", target))
+        for key in ("allOf", "anyOf", "oneOf"):
+            for j, sub in enumerate(node.get(key) or [] if isinstance(node.get(key), list) else []):
+                edges.append((f"{path}/{key}/{j}", sub))
+        for sub_path, sub in edges:
+            found = visit(sub_path, sub, depth + 1)
+            if found is not None:
+                return found
+        state[path] = 2
+        return None
+
+    # start from the root and from every sub-schema holding a $ref
+    starts = [("", schema)]
+
+    def walk(path: str, node: Any, depth: int) -> None:
+        if depth > 64 or len(starts) > 10_000:
+            return
+        if isinstance(node, dict):
+            if "$ref" in node and path:
+                starts.append((path, node))
+            items = node.items()
+        elif isinstance(node, list):
+            items = enumerate(node)
+        else:
+            return
+        for k, v in items:
+            if k not in ("const", "enum", "default", "examples"):
+                walk(f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}", v, depth + 1)
+
+    walk("", schema, 0)
+    for path, node in starts:
+        found = visit(path, node, 0)
+        if found is not None:
+            return "#" + found if found != "#" else "#"
+    return None
+
+
+def check_tool_schemas(tools: list[dict], indices: Iterable[int], compile_schema) -> None:
+    """Check the ``parameters`` of ``tools[i]`` for each ``i`` of ``indices``: no looping
+    ``$ref`` (:func:`looping_ref`) and a schema the structured-output backend compiles
+    (``compile_schema(schema)`` raises ``ValueError`` otherwise).
+
+    Raises:
+        APIError: 400 naming ``tools[i].function.parameters``.
+    """
+    from kvserve.entrypoints.openai.protocol import structured_output_error
+
+    for i in indices:
+        fn = tools[i]["function"]
+        field = f"tools[{i}].function.parameters"
+        schema = fn.get("parameters") or {"type": "object", "properties": {}}
+        loop = looping_ref(schema)
+        if loop is not None:
+            raise APIError(400, f"tools[{i}] ({fn['name']}): the $ref at {loop} of the function's parameters leads "
+                                "back to itself without any JSON in between; no reply can follow it",
+                           param=field, code="invalid_value")
+        try:
+            compile_schema(schema)
+        except ValueError as e:
+            err = structured_output_error(e, "tools")
+            raise APIError(400, f"tools[{i}] ({fn['name']}): {err.message}", param=field,
+                           code="invalid_value") from None
