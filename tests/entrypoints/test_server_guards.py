@@ -35,7 +35,7 @@ def tiny_folder(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_folder):
-    with ServerThread(_engine(tiny_folder), names=["tiny"], api_key="sekrit") as s:
+    with ServerThread(_engine(tiny_folder), names=["tiny"], api_key="sekrit", health_timeout=0.5) as s:
         yield s
 
 
@@ -202,3 +202,141 @@ def test_refs_in_a_tools_parameters_work_under_required(server):
         r = _post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 60, "temperature": 0,
                                                    "tools": [_fn("tree", TREE)], "tool_choice": choice})
         assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------ liveness (point 3)
+def test_health_answers_503_while_the_engine_stalls_with_work_pending(server):
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/ready").status_code == 200
+    server.api.async_engine.pause()
+    box = {}
+    try:
+        time.sleep(1.0)  # paused but idle: nothing pending, still healthy
+        assert httpx.get(server.base_url + "/health").status_code == 200
+        import threading
+
+        t = threading.Thread(target=lambda: box.setdefault("r", _post(server, "/v1/completions",
+                                                                      {"prompt": "hi", "max_tokens": 3})))
+        t.start()
+        deadline = time.monotonic() + 10
+        while (r := httpx.get(server.base_url + "/health")).status_code == 200:
+            assert time.monotonic() < deadline, "never unhealthy"
+            time.sleep(0.1)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stalled", r.text
+        assert "--health-timeout" in r.json()["error"]["message"]
+        assert httpx.get(server.base_url + "/ready").status_code == 503
+    finally:
+        server.api.async_engine.resume()
+    t.join(30)
+    assert box["r"].status_code == 200
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/ready").status_code == 200
+
+
+def test_a_long_generation_keeps_health_200(tiny_folder):
+    """Steps are the heartbeat: a busy engine that steps is healthy however long its requests run."""
+    with ServerThread(_engine(tiny_folder), names=["tiny"], health_timeout=0.3) as s:
+        import threading
+
+        t = threading.Thread(target=lambda: httpx.post(s.base_url + "/v1/completions", timeout=60, json={
+            "prompt": "hi", "max_tokens": 200, "ignore_eos": True}))
+        t.start()
+        codes = []
+        while t.is_alive():
+            codes.append(httpx.get(s.base_url + "/health").status_code)
+            time.sleep(0.05)
+        assert codes and set(codes) == {200}
+
+
+# ------------------------------------------------------------------ request time-outs (point 2)
+def _unfinished(server) -> int:
+    return server.engine_call(lambda e: len(e.scheduler.running) + len(e.scheduler.waiting))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_timeout_cancels_a_request(tiny_folder, stream):
+    with ServerThread(_engine(tiny_folder), names=["tiny"], request_timeout=1.0) as s:
+        free = s.engine_call(lambda e: e.kv.num_free_blocks)
+        s.api.async_engine.pause()  # the request waits for ever
+        try:
+            client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0)
+            for own, limit in ((None, 1.0), (0.3, 0.3), (5.0, 1.0)):  # the smaller time-out wins
+                t0 = time.monotonic()
+                extra = {} if own is None else {"extra_body": {"timeout": own}}
+                if not stream:
+                    with pytest.raises(openai.APIStatusError) as e:
+                        client.completions.create(model="tiny", prompt="hi", max_tokens=5, **extra)
+                    assert e.value.status_code == 408 and e.value.body["code"] == "request_timeout"
+                else:
+                    r = httpx.post(s.base_url + "/v1/completions", timeout=30, json={
+                        "prompt": "hi", "max_tokens": 5, "stream": True, **({} if own is None else {"timeout": own})})
+                    events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+                    assert events[-1] == "[DONE]" and '"request_timeout"' in events[-2], events
+                took = time.monotonic() - t0
+                assert limit - 0.05 < took < limit + 1.0, (own, took)
+            assert _unfinished(s) == 0
+            assert s.engine_call(lambda e: e.kv.num_free_blocks) == free
+        finally:
+            s.api.async_engine.resume()
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200  # a quick request is not affected
+
+
+def test_request_timeout_mid_generation_frees_the_blocks(tiny_folder):
+    with ServerThread(_engine(tiny_folder), names=["tiny"]) as s:
+        free = s.engine_call(lambda e: e.kv.num_free_blocks)
+
+        def slow_down(e):
+            step = e.step
+
+            def slow_step():
+                time.sleep(0.02)
+                return step()
+
+            e.step = slow_step
+
+        s.engine_call(slow_down)
+        try:
+            t0 = time.monotonic()
+            r = httpx.post(s.base_url + "/v1/completions", timeout=30, json={
+                "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "n": 2, "timeout": 0.5})
+            assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+            assert time.monotonic() - t0 < 1.5
+            s.wait_idle(10)
+        finally:
+            s.engine_call(lambda e: delattr(e, "step"))
+        assert s.engine_call(lambda e: e.kv.num_free_blocks) == free
+
+
+@pytest.mark.parametrize("bad", [0, -1, "5", True])
+def test_a_bad_timeout_is_400(server, bad):
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "timeout": bad})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "timeout", r.text
+
+
+def test_heartbeat_and_timeout_with_the_engine_core_in_its_own_process(tiny_folder):
+    args = EngineArgs(model=str(tiny_folder), dtype="float32", num_blocks=64, block_size=4, max_model_len=128)
+    with ServerThread(args, names=["tiny"], health_timeout=0.5, request_timeout=1.5) as s:
+        assert httpx.get(s.base_url + "/ready").status_code == 200
+        s.api.async_engine.pause()
+        try:
+            t0 = time.monotonic()
+            import threading
+
+            box = {}
+            t = threading.Thread(target=lambda: box.setdefault("r", httpx.post(
+                s.base_url + "/v1/completions", timeout=30, json={"prompt": [1, 2, 3], "max_tokens": 5})))
+            t.start()
+            deadline = time.monotonic() + 10
+            while httpx.get(s.base_url + "/health").status_code == 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert httpx.get(s.base_url + "/ready").status_code == 503
+            t.join(10)
+            assert box["r"].status_code == 408 and 1.4 < time.monotonic() - t0 < 3.0
+            assert not s.engine_call("has_unfinished_requests")
+            assert httpx.get(s.base_url + "/health").status_code == 200  # nothing pending any more
+        finally:
+            s.api.async_engine.resume()
+        r = httpx.post(s.base_url + "/v1/completions", timeout=30, json={"prompt": [1, 2, 3], "max_tokens": 3})
+        assert r.status_code == 200

@@ -28,6 +28,7 @@ when the waiting queue is full.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import json
 import logging
@@ -44,7 +45,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvserve.engine.llm_engine import LLMEngine, QueueFullError
-from kvserve.entrypoints.openai.guards import check_caps, check_tool_schemas, install_guards
+from kvserve.entrypoints.openai.guards import (
+    DEFAULT_HEALTH_TIMEOUT,
+    check_caps,
+    check_tool_schemas,
+    engine_unhealthy,
+    install_guards,
+    request_deadline,
+    timeout_error,
+)
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.core.request import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -83,6 +92,8 @@ logger = logging.getLogger("kvserve.entrypoints.openai")
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 MAX_BATCH_PROMPTS = 256
 _DISCONNECTED = object()
+#: (deadline, time-out) of the request being handled (set by _parse, read by _submit)
+_DEADLINE: contextvars.ContextVar[Optional[tuple[float, float]]] = contextvars.ContextVar("deadline", default=None)
 
 
 def _dumps(obj: Any) -> str:
@@ -118,6 +129,8 @@ class _Submitted:
     queue: asyncio.Queue
     engine: AsyncEngine
     finished: set = dataclasses.field(default_factory=set)
+    deadline: Optional[float] = None  # time.monotonic() past which the request times out (408)
+    timeout: Optional[float] = None  # its time-out in seconds
 
     def abort_unfinished(self) -> None:
         for i, rid in enumerate(self.request_ids):
@@ -132,6 +145,10 @@ class _Submitted:
 
 class OpenAIServer:
     """The API's state and handlers around one engine.
+
+    ``health_timeout`` and ``request_timeout`` (attributes, set by :func:`build_app`): see
+    :func:`~kvserve.entrypoints.openai.guards.engine_unhealthy` and
+    :func:`~kvserve.entrypoints.openai.guards.request_deadline`.
 
     Args:
         engine: an :class:`LLMEngine` (stepped in a thread of this process, :class:`AsyncEngine`;
@@ -149,6 +166,9 @@ class OpenAIServer:
     Raises:
         ValueError: no served model name, or an unknown ``tool_call_parser``.
     """
+
+    health_timeout: float = DEFAULT_HEALTH_TIMEOUT
+    request_timeout: Optional[float] = None
 
     def __init__(self, engine: LLMEngine | CoreClient | ReplicaPool, served_model_names: Sequence[str], api_key: Optional[str] = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER) -> None:
@@ -214,6 +234,7 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
+        app.get("/ready")(self.ready)
         app.get("/metrics")(self.metrics_endpoint)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
@@ -261,7 +282,22 @@ class OpenAIServer:
         else:
             req = parse_request(cls, body)
         check_caps(req, self.max_model_len)  # (400 naming a list that is too long)
+        _DEADLINE.set(request_deadline(req, self.request_timeout))
         return req
+
+    async def _next(self, sub: _Submitted) -> tuple:
+        """The next ``(tag, output)`` of ``sub``'s queue.
+
+        Raises:
+            APIError: 408 when the request's time-out passes first (its requests are aborted).
+        """
+        if sub.deadline is None:
+            return await sub.queue.get()
+        try:
+            return await asyncio.wait_for(sub.queue.get(), max(0.0, sub.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            sub.abort_unfinished()
+            raise timeout_error(sub.timeout) from None
 
     def _check_chars(self, n_chars: int, param: str) -> None:
         if n_chars > self.max_prompt_chars:
@@ -364,6 +400,9 @@ class OpenAIServer:
         q: asyncio.Queue = asyncio.Queue()
         rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         sub = _Submitted(rids, prompts, q, self.async_engine)
+        deadline = _DEADLINE.get()
+        if deadline is not None:
+            sub.deadline, sub.timeout = deadline
         try:
             await self.async_engine.add_requests([(rid, ids, i) for i, (rid, ids) in enumerate(zip(rids, prompts))],
                                                  params, q, priority=priority, cache_salt=cache_salt, arrival=arrival,
@@ -382,7 +421,7 @@ class OpenAIServer:
         finals: list[Optional[RequestOutput]] = [None] * len(sub.request_ids)
         try:
             while not sub.done:
-                tag, out = await sub.queue.get()
+                tag, out = await self._next(sub)
                 if out is _DISCONNECTED:
                     sub.abort_unfinished()
                     raise APIError(499, "client disconnected")
@@ -454,7 +493,11 @@ class OpenAIServer:
             for c in opening:
                 yield _sse({**head, "choices": [c]})
             while not sub.done:
-                tag, out = await sub.queue.get()
+                try:
+                    tag, out = await self._next(sub)
+                except APIError as e:  # timed out: an error event, then [DONE]
+                    yield _sse(e.to_dict())
+                    break
                 if isinstance(out, Exception):
                     yield _sse(self._engine_error(out, prompt_param).to_dict())
                     break
@@ -493,8 +536,18 @@ class OpenAIServer:
         states = getattr(self.async_engine, "replica_states", None)
         if states is not None:  # replicas: each one's state (200 while requests can be served)
             return JSONResponse({"replicas": states()}, status_code=200 if self.async_engine.is_running else 503)
-        if not self.async_engine.is_running:
-            err = APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+        err = engine_unhealthy(self.async_engine, self.health_timeout)
+        if err is not None:
+            return JSONResponse(err.to_dict(), status_code=503)
+        return Response(status_code=200)
+
+    async def ready(self):
+        """Kubernetes' readiness probe: 200 while new requests can be served (the engine loaded,
+        running, making progress, the server not draining), else 503."""
+        err = engine_unhealthy(self.async_engine, self.health_timeout)
+        if err is None and getattr(self, "draining", False):
+            err = APIError(503, "the server is shutting down", type="server_error", code="draining")
+        if err is not None:
             return JSONResponse(err.to_dict(), status_code=503)
         return Response(status_code=200)
 
@@ -877,7 +930,8 @@ def _version() -> str:
 
 def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: Sequence[str] | str | None = None,
               api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              tool_call_parser: str = DEFAULT_TOOL_PARSER, **guard_options) -> FastAPI:
+              tool_call_parser: str = DEFAULT_TOOL_PARSER, health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
+              request_timeout: Optional[float] = None, **guard_options) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     ``engine`` is an :class:`LLMEngine` (its step loop runs in a thread of this process, started
@@ -908,5 +962,6 @@ def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: S
             client.shutdown(timeout=5.0)
         raise
     server.app.state.server = server
+    server.health_timeout, server.request_timeout = health_timeout, request_timeout
     install_guards(server, api_key=api_key, **guard_options)
     return server.app

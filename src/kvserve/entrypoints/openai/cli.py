@@ -32,6 +32,14 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     g.add_argument("--metrics-public", action="store_true",
                    help="leave /metrics and the API docs (/docs, /redoc, /openapi.json) open when --api-key is set "
                         "(default: they need the key too)")
+    g = p.add_argument_group("time-outs and liveness")
+    g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="cancel a request (freeing its KV blocks) that has not finished after this many seconds: "
+                        "408, or an error event and [DONE] when streamed; a request's own 'timeout' field "
+                        "(seconds) can shorten it (default: none)")
+    g.add_argument("--health-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="/health and /ready answer 503 when the engine has made no step for this many seconds "
+                        "while requests are pending (default 60)")
     p.add_argument("--max-waiting", type=int, default=0,
                    help="most requests waiting for a slot before new ones get 503 (default 0: unbounded)")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (default 32 MiB)")
@@ -114,8 +122,12 @@ def server_guard_options(a: argparse.Namespace) -> dict:
 
     parse_allowed_hosts(a.allowed_hosts)
     parse_origins(a.allowed_origins)
+    for name in ("request_timeout", "health_timeout"):
+        value = getattr(a, name)
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value}")
     return dict(bind_host=a.host, allowed_hosts=a.allowed_hosts, allowed_origins=a.allowed_origins,
-                metrics_public=a.metrics_public)
+                metrics_public=a.metrics_public, request_timeout=a.request_timeout, health_timeout=a.health_timeout)
 
 
 def default_served_name(model: str | None, engine) -> str:

@@ -349,3 +349,47 @@ def check_tool_schemas(tools: list[dict], indices: Iterable[int], compile_schema
             err = structured_output_error(e, "tools")
             raise APIError(400, f"tools[{i}] ({fn['name']}): {err.message}", param=field,
                            code="invalid_value") from None
+
+
+# ------------------------------------------------------------- liveness and time-outs
+DEFAULT_HEALTH_TIMEOUT = 60.0
+
+
+def engine_unhealthy(async_engine: Any, health_timeout: float) -> Optional[APIError]:
+    """Why ``/health`` (and ``/ready``) should answer 503, or None: the engine is not running,
+    or it has made no step for ``health_timeout`` seconds while requests are pending (the
+    step heartbeat, :attr:`AsyncEngine.stalled_for`)."""
+    if not async_engine.is_running:
+        return APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+    stalled = getattr(async_engine, "stalled_for", 0.0)
+    if stalled > health_timeout:
+        return APIError(503, f"the engine has made no step for {stalled:.1f} s while requests are pending "
+                             f"(--health-timeout {health_timeout:g})", type="server_error", code="engine_stalled")
+    return None
+
+
+def request_deadline(req: Any, server_timeout: Optional[float]) -> Optional[tuple[float, float]]:
+    """``(time.monotonic() deadline, time-out in seconds)`` of a request: the smaller of the
+    server's ``--request-timeout`` and the request's own ``timeout`` field (seconds, > 0);
+    None when neither is set.
+
+    Raises:
+        APIError: 400 naming ``timeout`` for a value that is not a positive number.
+    """
+    import time
+
+    own = getattr(req, "timeout", None)
+    if own is not None and not (0 < own < float("inf")):
+        raise APIError(400, f"timeout must be a number of seconds > 0, got {own!r}", param="timeout",
+                       code="invalid_value")
+    limits = [t for t in (server_timeout, own) if t is not None]
+    if not limits:
+        return None
+    t = float(min(limits))
+    return time.monotonic() + t, t
+
+
+def timeout_error(timeout: Optional[float]) -> APIError:
+    """The 408 of a request that ran past its time-out."""
+    return APIError(408, f"the request ran past its time-out of {timeout:g} s and was cancelled "
+                         "(--request-timeout, or the request's 'timeout')", code="request_timeout")

@@ -102,6 +102,7 @@ class _SamplingFields(BaseModel):
     echo: StrictBool = False
     cache_salt: Optional[StrictStr] = Field(default=None, min_length=1)  # vLLM: a non-empty string
     priority: StrictInt = 0
+    timeout: Optional[Number] = None  # kvserve: seconds before the request is cancelled (408)
     # structured output: OpenAI's response_format, vLLM's structured_outputs (checked by structured_outputs_params)
     response_format: Optional[Any] = None
     structured_outputs: Optional[Any] = None
