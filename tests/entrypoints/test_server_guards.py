@@ -340,3 +340,10 @@ def test_heartbeat_and_timeout_with_the_engine_core_in_its_own_process(tiny_fold
             s.api.async_engine.resume()
         r = httpx.post(s.base_url + "/v1/completions", timeout=30, json={"prompt": [1, 2, 3], "max_tokens": 3})
         assert r.status_code == 200
+
+
+def test_an_idle_engine_stays_healthy_after_its_requests(server):
+    for _ in range(3):
+        assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    time.sleep(1.0)  # > health_timeout, nothing pending
+    assert httpx.get(server.base_url + "/health").status_code == 200

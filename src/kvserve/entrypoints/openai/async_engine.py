@@ -308,10 +308,12 @@ class AsyncEngine:
             except Exception as e:  # a bug: fail the live requests, keep serving new ones
                 logger.exception("engine step failed; failing %d live request(s)", len(self._tracks))
                 self._fail_all(e)
+                self._busy = engine.has_unfinished_requests()
                 if not engine.is_healthy():  # a worker died: /health answers 503 from now on
                     self.fatal_error = e
                 continue
             self._last_beat = time.monotonic()
+            self._busy = engine.has_unfinished_requests()  # (the loop may block next: no stale busy)
             self._dispatch(outputs)
             self._update_gauges()
 
