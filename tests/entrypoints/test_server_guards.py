@@ -347,3 +347,20 @@ def test_an_idle_engine_stays_healthy_after_its_requests(server):
         assert _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
     time.sleep(1.0)  # > health_timeout, nothing pending
     assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("option,value,words", [
+    ("request_timeout", 0.0, "--request-timeout must be"), ("health_timeout", -1.0, "--health-timeout must be"),
+    ("allowed_hosts", ["http://x"], "--allowed-hosts: 'http://x'"),
+    ("allowed_origins", ["app.example"], "--allowed-origins: 'app.example'"),
+])
+def test_bad_option_values_fail_at_start_naming_the_option(option, value, words):
+    import argparse
+
+    from kvserve.entrypoints.openai.cli import server_guard_options
+
+    a = argparse.Namespace(host="127.0.0.1", allowed_hosts=None, allowed_origins=None, metrics_public=False,
+                           request_timeout=None, health_timeout=60.0)
+    setattr(a, option, value)
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        server_guard_options(a)
