@@ -353,6 +353,8 @@ def test_an_idle_engine_stays_healthy_after_its_requests(server):
     ("request_timeout", 0.0, "--request-timeout must be"), ("health_timeout", -1.0, "--health-timeout must be"),
     ("allowed_hosts", ["http://x"], "--allowed-hosts: 'http://x'"),
     ("allowed_origins", ["app.example"], "--allowed-origins: 'app.example'"),
+    ("header_timeout", 0.0, "--header-timeout must be"), ("body_timeout", float("nan"), "--body-timeout must be"),
+    ("max_connections", 0, "--max-connections must be"),
 ])
 def test_bad_option_values_fail_at_start_naming_the_option(option, value, words):
     import argparse
@@ -360,7 +362,93 @@ def test_bad_option_values_fail_at_start_naming_the_option(option, value, words)
     from kvserve.entrypoints.openai.cli import server_guard_options
 
     a = argparse.Namespace(host="127.0.0.1", allowed_hosts=None, allowed_origins=None, metrics_public=False,
-                           request_timeout=None, health_timeout=60.0)
+                           request_timeout=None, health_timeout=60.0, header_timeout=10.0, body_timeout=60.0,
+                           keep_alive_timeout=5.0, max_connections=None)
     setattr(a, option, value)
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         server_guard_options(a)
+
+
+# ------------------------------------------------------------ slow and idle connections (point 2)
+def _closed_after(sock: socket.socket, limit: float) -> tuple[float, bytes]:
+    """Seconds until the server closes ``sock`` (reading what it sent), at most ``limit``."""
+    t0 = time.monotonic()
+    sock.settimeout(limit)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except socket.timeout:
+        pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t0, data
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_folder):
+    from kvserve.entrypoints.openai.http_guard import guarded_protocol
+
+    with ServerThread(_engine(tiny_folder), names=["tiny"], uvicorn_options=dict(
+            http=guarded_protocol(header_timeout=0.6, body_timeout=0.8, max_connections=8),
+            timeout_keep_alive=0.5)) as s:
+        yield s
+
+
+def test_idle_and_slow_header_connections_are_closed(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port)) as idle, \
+            socket.create_connection(("127.0.0.1", guarded.port)) as slow:
+        t0 = time.monotonic()
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        for _ in range(3):  # a header line now and then: never complete
+            time.sleep(0.15)
+            slow.sendall(b"X-Slow: 1\r\n")
+        took, data = _closed_after(slow, 5.0)
+        assert time.monotonic() - t0 < 0.6 + 0.5 and data.startswith(b"HTTP/1.1 408"), data
+        took, data = _closed_after(idle, 5.0)
+        assert time.monotonic() - t0 < 0.6 + 0.5 and b"408" in data
+
+
+def test_a_slow_body_is_closed_and_never_runs(guarded):
+    before = guarded.engine_call(lambda e: e.stats().get("num_waiting", 0) + e.stats().get("num_running", 0))
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:
+        body = b'{"prompt": "hi", "max_tokens": 2}'
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        t0 = time.monotonic()
+        for b in body[:6]:  # one byte every 0.2 s: 1.2 s for the body, over the 0.8 s time-out
+            try:
+                sock.sendall(bytes([b]))
+            except (BrokenPipeError, ConnectionResetError):  # closed by the server
+                break
+            time.sleep(0.2)
+        took, data = _closed_after(sock, 5.0)
+        assert time.monotonic() - t0 < 0.8 + 0.6, time.monotonic() - t0
+        assert data.startswith(b"HTTP/1.1 408") and b"--body-timeout" in data, data
+    assert guarded.engine_call(lambda e: e.stats().get("num_waiting", 0) + e.stats().get("num_running", 0)) == before
+
+
+def test_keep_alive_and_normal_requests_still_work(guarded):
+    with httpx.Client(base_url=guarded.base_url) as c:
+        for _ in range(3):  # one connection, kept alive
+            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
+        time.sleep(1.0)  # past keep-alive: the server closes it, the client reconnects
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
+    with socket.create_connection(("127.0.0.1", guarded.port)) as sock:  # idle after a response: closed
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        took, data = _closed_after(sock, 5.0)
+        assert data.startswith(b"HTTP/1.1 200") and took < 0.5 + 0.5
+
+
+def test_connections_beyond_the_limit_are_refused(guarded):
+    socks = [socket.create_connection(("127.0.0.1", guarded.port)) for _ in range(8)]
+    try:
+        time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", guarded.port)) as extra:
+            took, data = _closed_after(extra, 2.0)
+            assert data.startswith(b"HTTP/1.1 503") and b"too many connections" in data
+    finally:
+        for s in socks:
+            s.close()
+    time.sleep(0.2)
+    assert httpx.get(guarded.base_url + "/health").status_code == 200

@@ -37,6 +37,17 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
                    help="cancel a request (freeing its KV blocks) that has not finished after this many seconds: "
                         "408, or an error event and [DONE] when streamed; a request's own 'timeout' field "
                         "(seconds) can shorten it (default: none)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request headers are not complete this many seconds after its "
+                        "first byte (or after it opened, or after the previous response): 408 (default 10)")
+    g.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="close a connection whose request body is not complete this many seconds after its "
+                        "headers: 408, nothing is run (default 60)")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="close an idle kept-alive connection after this many seconds (default 5, uvicorn's)")
+    g.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="most open HTTP connections; a new one beyond them gets 503 and is closed "
+                        "(default: no limit)")
     g.add_argument("--health-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="/health and /ready answer 503 when the engine has made no step for this many seconds "
                         "while requests are pending (default 60)")
@@ -122,10 +133,12 @@ def server_guard_options(a: argparse.Namespace) -> dict:
 
     parse_allowed_hosts(a.allowed_hosts)
     parse_origins(a.allowed_origins)
-    for name in ("request_timeout", "health_timeout"):
+    for name in ("request_timeout", "health_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
         value = getattr(a, name)
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value}")
+    if a.max_connections is not None and a.max_connections < 1:
+        raise ValueError(f"--max-connections must be ≥ 1, got {a.max_connections}")
     return dict(bind_host=a.host, allowed_hosts=a.allowed_hosts, allowed_origins=a.allowed_origins,
                 metrics_public=a.metrics_public, request_timeout=a.request_timeout, health_timeout=a.health_timeout)
 
@@ -202,8 +215,11 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
         print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}"
               f"{where}) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         print(f"kvserve: {kv_description}", file=sys.stderr, flush=True)
+        from kvserve.entrypoints.openai.http_guard import guarded_protocol
+
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, timeout_keep_alive=a.keep_alive_timeout,
+                    http=guarded_protocol(a.header_timeout, a.body_timeout, a.max_connections))
     finally:
         if not in_process:  # the core process (already stopped by the app's lifespan; idempotent)
             engine.shutdown(timeout=10.0)
