@@ -110,7 +110,7 @@ def guarded_protocol(header_timeout: Optional[float] = 10.0, body_timeout: Optio
             if what == "body" and (self.cycle is None or not self.cycle.more_body):
                 return
             started = self.cycle is not None and self._in_request() and self.cycle.response_started
-            logger.info("closed a connection from %s: its request %s did not arrive within %g s",
+            logger.debug("closed a connection from %s: its request %s did not arrive within %g s",
                         "%s:%d" % tuple(self.client[:2]) if self.client else "?", what, limit)
             if not started:
                 flag = "--header-timeout" if what == "headers" else "--body-timeout"
