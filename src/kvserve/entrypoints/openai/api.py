@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API on FastAPI.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+GET /ready, GET /metrics, POST /tokenize, POST /detokenize, GET /version. Request-level guards
+(the Host check, JSON-only bodies, CORS, the key on /metrics and the docs, list caps, tool
+schemas, liveness, time-outs) are in :mod:`kvserve.entrypoints.openai.guards`.
 
 A handler parses and checks the request (strict types, value ranges, prompt size) on the
 event loop, tokenizes in a worker thread, hands the token ids to the :class:`AsyncEngine`
@@ -21,8 +23,8 @@ invalid parameter (``param`` names it: an invalid JSON schema, regex or grammar 
 ``response_format``, ``structured_outputs`` or ``tools``), a prompt beyond the context window or
 a request for what is not supported (OpenAI's deprecated ``functions``, tools on
 /v1/completions, vLLM's removed ``guided_*`` fields; code ``unsupported_parameter``), 401
-for a missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 503
-when the waiting queue is full.
+for a missing or wrong API key, 404 for an unknown model, 408 for a request past its time-out,
+413 for an oversized body, 415 for a body that is not JSON, 503 when the waiting queue is full.
 """
 
 from __future__ import annotations
