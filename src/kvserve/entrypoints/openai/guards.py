@@ -129,8 +129,8 @@ class RequestGuard:
             self.names = None
         else:
             names = set(allowed_hosts) | LOOPBACK_NAMES | {host_name(bind_host)}
-            try:
-                names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+            try:  # (not getfqdn(): a DNS look-up, which can block for seconds)
+                names.add(socket.gethostname().lower())
             except OSError:  # pragma: no cover
                 pass
             self.names = frozenset(n for n in names if n)
