@@ -303,8 +303,9 @@ def tool_call_spec(req: "ChatCompletionRequest") -> Optional[ToolCallSpec]:
     if choice is None or choice == "auto":
         return ToolCallSpec(tools, "auto", max_calls=1 if req.parallel_tool_calls is False else None)
     if choice == "required":
-        item = {"anyOf": [{"type": "object", "properties": {"name": {"const": n},
-                                                            "parameters": _rebase_refs(p, f"#/items/anyOf/{j}/properties/parameters")},
+        item = {"anyOf": [{"type": "object",
+                           "properties": {"name": {"const": n},
+                                          "parameters": _rebase_refs(p, f"#/items/anyOf/{j}/properties/parameters")},
                            "required": ["name", "parameters"], "additionalProperties": False}
                           for j, (n, p) in enumerate(params.items())]}
         schema = {"type": "array", "items": item, "minItems": 1}
