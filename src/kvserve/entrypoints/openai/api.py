@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API on FastAPI.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, POST /tokenize, POST /detokenize, GET /version; the web page (``/``, its
-dashboard's ``/dashboard/stats``) and the API docs (``/docs``), all offline
-(:mod:`kvserve.entrypoints.openai.web`).
+GET /ready, GET /metrics, POST /tokenize, POST /detokenize, GET /version; the web page (``/``,
+its dashboard's ``/dashboard/stats``) and the API docs (``/docs``), all offline
+(:mod:`kvserve.entrypoints.openai.web`). Request-level guards (the Host check, JSON-only bodies,
+CORS, the key on /metrics and the docs, list caps, tool schemas, liveness, time-outs) are in
+:mod:`kvserve.entrypoints.openai.guards`.
 
 A handler parses and checks the request (strict types, value ranges, prompt size) on the
 event loop, tokenizes in a worker thread, hands the token ids to the :class:`AsyncEngine`
@@ -35,13 +37,14 @@ invalid parameter (``param`` names it: an invalid JSON schema, regex or grammar 
 ``response_format``, ``structured_outputs`` or ``tools``), a prompt beyond the context window or
 a request for what is not supported (OpenAI's deprecated ``functions``, tools on
 /v1/completions, vLLM's removed ``guided_*`` fields; code ``unsupported_parameter``), 401
-for a missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 503
-when the waiting queue is full.
+for a missing or wrong API key, 404 for an unknown model, 408 for a request past its time-out,
+413 for an oversized body, 415 for a body that is not JSON, 503 when the waiting queue is full.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import json
 import logging
@@ -58,6 +61,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvserve.engine.llm_engine import LLMEngine, QueueFullError
+from kvserve.entrypoints.openai.guards import (
+    DEFAULT_HEALTH_TIMEOUT,
+    check_caps,
+    check_tool_schemas,
+    engine_unhealthy,
+    install_guards,
+    request_deadline,
+    timeout_error,
+)
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.core.request import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -98,6 +110,8 @@ logger = logging.getLogger("kvserve.entrypoints.openai")
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 MAX_BATCH_PROMPTS = 256
 _DISCONNECTED = object()
+#: (deadline, time-out) of the request being handled (set by _parse, read by _submit)
+_DEADLINE: contextvars.ContextVar[Optional[tuple[float, float]]] = contextvars.ContextVar("deadline", default=None)
 
 
 def _dumps(obj: Any) -> str:
@@ -133,6 +147,8 @@ class _Submitted:
     queue: asyncio.Queue
     engine: AsyncEngine
     finished: set = dataclasses.field(default_factory=set)
+    deadline: Optional[float] = None  # time.monotonic() past which the request times out (408)
+    timeout: Optional[float] = None  # its time-out in seconds
 
     def abort_unfinished(self) -> None:
         for i, rid in enumerate(self.request_ids):
@@ -165,6 +181,10 @@ class _ThinkingRelay(_Submitted):
 class OpenAIServer:
     """The API's state and handlers around one engine.
 
+    ``health_timeout`` and ``request_timeout`` (attributes, set by :func:`build_app`): see
+    :func:`~kvserve.entrypoints.openai.guards.engine_unhealthy` and
+    :func:`~kvserve.entrypoints.openai.guards.request_deadline`.
+
     Args:
         engine: an :class:`LLMEngine` (stepped in a thread of this process, :class:`AsyncEngine`;
             from :meth:`start` on owned by that thread), a started
@@ -186,6 +206,9 @@ class OpenAIServer:
     Raises:
         ValueError: no served model name, or an unknown ``tool_call_parser`` or ``reasoning_parser``.
     """
+
+    health_timeout: float = DEFAULT_HEALTH_TIMEOUT
+    request_timeout: Optional[float] = None
 
     def __init__(self, engine: LLMEngine | CoreClient | ReplicaPool, served_model_names: Sequence[str], api_key: Optional[str] = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER,
@@ -258,6 +281,7 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
+        app.get("/ready")(self.ready)
         app.get("/metrics")(self.metrics_endpoint)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
@@ -302,8 +326,26 @@ class OpenAIServer:
         self._auth(request)
         body = await self._body(request)
         if len(body) > (1 << 20):  # big bodies are parsed off the event loop
-            return await asyncio.to_thread(parse_request, cls, body)
-        return parse_request(cls, body)
+            req = await asyncio.to_thread(parse_request, cls, body)
+        else:
+            req = parse_request(cls, body)
+        check_caps(req, self.max_model_len)  # (400 naming a list that is too long)
+        _DEADLINE.set(request_deadline(req, self.request_timeout))
+        return req
+
+    async def _next(self, sub: _Submitted) -> tuple:
+        """The next ``(tag, output)`` of ``sub``'s queue.
+
+        Raises:
+            APIError: 408 when the request's time-out passes first (its requests are aborted).
+        """
+        if sub.deadline is None:
+            return await sub.queue.get()
+        try:
+            return await asyncio.wait_for(sub.queue.get(), max(0.0, sub.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            sub.abort_unfinished()
+            raise timeout_error(sub.timeout) from None
 
     def _check_chars(self, n_chars: int, param: str) -> None:
         if n_chars > self.max_prompt_chars:
@@ -362,16 +404,11 @@ class OpenAIServer:
         """
         params = to_sampling_params(req, max_tokens, logprobs, self.tokenizer, renames, self.generation_defaults)
         tool = tool_call_spec(req) if isinstance(req, ChatCompletionRequest) else None
-        if tool is not None and not tool.forced:  # auto: the parameters are not compiled to a grammar, but checked
-            for i, t in enumerate(tool.tools):
-                schema = t["function"].get("parameters") or {"type": "object", "properties": {}}
-                try:
-                    self.engine.structured_output.compile(StructuredOutputsParams(json=schema,
-                                                                                  disable_any_whitespace=True))
-                except ValueError as e:
-                    err = structured_output_error(e, "tools")
-                    err.message = f"tools[{i}] ({t['function']['name']}): {err.message}"
-                    raise err from None
+        if tool is not None:  # each function's parameters checked alone (auto: not compiled to a grammar)
+            names = [t["function"]["name"] for t in tool.tools]
+            check_tool_schemas(tool.tools, [names.index(tool.name)] if tool.name is not None else range(len(names)),
+                               lambda schema: self.engine.structured_output.compile(
+                                   StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
         if params.structured_outputs is not None:
             rf = req.response_format
             field = "response_format" if isinstance(rf, dict) and rf.get("type") != "text" else "structured_outputs"
@@ -411,6 +448,9 @@ class OpenAIServer:
         q: asyncio.Queue = asyncio.Queue()
         rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         sub = _Submitted(rids, prompts, q, self.async_engine)
+        deadline = _DEADLINE.get()
+        if deadline is not None:
+            sub.deadline, sub.timeout = deadline
         try:
             await self.async_engine.add_requests([(rid, ids, i) for i, (rid, ids) in enumerate(zip(rids, prompts))],
                                                  params, q, priority=priority, cache_salt=cache_salt, arrival=arrival,
@@ -429,7 +469,7 @@ class OpenAIServer:
         finals: list[Optional[RequestOutput]] = [None] * len(sub.request_ids)
         try:
             while not sub.done:
-                tag, out = await sub.queue.get()
+                tag, out = await self._next(sub)
                 if out is _DISCONNECTED:
                     sub.abort_unfinished()
                     raise APIError(499, "client disconnected")
@@ -501,7 +541,11 @@ class OpenAIServer:
             for c in opening:
                 yield _sse({**head, "choices": [c]})
             while not sub.done:
-                tag, out = await sub.queue.get()
+                try:
+                    tag, out = await self._next(sub)
+                except APIError as e:  # timed out: an error event, then [DONE]
+                    yield _sse(e.to_dict())
+                    break
                 if isinstance(out, Exception):
                     yield _sse(self._engine_error(out, prompt_param).to_dict())
                     break
@@ -532,7 +576,7 @@ class OpenAIServer:
     async def models(self, request: Request):
         self._auth(request)
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "kvserve",
-                 "root": str(self.engine.model_path), "max_model_len": self.max_model_len}
+                 "root": name, "max_model_len": self.max_model_len}
                 for name in self.model_names]
         return {"object": "list", "data": data}
 
@@ -540,8 +584,18 @@ class OpenAIServer:
         states = getattr(self.async_engine, "replica_states", None)
         if states is not None:  # replicas: each one's state (200 while requests can be served)
             return JSONResponse({"replicas": states()}, status_code=200 if self.async_engine.is_running else 503)
-        if not self.async_engine.is_running:
-            err = APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+        err = engine_unhealthy(self.async_engine, self.health_timeout)
+        if err is not None:
+            return JSONResponse(err.to_dict(), status_code=503)
+        return Response(status_code=200)
+
+    async def ready(self):
+        """Kubernetes' readiness probe: 200 while new requests can be served (the engine loaded,
+        running, making progress, the server not draining), else 503."""
+        err = engine_unhealthy(self.async_engine, self.health_timeout)
+        if err is None and getattr(self, "draining", False):
+            err = APIError(503, "the server is shutting down", type="server_error", code="draining")
+        if err is not None:
             return JSONResponse(err.to_dict(), status_code=503)
         return Response(status_code=200)
 
@@ -1056,7 +1110,9 @@ def _version() -> str:
 def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: Sequence[str] | str | None = None,
               api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               tool_call_parser: str = DEFAULT_TOOL_PARSER, reasoning_parser: Optional[str] = None,
-              chat_template: Optional[str] = None, generation_defaults: Optional[dict] = None) -> FastAPI:
+              chat_template: Optional[str] = None, generation_defaults: Optional[dict] = None,
+              health_timeout: float = DEFAULT_HEALTH_TIMEOUT, request_timeout: Optional[float] = None,
+              **guard_options) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     ``engine`` is an :class:`LLMEngine` (its step loop runs in a thread of this process, started
@@ -1065,7 +1121,9 @@ def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: S
     process; this returns once it has loaded the model). The lifespan's end stops the thread or
     the core process.
 
-    The :class:`OpenAIServer` is at ``app.state.server``; the other arguments are its own.
+    The :class:`OpenAIServer` is at ``app.state.server``; the other arguments are its own, but
+    ``guard_options``, which go to :func:`kvserve.entrypoints.openai.guards.install_guards` (Host
+    check, content types, CORS, the key on /metrics and the docs, time-outs).
 
     Raises:
         ValueError: an unknown ``tool_call_parser`` or ``reasoning_parser``; from :class:`EngineArgs`, what the core
@@ -1086,4 +1144,6 @@ def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: S
             client.shutdown(timeout=5.0)
         raise
     server.app.state.server = server
+    server.health_timeout, server.request_timeout = health_timeout, request_timeout
+    install_guards(server, api_key=api_key, **guard_options)
     return server.app
