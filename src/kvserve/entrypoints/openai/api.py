@@ -110,6 +110,7 @@ logger = logging.getLogger("kvserve.entrypoints.openai")
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 MAX_BATCH_PROMPTS = 256
 _DISCONNECTED = object()
+_DRAINED = object()  # put on a live request's queue when the shutdown's grace period is over
 #: (deadline, time-out) of the request being handled (set by _parse, read by _submit)
 _DEADLINE: contextvars.ContextVar[Optional[tuple[float, float]]] = contextvars.ContextVar("deadline", default=None)
 
@@ -138,7 +139,7 @@ class _AbortOnClose(StreamingResponse):
             self._on_close()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # (hashed by identity: OpenAIServer._live)
 class _Submitted:
     """The engine requests of one HTTP request (one per prompt) and their shared queue."""
 
@@ -161,7 +162,7 @@ class _Submitted:
         return len(self.finished) == len(self.request_ids)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _ThinkingRelay(_Submitted):
     """A chat request under a thinking budget: its thinking and its answer are two engine
     requests, whose outputs a task relays to :attr:`queue` as one reply's (see
@@ -209,6 +210,8 @@ class OpenAIServer:
 
     health_timeout: float = DEFAULT_HEALTH_TIMEOUT
     request_timeout: Optional[float] = None
+    #: set by :meth:`drain`: new requests get 503, ``/ready`` answers 503
+    draining: bool = False
 
     def __init__(self, engine: LLMEngine | CoreClient | ReplicaPool, served_model_names: Sequence[str], api_key: Optional[str] = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER,
@@ -245,6 +248,7 @@ class OpenAIServer:
         self.max_prompt_chars = self.max_model_len * max(longest, 16)
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
         self.created = int(time.time())
+        self._live: set[_Submitted] = set()  # the HTTP requests in the engine (see drain)
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ app
@@ -324,6 +328,9 @@ class OpenAIServer:
 
     async def _parse(self, cls, request: Request):
         self._auth(request)
+        if self.draining:
+            raise APIError(503, "the server is shutting down and accepts no new requests; retry on another "
+                           "instance", type="server_error", code="draining")
         body = await self._body(request)
         if len(body) > (1 << 20):  # big bodies are parsed off the event loop
             req = await asyncio.to_thread(parse_request, cls, body)
@@ -337,15 +344,22 @@ class OpenAIServer:
         """The next ``(tag, output)`` of ``sub``'s queue.
 
         Raises:
-            APIError: 408 when the request's time-out passes first (its requests are aborted).
+            APIError: 408 when the request's time-out passes first, 503 when the server's
+                shutdown ends it (:meth:`drain`); its requests are aborted.
         """
         if sub.deadline is None:
-            return await sub.queue.get()
-        try:
-            return await asyncio.wait_for(sub.queue.get(), max(0.0, sub.deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            item = await sub.queue.get()
+        else:
+            try:
+                item = await asyncio.wait_for(sub.queue.get(), max(0.0, sub.deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                sub.abort_unfinished()
+                raise timeout_error(sub.timeout) from None
+        if item[1] is _DRAINED:
             sub.abort_unfinished()
-            raise timeout_error(sub.timeout) from None
+            raise APIError(503, "the server shut down before this request finished (its shutdown time-out "
+                           "passed); retry on another instance", type="server_error", code="shutdown")
+        return item
 
     def _check_chars(self, n_chars: int, param: str) -> None:
         if n_chars > self.max_prompt_chars:
@@ -482,8 +496,33 @@ class OpenAIServer:
                     sub.finished.add(tag)
         finally:
             watcher.cancel()
-            sub.abort_unfinished()
+            self._close(sub)
         return finals  # type: ignore[return-value]
+
+    def _close(self, sub: _Submitted) -> None:
+        """The end of an HTTP request's engine requests: the unfinished aborted, no longer live."""
+        sub.abort_unfinished()
+        self._live.discard(sub)
+
+    async def drain(self, timeout: float) -> None:
+        """The graceful shutdown's first part (SIGTERM): from now on new requests get 503 and
+        ``/ready`` 503; the live ones may finish for up to ``timeout`` seconds; then each one
+        left is aborted in the engine and ends with a 503 error (streamed: an error event, then
+        ``data: [DONE]``). Returns once every live request has ended (or 5 s more passed)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self._live:
+            logger.warning("shutting down: waiting up to %g s for %d live request(s)", timeout, len(self._live))
+        while self._live and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._live:
+            logger.warning("shutdown time-out: ending %d live request(s) with an error", len(self._live))
+            for sub in list(self._live):
+                sub.queue.put_nowait((None, _DRAINED))
+            deadline = loop.time() + 5.0
+            while self._live and loop.time() < deadline:
+                await asyncio.sleep(0.02)
 
     def _usage(self, sub: _Submitted, finals: Sequence[Optional[RequestOutput]]) -> dict:
         prompt = sum(len(p) for p in sub.prompt_ids)
@@ -669,12 +708,13 @@ class OpenAIServer:
         base = f"cmpl-{uuid.uuid4().hex}"
         sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt", echo_only,
                                  streaming=bool(req.stream), user=req.user)
+        self._live.add(sub)
         created = int(time.time())
         if req.echo:
             texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list)]
         if req.stream:
             gen = self._stream_completion(sub, req, params, base, created, texts)
-            return _AbortOnClose(gen, sub.abort_unfinished)
+            return _AbortOnClose(gen, lambda: self._close(sub))
         finals = await self._collect(sub, request)
         if echo_only:
             finals = [dataclasses.replace(out, outputs=[
@@ -816,13 +856,14 @@ class OpenAIServer:
         else:
             sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages",
                                      streaming=bool(req.stream), user=req.user)
+        self._live.add(sub)
         created = int(time.time())
         echo = ""
         if req.echo and msgs[-1]["role"] == ("assistant" if add_gen else msgs[-1]["role"]):
             echo = msgs[-1]["content"]
         if req.stream:
             gen = self._stream_chat(sub, req, params, base, created, echo, tool, parser, reasoning)
-            return _AbortOnClose(gen, sub.abort_unfinished)
+            return _AbortOnClose(gen, lambda: self._close(sub))
         finals = await self._collect(sub, request)
         out = finals[0]
         choices = []

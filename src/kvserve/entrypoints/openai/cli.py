@@ -55,6 +55,10 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     g.add_argument("--health-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="/health and /ready answer 503 when the engine has made no step for this many seconds "
                         "while requests are pending (default 60)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, stop accepting requests (503, /ready 503) and let the live ones "
+                        "finish for up to this many seconds; then end the rest with an error (streamed: an error "
+                        "event and [DONE]) and exit 0. A second signal exits at once (default 30)")
     p.add_argument("--max-waiting", type=int, default=0,
                    help="most requests waiting for a slot before new ones get 503 (default 0: unbounded)")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (default 32 MiB)")
@@ -150,7 +154,8 @@ def server_guard_options(a: argparse.Namespace) -> dict:
 
     parse_allowed_hosts(a.allowed_hosts)
     parse_origins(a.allowed_origins)
-    for name in ("request_timeout", "health_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
+    for name in ("request_timeout", "health_timeout", "header_timeout", "body_timeout", "keep_alive_timeout",
+                 "shutdown_timeout"):
         value = getattr(a, name)
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value}")
@@ -283,9 +288,15 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
               file=sys.stderr, flush=True)
         from kvserve.entrypoints.openai.http_guard import guarded_protocol
 
-        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
-                    timeout_graceful_shutdown=5, timeout_keep_alive=a.keep_alive_timeout,
-                    http=guarded_protocol(a.header_timeout, a.body_timeout, a.max_connections))
+        from kvserve.entrypoints.openai.shutdown import DrainingServer
+
+        config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
+                                timeout_graceful_shutdown=5, timeout_keep_alive=a.keep_alive_timeout,
+                                http=guarded_protocol(a.header_timeout, a.body_timeout, a.max_connections))
+        server = DrainingServer(config, app.state.server, a.shutdown_timeout)
+        server.run()
+        if not server.started:  # (uvicorn.run's exit status when it could not start)
+            return 3
     finally:
         if not in_process:  # the core process (already stopped by the app's lifespan; idempotent)
             engine.shutdown(timeout=10.0)
