@@ -692,7 +692,7 @@ def test_cli_has_serve_and_bench():
     from kvserve.entrypoints.cli import build_parser
 
     a = build_parser().parse_args(["serve", "--port", "8123", "--served-model-name", "a", "b", "--api-key", "k"])
-    assert a.host == "127.0.0.1" and a.port == 8123 and a.served_model_name == ["a", "b"] and a.api_key == "k"
+    assert a.host == "127.0.0.1" and a.port == 8123 and a.served_model_name == ["a", "b"] and a.api_key == ["k"]
     b = build_parser().parse_args(["bench", "serve", "--max-concurrency", "8", "--request-rate", "4"])
     assert b.max_concurrency == 8 and b.request_rate == 4.0 and b.dataset == "random"
 

@@ -354,7 +354,9 @@ def test_an_idle_engine_stays_healthy_after_its_requests(server):
     ("allowed_hosts", ["http://x"], "--allowed-hosts: 'http://x'"),
     ("allowed_origins", ["app.example"], "--allowed-origins: 'app.example'"),
     ("header_timeout", 0.0, "--header-timeout must be"), ("body_timeout", float("nan"), "--body-timeout must be"),
-    ("max_connections", 0, "--max-connections must be"),
+    ("max_connections", 0, "--max-connections must be"), ("shutdown_timeout", 0.0, "--shutdown-timeout must be"),
+    ("max_requests_per_user", 0, "--max-requests-per-user must be"),
+    ("max_tokens_in_flight_per_user", -5, "--max-tokens-in-flight-per-user must be"),
 ])
 def test_bad_option_values_fail_at_start_naming_the_option(option, value, words):
     import argparse
@@ -363,7 +365,8 @@ def test_bad_option_values_fail_at_start_naming_the_option(option, value, words)
 
     a = argparse.Namespace(host="127.0.0.1", allowed_hosts=None, allowed_origins=None, metrics_public=False,
                            request_timeout=None, health_timeout=60.0, header_timeout=10.0, body_timeout=60.0,
-                           keep_alive_timeout=5.0, max_connections=None)
+                           keep_alive_timeout=5.0, max_connections=None, shutdown_timeout=30.0,
+                           max_requests_per_user=None, max_tokens_in_flight_per_user=None)
     setattr(a, option, value)
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         server_guard_options(a)

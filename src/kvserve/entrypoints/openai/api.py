@@ -71,6 +71,7 @@ from kvserve.entrypoints.openai.guards import (
     timeout_error,
 )
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.entrypoints.openai.quotas import ApiKeys, UserQuotas, api_key_users, find_key, request_tokens
 from kvserve.core.request import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.engine.args import EngineArgs
@@ -113,6 +114,8 @@ _DISCONNECTED = object()
 _DRAINED = object()  # put on a live request's queue when the shutdown's grace period is over
 #: (deadline, time-out) of the request being handled (set by _parse, read by _submit)
 _DEADLINE: contextvars.ContextVar[Optional[tuple[float, float]]] = contextvars.ContextVar("deadline", default=None)
+#: the user name of the request's API key (set by _parse; None: the 'user' field names the user)
+_KEY_USER: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("key_user", default=None)
 
 
 def _dumps(obj: Any) -> str:
@@ -150,6 +153,7 @@ class _Submitted:
     finished: set = dataclasses.field(default_factory=set)
     deadline: Optional[float] = None  # time.monotonic() past which the request times out (408)
     timeout: Optional[float] = None  # its time-out in seconds
+    charge: Any = None  # what it holds of its user's quotas (quotas.Charge), released by _close
 
     def abort_unfinished(self) -> None:
         for i, rid in enumerate(self.request_ids):
@@ -182,7 +186,8 @@ class _ThinkingRelay(_Submitted):
 class OpenAIServer:
     """The API's state and handlers around one engine.
 
-    ``health_timeout`` and ``request_timeout`` (attributes, set by :func:`build_app`): see
+    ``quotas`` (a :class:`~kvserve.entrypoints.openai.quotas.UserQuotas`), ``health_timeout`` and
+    ``request_timeout`` (attributes, set by :func:`build_app`): see
     :func:`~kvserve.entrypoints.openai.guards.engine_unhealthy` and
     :func:`~kvserve.entrypoints.openai.guards.request_deadline`.
 
@@ -194,7 +199,9 @@ class OpenAIServer:
             (engine replicas on Ray Serve, :class:`~kvserve.entrypoints.openai.replica_engine.ReplicatedAsyncEngine`:
             the metrics then carry a ``replica`` label, ``/health`` lists the replicas).
         served_model_names: names clients may use in ``model``; the first is reported.
-        api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``.
+        api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``:
+            one key, several (each a user), or key → user name (see
+            :mod:`kvserve.entrypoints.openai.quotas`).
         max_body_bytes: larger request bodies get 413 before they are read.
         tool_call_parser: the :data:`~kvserve.entrypoints.openai.tool_parsers.TOOL_PARSERS` name of the
             parser that reads the model's tool calls under ``tool_choice: "auto"``.
@@ -213,7 +220,7 @@ class OpenAIServer:
     #: set by :meth:`drain`: new requests get 503, ``/ready`` answers 503
     draining: bool = False
 
-    def __init__(self, engine: LLMEngine | CoreClient | ReplicaPool, served_model_names: Sequence[str], api_key: Optional[str] = None,
+    def __init__(self, engine: LLMEngine | CoreClient | ReplicaPool, served_model_names: Sequence[str], api_key: ApiKeys = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER,
                  reasoning_parser: Optional[str] = None, chat_template: Optional[str] = None,
                  generation_defaults: Optional[dict] = None) -> None:
@@ -226,7 +233,9 @@ class OpenAIServer:
         self.engine = engine
         self.model_names = list(served_model_names)
         self.model_name = self.model_names[0]
-        self.api_key = api_key
+        self.api_keys = api_key_users(api_key)  # key -> its user name (None: the 'user' field's)
+        self.api_key = next(iter(self.api_keys), None)  # (a key, or None: no key needed)
+        self.quotas = UserQuotas()  # (its limits: set by build_app)
         self.max_body_bytes = max_body_bytes
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -268,7 +277,7 @@ class OpenAIServer:
 
         @app.exception_handler(APIError)
         async def api_error(_: Request, e: APIError):
-            return JSONResponse(e.to_dict(), status_code=e.status)
+            return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(_: Request, e: StarletteHTTPException):
@@ -294,14 +303,23 @@ class OpenAIServer:
         return app
 
     # -------------------------------------------------------------- helpers
-    def _auth(self, request: Request) -> None:
-        if self.api_key is None:
-            return
+    def _auth(self, request: Request) -> Optional[str]:
+        """Check the API key; returns its user name (None: no key needed, or an unnamed one)."""
+        if not self.api_keys:
+            return None
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != self.api_key:
+        key = find_key(self.api_keys, token.strip()) if scheme.lower() == "bearer" else None
+        if key is None:
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key")
+        return self.api_keys[key]
+
+    def _user(self, req) -> Optional[str]:
+        """The request's user (quotas, fair share): its key's name where keys have names, else
+        its 'user' field (see :mod:`kvserve.entrypoints.openai.quotas`)."""
+        key_user = _KEY_USER.get()
+        return key_user if key_user is not None else req.user
 
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in self.model_names:
@@ -327,7 +345,7 @@ class OpenAIServer:
         return b"".join(chunks)
 
     async def _parse(self, cls, request: Request):
-        self._auth(request)
+        _KEY_USER.set(self._auth(request))
         if self.draining:
             raise APIError(503, "the server is shutting down and accepts no new requests; retry on another "
                            "instance", type="server_error", code="draining")
@@ -499,10 +517,26 @@ class OpenAIServer:
             self._close(sub)
         return finals  # type: ignore[return-value]
 
+    async def _start(self, user: Optional[str], prompts: list[list[int]], params: SamplingParams,
+                     submit: Callable[[], Any]) -> _Submitted:
+        """Charge ``user``'s quotas (429 over one), then ``await submit()``: the live request."""
+        charge = (self.quotas.charge(user, request_tokens(prompts, params, self.max_model_len))
+                  if self.quotas.enabled else None)
+        try:
+            sub = await submit()
+        except BaseException:
+            self.quotas.release(charge)
+            raise
+        sub.charge = charge
+        self._live.add(sub)
+        return sub
+
     def _close(self, sub: _Submitted) -> None:
-        """The end of an HTTP request's engine requests: the unfinished aborted, no longer live."""
+        """The end of an HTTP request's engine requests: the unfinished aborted, no longer live,
+        its quotas released."""
         sub.abort_unfinished()
         self._live.discard(sub)
+        self.quotas.release(sub.charge)
 
     async def drain(self, timeout: float) -> None:
         """The graceful shutdown's first part (SIGTERM): from now on new requests get 503 and
@@ -706,9 +740,10 @@ class OpenAIServer:
             except APIError as e:
                 raise (_in_batch(e, i) if len(ids_list) > 1 else e) from None
         base = f"cmpl-{uuid.uuid4().hex}"
-        sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt", echo_only,
-                                 streaming=bool(req.stream), user=req.user)
-        self._live.add(sub)
+        user = self._user(req)
+        sub = await self._start(user, ids_list, params, lambda: self._submit(
+            base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt", echo_only,
+            streaming=bool(req.stream), user=user))
         created = int(time.time())
         if req.echo:
             texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list)]
@@ -851,12 +886,14 @@ class OpenAIServer:
         ids, _ = self._truncate(ids, None, params)
         self._check_length(ids, "messages")
         base = f"chatcmpl-{uuid.uuid4().hex}"
+        user = self._user(req)
         if req.max_thinking_tokens is not None:
-            sub = await self._submit_thinking(base, ids, params, req, arrival)
+            sub = await self._start(user, [ids], params, lambda: self._submit_thinking(base, ids, params, req, arrival,
+                                                                                       user))
         else:
-            sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages",
-                                     streaming=bool(req.stream), user=req.user)
-        self._live.add(sub)
+            sub = await self._start(user, [ids], params, lambda: self._submit(
+                base, [ids], params, req.priority, req.cache_salt, arrival, "messages",
+                streaming=bool(req.stream), user=user))
         created = int(time.time())
         echo = ""
         if req.echo and msgs[-1]["role"] == ("assistant" if add_gen else msgs[-1]["role"]):
@@ -989,7 +1026,7 @@ class OpenAIServer:
                                 "'required' or a named function)", param="max_thinking_tokens", code="invalid_value")
 
     async def _submit_thinking(self, base: str, ids: list[int], params: SamplingParams,
-                               req: ChatCompletionRequest, arrival: float) -> _ThinkingRelay:
+                               req: ChatCompletionRequest, arrival: float, user: Optional[str]) -> _ThinkingRelay:
         """Start a reply under ``req.max_thinking_tokens``: the thinking phase is submitted now
         (its errors are this request's), the rest runs in :meth:`_think_then_answer`."""
         end = self.reasoning_parser_cls.end
@@ -998,14 +1035,14 @@ class OpenAIServer:
         budget = max(1, min(req.max_thinking_tokens, room, params.max_tokens or room))
         think = dataclasses.replace(params, max_tokens=budget, min_tokens=0, stop=[end], stop_token_ids=None,
                                     include_stop_str_in_output=True, structured_outputs=None)
-        phase = await self._submit(base, [ids], think, req.priority, req.cache_salt, arrival, "messages", user=req.user)
+        phase = await self._submit(base, [ids], think, req.priority, req.cache_salt, arrival, "messages", user=user)
         relay = _ThinkingRelay([base], [ids], asyncio.Queue(), self.async_engine, current=base)
-        relay.task = asyncio.create_task(self._think_then_answer(relay, phase, ids, params, end, end_ids, req))
+        relay.task = asyncio.create_task(self._think_then_answer(relay, phase, ids, params, end, end_ids, req, user))
         return relay
 
     async def _think_then_answer(self, relay: _ThinkingRelay, phase: _Submitted, ids: list[int],
                                  params: SamplingParams, end: str, end_ids: list[int],
-                                 req: ChatCompletionRequest) -> None:
+                                 req: ChatCompletionRequest, user: Optional[str]) -> None:
         """Relay the thinking's outputs as the reply's (not finished); then, with ``end``
         appended if the model did not write it (its EOS dropped), submit the answer from the
         prompt and the thinking (the prefix cache holds their K/V) with what is left of
@@ -1046,7 +1083,7 @@ class OpenAIServer:
                                                                      min_tokens=min(params.min_tokens, left))
             relay.current = f"{relay.request_ids[0]}-answer"
             second = await self._submit(relay.current, [ids + tokens], answer, req.priority, req.cache_salt,
-                                        time.perf_counter(), "messages", user=req.user)
+                                        time.perf_counter(), "messages", user=user)
             while True:
                 _, a = await second.queue.get()
                 if isinstance(a, Exception) or a.error is not None:
@@ -1149,10 +1186,11 @@ def _version() -> str:
 
 
 def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: Sequence[str] | str | None = None,
-              api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              api_key: ApiKeys = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               tool_call_parser: str = DEFAULT_TOOL_PARSER, reasoning_parser: Optional[str] = None,
               chat_template: Optional[str] = None, generation_defaults: Optional[dict] = None,
               health_timeout: float = DEFAULT_HEALTH_TIMEOUT, request_timeout: Optional[float] = None,
+              max_requests_per_user: Optional[int] = None, max_tokens_in_flight_per_user: Optional[int] = None,
               **guard_options) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
@@ -1186,5 +1224,6 @@ def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: S
         raise
     server.app.state.server = server
     server.health_timeout, server.request_timeout = health_timeout, request_timeout
+    server.quotas = UserQuotas(max_requests_per_user, max_tokens_in_flight_per_user)
     install_guards(server, api_key=api_key, **guard_options)
     return server.app

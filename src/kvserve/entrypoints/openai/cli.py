@@ -8,7 +8,7 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 
 def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None],
@@ -24,7 +24,21 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model file's name); the first is reported")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: none); repeat it for several keys, "
+                        "each then a user of its own for the per-user limits and the scheduler's fair share")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read API keys from FILE, one per line, 'NAME:KEY' to name the key's user (lines starting "
+                        "with # skipped); with several keys or named ones a request's user is its key's, and its "
+                        "'user' field is ignored")
+    g = p.add_argument_group("per-user limits (a user: the key's, else the request's 'user' field; "
+                             "requests without one are one anonymous user)")
+    g.add_argument("--max-requests-per-user", type=int, default=None, metavar="N",
+                   help="most requests of one user in flight; more get 429 with Retry-After (default: no limit)")
+    g.add_argument("--max-tokens-in-flight-per-user", type=int, default=None, metavar="N",
+                   help="most tokens of one user's requests in flight, each counting its prompt tokens + "
+                        "max_tokens × n (without max_tokens: the rest of the context); more get 429 with "
+                        "Retry-After, a request over it alone 400 (default: no limit)")
     g = p.add_argument_group("browser-origin safety")
     g.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
                    help="host names clients may send in the Host header besides IP addresses, localhost, --host and "
@@ -159,10 +173,34 @@ def server_guard_options(a: argparse.Namespace) -> dict:
         value = getattr(a, name)
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value}")
-    if a.max_connections is not None and a.max_connections < 1:
-        raise ValueError(f"--max-connections must be ≥ 1, got {a.max_connections}")
+    for name in ("max_connections", "max_requests_per_user", "max_tokens_in_flight_per_user"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
     return dict(bind_host=a.host, allowed_hosts=a.allowed_hosts, allowed_origins=a.allowed_origins,
-                metrics_public=a.metrics_public, request_timeout=a.request_timeout, health_timeout=a.health_timeout)
+                metrics_public=a.metrics_public, request_timeout=a.request_timeout, health_timeout=a.health_timeout,
+                max_requests_per_user=a.max_requests_per_user,
+                max_tokens_in_flight_per_user=a.max_tokens_in_flight_per_user)
+
+
+def server_api_keys(a: argparse.Namespace) -> Optional[dict]:
+    """The API keys of ``--api-key`` and ``--api-key-file``: key → user name (None: unnamed).
+
+    Raises:
+        ValueError: an unreadable or malformed file, an empty key, a name used twice.
+    """
+    from kvserve.entrypoints.openai.quotas import api_key_users, read_api_key_file
+
+    keys: dict = {k: None for k in a.api_key or ()}
+    if a.api_key_file is not None:
+        keys.update(read_api_key_file(a.api_key_file))
+    if not keys:
+        return None
+    try:
+        api_key_users(keys)
+    except ValueError as e:
+        raise ValueError(f"--api-key/--api-key-file: {e}") from None
+    return keys
 
 
 def default_served_name(model: str | None, engine) -> str:
@@ -212,6 +250,7 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
         raise ValueError(f"--generation-config: {a.generation_config!r} is not 'auto', 'vllm' or a folder")
     check_listen_address(a.host, a.port)
     guard_options = server_guard_options(a)
+    api_keys = server_api_keys(a)
     from kvserve.worker.loader import resolve_model_path
 
     resolve_model_path(a.model)  # a model that is not there (or not in the HF cache) fails now
@@ -270,7 +309,7 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
             defaults = generation_defaults(engine.model_path, a.generation_config)
         except ValueError as e:
             raise ValueError(str(e).replace("generation_config:", "--generation-config:", 1)) from None
-        app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+        app = build_app(engine, names, api_key=api_keys, max_body_bytes=a.max_body_bytes,
                         tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
                         chat_template=chat_template, generation_defaults=defaults, **guard_options)
         print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}"

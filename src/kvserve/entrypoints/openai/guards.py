@@ -21,13 +21,13 @@ request costs seconds of CPU or hundreds of MB before it is even queued.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import json
 import socket
 from typing import Any, Iterable, Optional
 
 from kvserve.entrypoints.openai.protocol import APIError
+from kvserve.entrypoints.openai.quotas import api_key_users, find_key
 
 #: The largest list (or string) each request field may carry. ``tools``: OpenAI's documented
 #: limit (128 functions); ``logit_bias``: OpenAI's (300 entries); ``stop``: far beyond
@@ -116,14 +116,14 @@ class RequestGuard:
         bind_host: the ``--host`` value (always allowed as a Host).
         allowed_hosts: further allowed names (a leading dot allows the subdomains); None
             allows every Host.
-        api_key: the server's key (None: no key).
+        api_keys: the server's keys (empty: no key).
         metrics_public: leave ``/metrics`` and the docs open even with a key.
     """
 
     def __init__(self, app, bind_host: str = "127.0.0.1", allowed_hosts: Optional[frozenset[str]] = frozenset(),
-                 api_key: Optional[str] = None, metrics_public: bool = False) -> None:
+                 api_keys: Iterable[str] = (), metrics_public: bool = False) -> None:
         self.app = app
-        self.api_key = api_key
+        self.api_keys = {k: None for k in api_keys}
         self.metrics_public = metrics_public
         if allowed_hosts is None:
             self.names = None
@@ -169,9 +169,9 @@ class RequestGuard:
                          "content-type is missing: send the body as JSON with 'Content-Type: application/json'",
                     param="content-type", code="unsupported_media_type"))
                 return
-        if self.api_key is not None and not self.metrics_public and path in SIDE_DOORS:
+        if self.api_keys and not self.metrics_public and path in SIDE_DOORS:
             scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            if scheme.lower() != "bearer" or find_key(self.api_keys, token.strip()) is None:
                 await _reply(send, APIError(401, f"{path} needs the API key: send 'Authorization: Bearer <key>' "
                                                  "(or start the server with --metrics-public)",
                                             type="authentication_error", code="invalid_api_key"))
@@ -225,7 +225,7 @@ def check_caps(req: Any, max_model_len: int) -> None:
 
 
 def install_guards(server: Any, bind_host: str = "127.0.0.1", allowed_hosts: Optional[Iterable[str]] = None,
-                   allowed_origins: Optional[Iterable[str]] = None, api_key: Optional[str] = None,
+                   allowed_origins: Optional[Iterable[str]] = None, api_key: Any = None,
                    metrics_public: bool = False) -> None:
     """Wrap ``server.app`` (an :class:`~kvserve.entrypoints.openai.api.OpenAIServer`'s) in the
     guards: CORS (Starlette's ``CORSMiddleware``) only when ``allowed_origins`` are given,
@@ -245,7 +245,8 @@ def install_guards(server: Any, bind_host: str = "127.0.0.1", allowed_hosts: Opt
 
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["authorization", "content-type"], allow_credentials=False)
-    app.add_middleware(RequestGuard, bind_host=bind_host, allowed_hosts=hosts, api_key=api_key,
+    app.add_middleware(RequestGuard, bind_host=bind_host, allowed_hosts=hosts,
+                       api_keys=tuple(api_key_users(api_key)),
                        metrics_public=metrics_public)
 
 

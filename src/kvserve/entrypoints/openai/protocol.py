@@ -41,16 +41,19 @@ class APIError(Exception):
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``...).
         param: the request field at fault, if any.
         code: a machine-readable code, if any.
+        headers: HTTP headers of the response (``Retry-After``...), if any.
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
