@@ -10,6 +10,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+#: ``kvserve serve``'s default ``--max-waiting``: this many times ``--max-num-seqs`` (a full
+#: batch runs while a few more batches' worth of requests wait; more get 503 at once instead of
+#: waiting minutes)
+MAX_WAITING_PER_SEQ = 4
+
 
 def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None],
                 engine_kwargs: Callable[[argparse.Namespace], dict]) -> None:
@@ -73,8 +78,10 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
                    help="on SIGTERM or Ctrl-C, stop accepting requests (503, /ready 503) and let the live ones "
                         "finish for up to this many seconds; then end the rest with an error (streamed: an error "
                         "event and [DONE]) and exit 0. A second signal exits at once (default 30)")
-    p.add_argument("--max-waiting", type=int, default=0,
-                   help="most requests waiting for a slot before new ones get 503 (default 0: unbounded)")
+    p.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                   help="most requests waiting to start (none of their sequences scheduled yet: preempted "
+                        "requests and forked samples do not count) before new ones get 503 (default: "
+                        f"{MAX_WAITING_PER_SEQ} × --max-num-seqs, a few batches' worth; 0: unbounded)")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (default 32 MiB)")
     from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
@@ -183,6 +190,11 @@ def server_guard_options(a: argparse.Namespace) -> dict:
                 max_tokens_in_flight_per_user=a.max_tokens_in_flight_per_user)
 
 
+def serve_max_waiting(a: argparse.Namespace) -> int:
+    """``--max-waiting``, by default :data:`MAX_WAITING_PER_SEQ` × ``--max-num-seqs``."""
+    return a.max_waiting if a.max_waiting is not None else MAX_WAITING_PER_SEQ * a.max_num_seqs
+
+
 def server_api_keys(a: argparse.Namespace) -> Optional[dict]:
     """The API keys of ``--api-key`` and ``--api-key-file``: key → user name (None: unnamed).
 
@@ -241,7 +253,7 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
 
     # before loading the model, which can take a while
     a.model = serve_model(a)
-    args = EngineArgs(model=a.model, dtype=a.dtype, max_waiting=a.max_waiting, **engine_kwargs(a))
+    args = EngineArgs(model=a.model, dtype=a.dtype, max_waiting=serve_max_waiting(a), **engine_kwargs(a))
     args.check(option_names=True)
     if a.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be ≥ 1, got {a.max_body_bytes}")
