@@ -538,6 +538,11 @@ class OpenAIServer:
         self._live.discard(sub)
         self.quotas.release(sub.charge)
 
+    @property
+    def num_live_requests(self) -> int:
+        """HTTP requests in the engine now (each of any number of prompts and samples)."""
+        return len(self._live)
+
     async def drain(self, timeout: float) -> None:
         """The graceful shutdown's first part (SIGTERM): from now on new requests get 503 and
         ``/ready`` 503; the live ones may finish for up to ``timeout`` seconds; then each one

@@ -59,7 +59,7 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         self._signalled = True
-        live = len(self.api._live)
+        live = self.api.num_live_requests
         print(f"kvserve: {name}: shutting down; no new requests, {live} live request(s) may finish within "
               f"{self.shutdown_timeout:g} s (send it again to exit at once)", file=sys.stderr, flush=True)
         self._loop.call_soon_threadsafe(self._start_drain)
