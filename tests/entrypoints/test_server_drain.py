@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -161,7 +162,7 @@ def test_sigterm_drains_live_streams_then_exits(tiny_folder):
         s.kill()
 
 
-def test_idle_server_exits_at_once_and_a_second_sigterm_forces_it(tiny_folder):
+def test_idle_server_exits_at_once_and_a_second_sigterm_forces_it(tiny_folder, tmp_path):
     s = CLIServer(tiny_folder, "--shutdown-timeout", "60")
     try:
         out, started = {}, threading.Event()
@@ -181,9 +182,30 @@ def test_idle_server_exits_at_once_and_a_second_sigterm_forces_it(tiny_folder):
         assert not t.is_alive()
     finally:
         s.kill()
-    # with nothing live, the first SIGTERM exits at once, 0
-    s = CLIServer(tiny_folder, "--shutdown-timeout", "60")
+    # with nothing live, the first SIGINT exits at once, 0 (this server also checks that the
+    # key and per-user options of the command line reach the app)
+    keys = tmp_path / "keys"
+    keys.write_text("alice:k-alice\nbob:k-bob\n")
+    s = CLIServer(tiny_folder, "--shutdown-timeout", "60", "--api-key-file", str(keys),
+                  "--max-requests-per-user", "1")
     try:
+        def post(key):
+            return httpx.post(s.base + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=30,
+                              headers={"Authorization": f"Bearer {key}"})
+
+        assert post("nope").status_code == 401
+        body = json.dumps({**LONG, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer k-alice\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            r = post("k-alice")
+            assert r.status_code == 429 and r.headers["retry-after"] == "1" and "'alice'" in r.text, r.text
+            assert post("k-bob").status_code == 200
+        deadline = time.monotonic() + 10  # the killed client's request ends, alice's count with it
+        while post("k-alice").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGINT)
         assert s.wait(20) == 0
