@@ -34,7 +34,8 @@ class ServerThread:
     """``build_app(engine)`` on uvicorn, on a free loopback port, in a daemon thread.
 
     ``engine``: an ``LLMEngine`` (stepped in a thread), or ``EngineArgs`` / a ``CoreClient``
-    (the engine core in its own process).
+    (the engine core in its own process). ``uvicorn_options`` go to ``uvicorn.Config``, the
+    other keyword arguments to ``build_app``.
 
     Attributes:
         base_url: ``http://127.0.0.1:PORT``.
@@ -42,7 +43,7 @@ class ServerThread:
     """
 
     def __init__(self, engine, names: Sequence[str] = ("test-model",), api_key: Optional[str] = None,
-                 **kwargs) -> None:
+                 uvicorn_options: Optional[dict] = None, **kwargs) -> None:
         from kvserve.entrypoints.openai import build_app
 
         app = build_app(engine, list(names), api_key=api_key, **kwargs)
@@ -50,7 +51,7 @@ class ServerThread:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, **(uvicorn_options or {}))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 

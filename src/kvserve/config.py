@@ -371,7 +371,8 @@ class SchedulerConfig:
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_num_seqs: most requests running at once.
         max_model_len: longest sequence (prompt + output tokens).
-        max_waiting: most requests queued before new ones are refused (0 = unbounded).
+        max_waiting: most requests waiting to start before new ones are refused (0 = unbounded;
+            see :class:`kvserve.engine.args.EngineArgs`).
     """
 
     max_num_batched_tokens: int = 2048

@@ -532,6 +532,47 @@ def test_queue_full_503(tiny_folder):
         assert first["r"].usage.completion_tokens == 2
 
 
+def test_max_waiting_counts_only_requests_waiting_to_start(tiny_folder):
+    """Forked samples waiting for their first step do not fill the queue (issue #21: 503s while
+    sequence slots were free); requests none of whose sequences has started do."""
+    with ServerThread(_engine(tiny_folder, max_num_seqs=8, max_waiting=2), names=["tiny"]) as s:
+        s.api.async_engine.pause()  # (commands still run: requests are queued, no step is taken)
+
+        def forked(e):  # a group of 6 samples: its prompt computed, the 5 others forked, waiting
+            e.add_request([5, 6, 7], SamplingParams(max_tokens=50, n=6, ignore_eos=True), request_id="forks")
+            e.step()
+            return len(e.scheduler.waiting), len(e.scheduler.running), e.scheduler.num_waiting_to_start()
+
+        assert s.engine_call(forked) == (5, 1, 0)  # 5 waiting sequences, 7 free slots: none waits to start
+        done = []
+        threads = [threading.Thread(target=lambda: done.append(httpx.post(
+            s.base_url + "/v1/completions", json={"prompt": [8, 9], "max_tokens": 2}, timeout=60)))
+            for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while s.engine_call(lambda e: e.scheduler.num_waiting_to_start()) < 2:
+            assert time.monotonic() < deadline and not done, done  # (not refused)
+            time.sleep(0.01)
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": [8, 9], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        assert "max_waiting=2): 2 requests wait to start" in r.json()["error"]["message"]
+        s.engine_call(lambda e: e.abort_request("forks"))
+        s.api.async_engine.resume()
+        for t in threads:
+            t.join(30)
+        assert [r.status_code for r in done] == [200, 200]
+
+
+def test_serve_max_waiting_defaults_to_the_pool():
+    from kvserve.entrypoints.cli import build_parser
+    from kvserve.entrypoints.openai.cli import MAX_WAITING_PER_SEQ, serve_max_waiting
+
+    assert serve_max_waiting(build_parser().parse_args(["serve"])) == MAX_WAITING_PER_SEQ * 128 == 512
+    assert serve_max_waiting(build_parser().parse_args(["serve", "--max-num-seqs", "16"])) == 64
+    assert serve_max_waiting(build_parser().parse_args(["serve", "--max-waiting", "0"])) == 0  # unbounded
+
+
 def test_batch_that_overfills_the_queue_runs_nothing(tiny_folder):
     with ServerThread(_engine(tiny_folder, num_blocks=64, max_waiting=2), names=["tiny"]) as s:
         s.api.async_engine.pause()  # nothing leaves the waiting queue
@@ -692,7 +733,7 @@ def test_cli_has_serve_and_bench():
     from kvserve.entrypoints.cli import build_parser
 
     a = build_parser().parse_args(["serve", "--port", "8123", "--served-model-name", "a", "b", "--api-key", "k"])
-    assert a.host == "127.0.0.1" and a.port == 8123 and a.served_model_name == ["a", "b"] and a.api_key == "k"
+    assert a.host == "127.0.0.1" and a.port == 8123 and a.served_model_name == ["a", "b"] and a.api_key == ["k"]
     b = build_parser().parse_args(["bench", "serve", "--max-concurrency", "8", "--request-rate", "4"])
     assert b.max_concurrency == 8 and b.request_rate == 4.0 and b.dataset == "random"
 

@@ -253,9 +253,10 @@ TOOL_BAD = [
     ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "tools[1].function.name 'get_weather' is "
                                                                          "given twice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
-      "tool_choice": "required"}, "tools", "tools: a function's parameters: invalid JSON schema"),
-    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, "tools",
-     "tools[1] (f): tools: a function's parameters: invalid JSON schema"),  # auto: checked, though not compiled
+      "tool_choice": "required"}, "tools[0].function.parameters",
+     "tools[0] (f): tools: a function's parameters: invalid JSON schema"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     "tools[1].function.parameters", "tools[1] (f): tools: a function's parameters: invalid JSON schema"),  # auto: checked, though not compiled
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid value for 'parallel_tool_calls'"),
     ({"parallel_tool_calls": True}, "parallel_tool_calls", "parallel_tool_calls is only allowed when 'tools' are given"),
     ({"tools": [], "parallel_tool_calls": False}, "parallel_tool_calls", "only allowed when 'tools' are given"),

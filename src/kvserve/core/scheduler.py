@@ -149,6 +149,12 @@ class Scheduler:
         self.waiting.insert(bisect.bisect_right(keys, self._order(req)), req)
         self._waiting_users[req.user] += 1
 
+    def num_waiting_to_start(self) -> int:
+        """The requests waiting that have not started: groups none of whose sequences has been
+        scheduled yet (not preempted requests, not the forked samples of a started group), the
+        count ``max_waiting`` bounds."""
+        return sum(1 for r in self.waiting if r.sample_index == 0 and r.metrics.first_scheduled_time is None)
+
     def _pop_waiting(self, index: int) -> Request:
         req = self.waiting.pop(index)
         self._waiting_users[req.user] -= 1

@@ -82,6 +82,10 @@ class EngineArgs:
         max_model_len: longest sequence in tokens (default: min(model's context, 4096)).
         max_num_batched_tokens: per-step token budget.
         max_num_seqs: most running sequences.
+        max_waiting: most requests waiting to start (none of their sequences scheduled yet;
+            preempted requests and forked samples do not count) before new ones are refused
+            with ``QueueFullError`` (0: unbounded, offline's default; ``kvserve serve``'s is
+            ``4 × max_num_seqs``).
         enable_prefix_caching: reuse cached prompt KV (off for models whose every layer has a
             sliding window, whose blocks before the window are freed instead).
         quantization: None, or "int8" for weight-only int8 linears.

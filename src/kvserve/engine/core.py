@@ -302,7 +302,10 @@ class EngineCore:
             ValueError: empty prompt, token id outside the vocabulary, prompt or
                 prompt + max_tokens longer than ``max_model_len``, a request larger than
                 the whole KV pool, or more beams than ``max_num_seqs``.
-            QueueFullError: the waiting queue holds ``max_waiting`` requests.
+            QueueFullError: ``max_waiting`` requests wait to start
+                (:meth:`Scheduler.num_waiting_to_start
+                <kvserve.core.scheduler.Scheduler.num_waiting_to_start>`: preempted requests and
+                forked samples do not count).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -366,8 +369,12 @@ class EngineCore:
                     f"{group_need} KV blocks side by side, but the whole KV cache has {self.kv.num_blocks} blocks "
                     f"({self.kv_spec.capacity_tokens} tokens)"
                 )
-        if self.args.max_waiting and len(self.scheduler.waiting) >= self.args.max_waiting:
-            raise QueueFullError(f"the waiting queue is full (max_waiting={self.args.max_waiting})")
+        if self.args.max_waiting:
+            # the requests actually waiting: not preempted ones, not forked samples
+            waiting = self.scheduler.num_waiting_to_start()
+            if waiting >= self.args.max_waiting:
+                raise QueueFullError(f"the waiting queue is full (max_waiting={self.args.max_waiting}): {waiting} "
+                                     f"requests wait to start")
         return max_tokens
 
     def add_request(self, request: EngineCoreRequest) -> str:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API on FastAPI.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, POST /tokenize, POST /detokenize, GET /version; the web page (``/``, its
-dashboard's ``/dashboard/stats``) and the API docs (``/docs``), all offline
-(:mod:`kvserve.entrypoints.openai.web`).
+GET /ready, GET /metrics, POST /tokenize, POST /detokenize, GET /version; the web page (``/``,
+its dashboard's ``/dashboard/stats``) and the API docs (``/docs``), all offline
+(:mod:`kvserve.entrypoints.openai.web`). Request-level guards (the Host check, JSON-only bodies,
+CORS, the key on /metrics and the docs, list caps, tool schemas, liveness, time-outs) are in
+:mod:`kvserve.entrypoints.openai.guards`.
 
 A handler parses and checks the request (strict types, value ranges, prompt size) on the
 event loop, tokenizes in a worker thread, hands the token ids to the :class:`AsyncEngine`
@@ -35,13 +37,14 @@ invalid parameter (``param`` names it: an invalid JSON schema, regex or grammar 
 ``response_format``, ``structured_outputs`` or ``tools``), a prompt beyond the context window or
 a request for what is not supported (OpenAI's deprecated ``functions``, tools on
 /v1/completions, vLLM's removed ``guided_*`` fields; code ``unsupported_parameter``), 401
-for a missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 503
-when the waiting queue is full.
+for a missing or wrong API key, 404 for an unknown model, 408 for a request past its time-out,
+413 for an oversized body, 415 for a body that is not JSON, 503 when the waiting queue is full.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import json
 import logging
@@ -58,7 +61,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvserve.engine.llm_engine import LLMEngine, QueueFullError
+from kvserve.entrypoints.openai.guards import (
+    DEFAULT_HEALTH_TIMEOUT,
+    check_caps,
+    check_tool_schemas,
+    engine_unhealthy,
+    install_guards,
+    request_deadline,
+    timeout_error,
+)
 from kvserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.entrypoints.openai.quotas import ApiKeys, UserQuotas, api_key_users, find_key, request_tokens
 from kvserve.core.request import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.engine.args import EngineArgs
@@ -98,6 +111,11 @@ logger = logging.getLogger("kvserve.entrypoints.openai")
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 MAX_BATCH_PROMPTS = 256
 _DISCONNECTED = object()
+_DRAINED = object()  # put on a live request's queue when the shutdown's grace period is over
+#: (deadline, time-out) of the request being handled (set by _parse, read by _submit)
+_DEADLINE: contextvars.ContextVar[Optional[tuple[float, float]]] = contextvars.ContextVar("deadline", default=None)
+#: the user name of the request's API key (set by _parse; None: the 'user' field names the user)
+_KEY_USER: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("key_user", default=None)
 
 
 def _dumps(obj: Any) -> str:
@@ -124,7 +142,7 @@ class _AbortOnClose(StreamingResponse):
             self._on_close()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # (hashed by identity: OpenAIServer._live)
 class _Submitted:
     """The engine requests of one HTTP request (one per prompt) and their shared queue."""
 
@@ -133,6 +151,9 @@ class _Submitted:
     queue: asyncio.Queue
     engine: AsyncEngine
     finished: set = dataclasses.field(default_factory=set)
+    deadline: Optional[float] = None  # time.monotonic() past which the request times out (408)
+    timeout: Optional[float] = None  # its time-out in seconds
+    charge: Any = None  # what it holds of its user's quotas (quotas.Charge), released by _close
 
     def abort_unfinished(self) -> None:
         for i, rid in enumerate(self.request_ids):
@@ -145,7 +166,7 @@ class _Submitted:
         return len(self.finished) == len(self.request_ids)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _ThinkingRelay(_Submitted):
     """A chat request under a thinking budget: its thinking and its answer are two engine
     requests, whose outputs a task relays to :attr:`queue` as one reply's (see
@@ -165,6 +186,11 @@ class _ThinkingRelay(_Submitted):
 class OpenAIServer:
     """The API's state and handlers around one engine.
 
+    ``quotas`` (a :class:`~kvserve.entrypoints.openai.quotas.UserQuotas`), ``health_timeout`` and
+    ``request_timeout`` (attributes, set by :func:`build_app`): see
+    :func:`~kvserve.entrypoints.openai.guards.engine_unhealthy` and
+    :func:`~kvserve.entrypoints.openai.guards.request_deadline`.
+
     Args:
         engine: an :class:`LLMEngine` (stepped in a thread of this process, :class:`AsyncEngine`;
             from :meth:`start` on owned by that thread), a started
@@ -173,7 +199,9 @@ class OpenAIServer:
             (engine replicas on Ray Serve, :class:`~kvserve.entrypoints.openai.replica_engine.ReplicatedAsyncEngine`:
             the metrics then carry a ``replica`` label, ``/health`` lists the replicas).
         served_model_names: names clients may use in ``model``; the first is reported.
-        api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``.
+        api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer KEY``:
+            one key, several (each a user), or key → user name (see
+            :mod:`kvserve.entrypoints.openai.quotas`).
         max_body_bytes: larger request bodies get 413 before they are read.
         tool_call_parser: the :data:`~kvserve.entrypoints.openai.tool_parsers.TOOL_PARSERS` name of the
             parser that reads the model's tool calls under ``tool_choice: "auto"``.
@@ -187,7 +215,12 @@ class OpenAIServer:
         ValueError: no served model name, or an unknown ``tool_call_parser`` or ``reasoning_parser``.
     """
 
-    def __init__(self, engine: LLMEngine | CoreClient | ReplicaPool, served_model_names: Sequence[str], api_key: Optional[str] = None,
+    health_timeout: float = DEFAULT_HEALTH_TIMEOUT
+    request_timeout: Optional[float] = None
+    #: set by :meth:`drain`: new requests get 503, ``/ready`` answers 503
+    draining: bool = False
+
+    def __init__(self, engine: LLMEngine | CoreClient | ReplicaPool, served_model_names: Sequence[str], api_key: ApiKeys = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = DEFAULT_TOOL_PARSER,
                  reasoning_parser: Optional[str] = None, chat_template: Optional[str] = None,
                  generation_defaults: Optional[dict] = None) -> None:
@@ -200,7 +233,9 @@ class OpenAIServer:
         self.engine = engine
         self.model_names = list(served_model_names)
         self.model_name = self.model_names[0]
-        self.api_key = api_key
+        self.api_keys = api_key_users(api_key)  # key -> its user name (None: the 'user' field's)
+        self.api_key = next(iter(self.api_keys), None)  # (a key, or None: no key needed)
+        self.quotas = UserQuotas()  # (its limits: set by build_app)
         self.max_body_bytes = max_body_bytes
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -222,6 +257,7 @@ class OpenAIServer:
         self.max_prompt_chars = self.max_model_len * max(longest, 16)
         self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
         self.created = int(time.time())
+        self._live: set[_Submitted] = set()  # the HTTP requests in the engine (see drain)
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ app
@@ -241,7 +277,7 @@ class OpenAIServer:
 
         @app.exception_handler(APIError)
         async def api_error(_: Request, e: APIError):
-            return JSONResponse(e.to_dict(), status_code=e.status)
+            return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(_: Request, e: StarletteHTTPException):
@@ -258,6 +294,7 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
+        app.get("/ready")(self.ready)
         app.get("/metrics")(self.metrics_endpoint)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
@@ -266,14 +303,23 @@ class OpenAIServer:
         return app
 
     # -------------------------------------------------------------- helpers
-    def _auth(self, request: Request) -> None:
-        if self.api_key is None:
-            return
+    def _auth(self, request: Request) -> Optional[str]:
+        """Check the API key; returns its user name (None: no key needed, or an unnamed one)."""
+        if not self.api_keys:
+            return None
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != self.api_key:
+        key = find_key(self.api_keys, token.strip()) if scheme.lower() == "bearer" else None
+        if key is None:
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key")
+        return self.api_keys[key]
+
+    def _user(self, req) -> Optional[str]:
+        """The request's user (quotas, fair share): its key's name where keys have names, else
+        its 'user' field (see :mod:`kvserve.entrypoints.openai.quotas`)."""
+        key_user = _KEY_USER.get()
+        return key_user if key_user is not None else req.user
 
     def _check_model(self, model: Optional[str]) -> None:
         if model is not None and model not in self.model_names:
@@ -299,11 +345,39 @@ class OpenAIServer:
         return b"".join(chunks)
 
     async def _parse(self, cls, request: Request):
-        self._auth(request)
+        _KEY_USER.set(self._auth(request))
+        if self.draining:
+            raise APIError(503, "the server is shutting down and accepts no new requests; retry on another "
+                           "instance", type="server_error", code="draining")
         body = await self._body(request)
         if len(body) > (1 << 20):  # big bodies are parsed off the event loop
-            return await asyncio.to_thread(parse_request, cls, body)
-        return parse_request(cls, body)
+            req = await asyncio.to_thread(parse_request, cls, body)
+        else:
+            req = parse_request(cls, body)
+        check_caps(req, self.max_model_len)  # (400 naming a list that is too long)
+        _DEADLINE.set(request_deadline(req, self.request_timeout))
+        return req
+
+    async def _next(self, sub: _Submitted) -> tuple:
+        """The next ``(tag, output)`` of ``sub``'s queue.
+
+        Raises:
+            APIError: 408 when the request's time-out passes first, 503 when the server's
+                shutdown ends it (:meth:`drain`); its requests are aborted.
+        """
+        if sub.deadline is None:
+            item = await sub.queue.get()
+        else:
+            try:
+                item = await asyncio.wait_for(sub.queue.get(), max(0.0, sub.deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                sub.abort_unfinished()
+                raise timeout_error(sub.timeout) from None
+        if item[1] is _DRAINED:
+            sub.abort_unfinished()
+            raise APIError(503, "the server shut down before this request finished (its shutdown time-out "
+                           "passed); retry on another instance", type="server_error", code="shutdown")
+        return item
 
     def _check_chars(self, n_chars: int, param: str) -> None:
         if n_chars > self.max_prompt_chars:
@@ -362,16 +436,11 @@ class OpenAIServer:
         """
         params = to_sampling_params(req, max_tokens, logprobs, self.tokenizer, renames, self.generation_defaults)
         tool = tool_call_spec(req) if isinstance(req, ChatCompletionRequest) else None
-        if tool is not None and not tool.forced:  # auto: the parameters are not compiled to a grammar, but checked
-            for i, t in enumerate(tool.tools):
-                schema = t["function"].get("parameters") or {"type": "object", "properties": {}}
-                try:
-                    self.engine.structured_output.compile(StructuredOutputsParams(json=schema,
-                                                                                  disable_any_whitespace=True))
-                except ValueError as e:
-                    err = structured_output_error(e, "tools")
-                    err.message = f"tools[{i}] ({t['function']['name']}): {err.message}"
-                    raise err from None
+        if tool is not None:  # each function's parameters checked alone (auto: not compiled to a grammar)
+            names = [t["function"]["name"] for t in tool.tools]
+            check_tool_schemas(tool.tools, [names.index(tool.name)] if tool.name is not None else range(len(names)),
+                               lambda schema: self.engine.structured_output.compile(
+                                   StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
         if params.structured_outputs is not None:
             rf = req.response_format
             field = "response_format" if isinstance(rf, dict) and rf.get("type") != "text" else "structured_outputs"
@@ -411,6 +480,9 @@ class OpenAIServer:
         q: asyncio.Queue = asyncio.Queue()
         rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         sub = _Submitted(rids, prompts, q, self.async_engine)
+        deadline = _DEADLINE.get()
+        if deadline is not None:
+            sub.deadline, sub.timeout = deadline
         try:
             await self.async_engine.add_requests([(rid, ids, i) for i, (rid, ids) in enumerate(zip(rids, prompts))],
                                                  params, q, priority=priority, cache_salt=cache_salt, arrival=arrival,
@@ -429,7 +501,7 @@ class OpenAIServer:
         finals: list[Optional[RequestOutput]] = [None] * len(sub.request_ids)
         try:
             while not sub.done:
-                tag, out = await sub.queue.get()
+                tag, out = await self._next(sub)
                 if out is _DISCONNECTED:
                     sub.abort_unfinished()
                     raise APIError(499, "client disconnected")
@@ -442,8 +514,54 @@ class OpenAIServer:
                     sub.finished.add(tag)
         finally:
             watcher.cancel()
-            sub.abort_unfinished()
+            self._close(sub)
         return finals  # type: ignore[return-value]
+
+    async def _start(self, user: Optional[str], prompts: list[list[int]], params: SamplingParams,
+                     submit: Callable[[], Any]) -> _Submitted:
+        """Charge ``user``'s quotas (429 over one), then ``await submit()``: the live request."""
+        charge = (self.quotas.charge(user, request_tokens(prompts, params, self.max_model_len))
+                  if self.quotas.enabled else None)
+        try:
+            sub = await submit()
+        except BaseException:
+            self.quotas.release(charge)
+            raise
+        sub.charge = charge
+        self._live.add(sub)
+        return sub
+
+    def _close(self, sub: _Submitted) -> None:
+        """The end of an HTTP request's engine requests: the unfinished aborted, no longer live,
+        its quotas released."""
+        sub.abort_unfinished()
+        self._live.discard(sub)
+        self.quotas.release(sub.charge)
+
+    @property
+    def num_live_requests(self) -> int:
+        """HTTP requests in the engine now (each of any number of prompts and samples)."""
+        return len(self._live)
+
+    async def drain(self, timeout: float) -> None:
+        """The graceful shutdown's first part (SIGTERM): from now on new requests get 503 and
+        ``/ready`` 503; the live ones may finish for up to ``timeout`` seconds; then each one
+        left is aborted in the engine and ends with a 503 error (streamed: an error event, then
+        ``data: [DONE]``). Returns once every live request has ended (or 5 s more passed)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self._live:
+            logger.warning("shutting down: waiting up to %g s for %d live request(s)", timeout, len(self._live))
+        while self._live and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._live:
+            logger.warning("shutdown time-out: ending %d live request(s) with an error", len(self._live))
+            for sub in list(self._live):
+                sub.queue.put_nowait((None, _DRAINED))
+            deadline = loop.time() + 5.0
+            while self._live and loop.time() < deadline:
+                await asyncio.sleep(0.02)
 
     def _usage(self, sub: _Submitted, finals: Sequence[Optional[RequestOutput]]) -> dict:
         prompt = sum(len(p) for p in sub.prompt_ids)
@@ -501,7 +619,11 @@ class OpenAIServer:
             for c in opening:
                 yield _sse({**head, "choices": [c]})
             while not sub.done:
-                tag, out = await sub.queue.get()
+                try:
+                    tag, out = await self._next(sub)
+                except APIError as e:  # timed out: an error event, then [DONE]
+                    yield _sse(e.to_dict())
+                    break
                 if isinstance(out, Exception):
                     yield _sse(self._engine_error(out, prompt_param).to_dict())
                     break
@@ -532,7 +654,7 @@ class OpenAIServer:
     async def models(self, request: Request):
         self._auth(request)
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "kvserve",
-                 "root": str(self.engine.model_path), "max_model_len": self.max_model_len}
+                 "root": name, "max_model_len": self.max_model_len}
                 for name in self.model_names]
         return {"object": "list", "data": data}
 
@@ -540,8 +662,18 @@ class OpenAIServer:
         states = getattr(self.async_engine, "replica_states", None)
         if states is not None:  # replicas: each one's state (200 while requests can be served)
             return JSONResponse({"replicas": states()}, status_code=200 if self.async_engine.is_running else 503)
-        if not self.async_engine.is_running:
-            err = APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+        err = engine_unhealthy(self.async_engine, self.health_timeout)
+        if err is not None:
+            return JSONResponse(err.to_dict(), status_code=503)
+        return Response(status_code=200)
+
+    async def ready(self):
+        """Kubernetes' readiness probe: 200 while new requests can be served (the engine loaded,
+        running, making progress, the server not draining), else 503."""
+        err = engine_unhealthy(self.async_engine, self.health_timeout)
+        if err is None and getattr(self, "draining", False):
+            err = APIError(503, "the server is shutting down", type="server_error", code="draining")
+        if err is not None:
             return JSONResponse(err.to_dict(), status_code=503)
         return Response(status_code=200)
 
@@ -613,14 +745,16 @@ class OpenAIServer:
             except APIError as e:
                 raise (_in_batch(e, i) if len(ids_list) > 1 else e) from None
         base = f"cmpl-{uuid.uuid4().hex}"
-        sub = await self._submit(base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt", echo_only,
-                                 streaming=bool(req.stream), user=req.user)
+        user = self._user(req)
+        sub = await self._start(user, ids_list, params, lambda: self._submit(
+            base, ids_list, params, req.priority, req.cache_salt, arrival, "prompt", echo_only,
+            streaming=bool(req.stream), user=user))
         created = int(time.time())
         if req.echo:
             texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list)]
         if req.stream:
             gen = self._stream_completion(sub, req, params, base, created, texts)
-            return _AbortOnClose(gen, sub.abort_unfinished)
+            return _AbortOnClose(gen, lambda: self._close(sub))
         finals = await self._collect(sub, request)
         if echo_only:
             finals = [dataclasses.replace(out, outputs=[
@@ -757,18 +891,21 @@ class OpenAIServer:
         ids, _ = self._truncate(ids, None, params)
         self._check_length(ids, "messages")
         base = f"chatcmpl-{uuid.uuid4().hex}"
+        user = self._user(req)
         if req.max_thinking_tokens is not None:
-            sub = await self._submit_thinking(base, ids, params, req, arrival)
+            sub = await self._start(user, [ids], params, lambda: self._submit_thinking(base, ids, params, req, arrival,
+                                                                                       user))
         else:
-            sub = await self._submit(base, [ids], params, req.priority, req.cache_salt, arrival, "messages",
-                                     streaming=bool(req.stream), user=req.user)
+            sub = await self._start(user, [ids], params, lambda: self._submit(
+                base, [ids], params, req.priority, req.cache_salt, arrival, "messages",
+                streaming=bool(req.stream), user=user))
         created = int(time.time())
         echo = ""
         if req.echo and msgs[-1]["role"] == ("assistant" if add_gen else msgs[-1]["role"]):
             echo = msgs[-1]["content"]
         if req.stream:
             gen = self._stream_chat(sub, req, params, base, created, echo, tool, parser, reasoning)
-            return _AbortOnClose(gen, sub.abort_unfinished)
+            return _AbortOnClose(gen, lambda: self._close(sub))
         finals = await self._collect(sub, request)
         out = finals[0]
         choices = []
@@ -894,7 +1031,7 @@ class OpenAIServer:
                                 "'required' or a named function)", param="max_thinking_tokens", code="invalid_value")
 
     async def _submit_thinking(self, base: str, ids: list[int], params: SamplingParams,
-                               req: ChatCompletionRequest, arrival: float) -> _ThinkingRelay:
+                               req: ChatCompletionRequest, arrival: float, user: Optional[str]) -> _ThinkingRelay:
         """Start a reply under ``req.max_thinking_tokens``: the thinking phase is submitted now
         (its errors are this request's), the rest runs in :meth:`_think_then_answer`."""
         end = self.reasoning_parser_cls.end
@@ -903,14 +1040,14 @@ class OpenAIServer:
         budget = max(1, min(req.max_thinking_tokens, room, params.max_tokens or room))
         think = dataclasses.replace(params, max_tokens=budget, min_tokens=0, stop=[end], stop_token_ids=None,
                                     include_stop_str_in_output=True, structured_outputs=None)
-        phase = await self._submit(base, [ids], think, req.priority, req.cache_salt, arrival, "messages", user=req.user)
+        phase = await self._submit(base, [ids], think, req.priority, req.cache_salt, arrival, "messages", user=user)
         relay = _ThinkingRelay([base], [ids], asyncio.Queue(), self.async_engine, current=base)
-        relay.task = asyncio.create_task(self._think_then_answer(relay, phase, ids, params, end, end_ids, req))
+        relay.task = asyncio.create_task(self._think_then_answer(relay, phase, ids, params, end, end_ids, req, user))
         return relay
 
     async def _think_then_answer(self, relay: _ThinkingRelay, phase: _Submitted, ids: list[int],
                                  params: SamplingParams, end: str, end_ids: list[int],
-                                 req: ChatCompletionRequest) -> None:
+                                 req: ChatCompletionRequest, user: Optional[str]) -> None:
         """Relay the thinking's outputs as the reply's (not finished); then, with ``end``
         appended if the model did not write it (its EOS dropped), submit the answer from the
         prompt and the thinking (the prefix cache holds their K/V) with what is left of
@@ -951,7 +1088,7 @@ class OpenAIServer:
                                                                      min_tokens=min(params.min_tokens, left))
             relay.current = f"{relay.request_ids[0]}-answer"
             second = await self._submit(relay.current, [ids + tokens], answer, req.priority, req.cache_salt,
-                                        time.perf_counter(), "messages", user=req.user)
+                                        time.perf_counter(), "messages", user=user)
             while True:
                 _, a = await second.queue.get()
                 if isinstance(a, Exception) or a.error is not None:
@@ -1054,9 +1191,12 @@ def _version() -> str:
 
 
 def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: Sequence[str] | str | None = None,
-              api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              api_key: ApiKeys = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               tool_call_parser: str = DEFAULT_TOOL_PARSER, reasoning_parser: Optional[str] = None,
-              chat_template: Optional[str] = None, generation_defaults: Optional[dict] = None) -> FastAPI:
+              chat_template: Optional[str] = None, generation_defaults: Optional[dict] = None,
+              health_timeout: float = DEFAULT_HEALTH_TIMEOUT, request_timeout: Optional[float] = None,
+              max_requests_per_user: Optional[int] = None, max_tokens_in_flight_per_user: Optional[int] = None,
+              **guard_options) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     ``engine`` is an :class:`LLMEngine` (its step loop runs in a thread of this process, started
@@ -1065,7 +1205,9 @@ def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: S
     process; this returns once it has loaded the model). The lifespan's end stops the thread or
     the core process.
 
-    The :class:`OpenAIServer` is at ``app.state.server``; the other arguments are its own.
+    The :class:`OpenAIServer` is at ``app.state.server``; the other arguments are its own, but
+    ``guard_options``, which go to :func:`kvserve.entrypoints.openai.guards.install_guards` (Host
+    check, content types, CORS, the key on /metrics and the docs, time-outs).
 
     Raises:
         ValueError: an unknown ``tool_call_parser`` or ``reasoning_parser``; from :class:`EngineArgs`, what the core
@@ -1086,4 +1228,7 @@ def build_app(engine: LLMEngine | CoreClient | EngineArgs, served_model_names: S
             client.shutdown(timeout=5.0)
         raise
     server.app.state.server = server
+    server.health_timeout, server.request_timeout = health_timeout, request_timeout
+    server.quotas = UserQuotas(max_requests_per_user, max_tokens_in_flight_per_user)
+    install_guards(server, api_key=api_key, **guard_options)
     return server.app

@@ -125,6 +125,10 @@ class AsyncEngine:
         self._prefix_hits = 0
         self._last_q = 0
         self._last_h = 0
+        # the step heartbeat (see stalled_for): when the engine last made progress, or
+        # became busy after being idle; whether it has work pending
+        self._last_beat = time.monotonic()
+        self._busy = False
 
     # ------------------------------------------------------------ lifecycle
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
@@ -146,6 +150,17 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.fatal_error is None
+
+    @property
+    def busy(self) -> bool:
+        """Whether the engine has requests it has not finished."""
+        return self._busy
+
+    @property
+    def stalled_for(self) -> float:
+        """Seconds since the engine last made a step while requests are pending (0 when it has
+        nothing to do): the heartbeat behind ``/health``'s ``--health-timeout``."""
+        return time.monotonic() - self._last_beat if self.busy else 0.0
 
     # -------------------------------------------------------------- commands
     async def add_request(
@@ -284,7 +299,11 @@ class AsyncEngine:
                     self._stop_all()
                     return
                 self._handle(cmd)
-            if self._paused or not engine.has_unfinished_requests():
+            busy = engine.has_unfinished_requests()
+            if not busy or not self._busy:  # idle, or work just arrived: the heartbeat starts now
+                self._last_beat = time.monotonic()
+            self._busy = busy
+            if self._paused or not busy:
                 self._update_gauges()
                 continue
             try:
@@ -292,9 +311,12 @@ class AsyncEngine:
             except Exception as e:  # a bug: fail the live requests, keep serving new ones
                 logger.exception("engine step failed; failing %d live request(s)", len(self._tracks))
                 self._fail_all(e)
+                self._busy = engine.has_unfinished_requests()
                 if not engine.is_healthy():  # a worker died: /health answers 503 from now on
                     self.fatal_error = e
                 continue
+            self._last_beat = time.monotonic()
+            self._busy = engine.has_unfinished_requests()  # (the loop may block next: no stale busy)
             self._dispatch(outputs)
             self._update_gauges()
 
@@ -680,8 +702,14 @@ class MPAsyncEngine(AsyncEngine):
         self.client.send(("resume",))
 
     # ------------------------------------------------- the reader thread's side
+    @property
+    def busy(self) -> bool:
+        return bool(self._tracks)
+
     def _on_message(self, msg: tuple) -> None:
         kind = msg[0]
+        if kind in ("outputs", "stats", "step_failed"):  # the core sends one after each step (or when idle)
+            self._last_beat = time.monotonic()
         if kind == "outputs":
             self._call_soon(self._on_outputs, msg[1], msg[2])
         elif kind == "stats":
@@ -742,6 +770,8 @@ class MPAsyncEngine(AsyncEngine):
         if error is not None:
             fut.set_exception(error)
             return
+        if not self._tracks:  # work arrives at an idle engine: the heartbeat starts now
+            self._last_beat = time.monotonic()
         for (rid, _, tag), r in zip(items, reqs):
             params = r.sampling_params
             self.output_processor.add_request(rid, r.prompt_token_ids, r.prompt, params)

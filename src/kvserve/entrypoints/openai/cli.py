@@ -8,7 +8,12 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
+
+#: ``kvserve serve``'s default ``--max-waiting``: this many times ``--max-num-seqs`` (a full
+#: batch runs while a few more batches' worth of requests wait; more get 503 at once instead of
+#: waiting minutes)
+MAX_WAITING_PER_SEQ = 4
 
 
 def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser], None],
@@ -24,9 +29,59 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model file's name); the first is reported")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
-    p.add_argument("--max-waiting", type=int, default=0,
-                   help="most requests waiting for a slot before new ones get 503 (default 0: unbounded)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: none); repeat it for several keys, "
+                        "each then a user of its own for the per-user limits and the scheduler's fair share")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read API keys from FILE, one per line, 'NAME:KEY' to name the key's user (lines starting "
+                        "with # skipped); with several keys or named ones a request's user is its key's, and its "
+                        "'user' field is ignored")
+    g = p.add_argument_group("per-user limits (a user: the key's, else the request's 'user' field; "
+                             "requests without one are one anonymous user)")
+    g.add_argument("--max-requests-per-user", type=int, default=None, metavar="N",
+                   help="most requests of one user in flight; more get 429 with Retry-After (default: no limit)")
+    g.add_argument("--max-tokens-in-flight-per-user", type=int, default=None, metavar="N",
+                   help="most tokens of one user's requests in flight, each counting its prompt tokens + "
+                        "max_tokens × n (without max_tokens: the rest of the context); more get 429 with "
+                        "Retry-After, a request over it alone 400 (default: no limit)")
+    g = p.add_argument_group("browser-origin safety")
+    g.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
+                   help="host names clients may send in the Host header besides IP addresses, localhost, --host and "
+                        "this machine's name (repeatable or a comma list; '.example.com' allows its subdomains; "
+                        "'*' allows any). Other Hosts get 400: a DNS-rebinding web page cannot reach the server")
+    g.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                   help="web origins (scheme://host[:port], repeatable or a comma list, '*' for any) whose pages "
+                        "may call the API from a browser (CORS); default: none, CORS off")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="leave /metrics and the API docs (/docs, /openapi.json) open when --api-key is set "
+                        "(default: they need the key too)")
+    g = p.add_argument_group("time-outs and liveness")
+    g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="cancel a request (freeing its KV blocks) that has not finished after this many seconds: "
+                        "408, or an error event and [DONE] when streamed; a request's own 'timeout' field "
+                        "(seconds) can shorten it (default: none)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection whose request headers are not complete this many seconds after its "
+                        "first byte (or after it opened, or after the previous response): 408 (default 10)")
+    g.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="close a connection whose request body is not complete this many seconds after its "
+                        "headers: 408, nothing is run (default 60)")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="close an idle kept-alive connection after this many seconds (default 5, uvicorn's)")
+    g.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="most open HTTP connections; a new one beyond them gets 503 and is closed "
+                        "(default: no limit)")
+    g.add_argument("--health-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="/health and /ready answer 503 when the engine has made no step for this many seconds "
+                        "while requests are pending (default 60)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, stop accepting requests (503, /ready 503) and let the live ones "
+                        "finish for up to this many seconds; then end the rest with an error (streamed: an error "
+                        "event and [DONE]) and exit 0. A second signal exits at once (default 30)")
+    p.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                   help="most requests waiting to start (none of their sequences scheduled yet: preempted "
+                        "requests and forked samples do not count) before new ones get 503 (default: "
+                        f"{MAX_WAITING_PER_SEQ} × --max-num-seqs, a few batches' worth; 0: unbounded)")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (default 32 MiB)")
     from kvserve.entrypoints.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
@@ -110,6 +165,56 @@ def check_listen_address(host: str, port: int) -> None:
                 raise ValueError(f"cannot listen on {where} (port {port}): {e.strerror or e}") from None
 
 
+def server_guard_options(a: argparse.Namespace) -> dict:
+    """``build_app``'s guard options from ``kvserve serve``'s, checked before the model loads.
+
+    Raises:
+        ValueError: a bad value, naming the option.
+    """
+    from kvserve.entrypoints.openai.guards import parse_allowed_hosts, parse_origins
+
+    parse_allowed_hosts(a.allowed_hosts)
+    parse_origins(a.allowed_origins)
+    for name in ("request_timeout", "health_timeout", "header_timeout", "body_timeout", "keep_alive_timeout",
+                 "shutdown_timeout"):
+        value = getattr(a, name)
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value}")
+    for name in ("max_connections", "max_requests_per_user", "max_tokens_in_flight_per_user"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
+    return dict(bind_host=a.host, allowed_hosts=a.allowed_hosts, allowed_origins=a.allowed_origins,
+                metrics_public=a.metrics_public, request_timeout=a.request_timeout, health_timeout=a.health_timeout,
+                max_requests_per_user=a.max_requests_per_user,
+                max_tokens_in_flight_per_user=a.max_tokens_in_flight_per_user)
+
+
+def serve_max_waiting(a: argparse.Namespace) -> int:
+    """``--max-waiting``, by default :data:`MAX_WAITING_PER_SEQ` × ``--max-num-seqs``."""
+    return a.max_waiting if a.max_waiting is not None else MAX_WAITING_PER_SEQ * a.max_num_seqs
+
+
+def server_api_keys(a: argparse.Namespace) -> Optional[dict]:
+    """The API keys of ``--api-key`` and ``--api-key-file``: key → user name (None: unnamed).
+
+    Raises:
+        ValueError: an unreadable or malformed file, an empty key, a name used twice.
+    """
+    from kvserve.entrypoints.openai.quotas import api_key_users, read_api_key_file
+
+    keys: dict = {k: None for k in a.api_key or ()}
+    if a.api_key_file is not None:
+        keys.update(read_api_key_file(a.api_key_file))
+    if not keys:
+        return None
+    try:
+        api_key_users(keys)
+    except ValueError as e:
+        raise ValueError(f"--api-key/--api-key-file: {e}") from None
+    return keys
+
+
 def default_served_name(model: str | None, engine) -> str:
     """The name clients use without ``--served-model-name``: a repository id as given (as vLLM
     serves it), else the file or folder's name."""
@@ -148,7 +253,7 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
 
     # before loading the model, which can take a while
     a.model = serve_model(a)
-    args = EngineArgs(model=a.model, dtype=a.dtype, max_waiting=a.max_waiting, **engine_kwargs(a))
+    args = EngineArgs(model=a.model, dtype=a.dtype, max_waiting=serve_max_waiting(a), **engine_kwargs(a))
     args.check(option_names=True)
     if a.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be ≥ 1, got {a.max_body_bytes}")
@@ -156,6 +261,8 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     if a.generation_config not in ("auto", "vllm") and not Path(a.generation_config).expanduser().is_dir():
         raise ValueError(f"--generation-config: {a.generation_config!r} is not 'auto', 'vllm' or a folder")
     check_listen_address(a.host, a.port)
+    guard_options = server_guard_options(a)
+    api_keys = server_api_keys(a)
     from kvserve.worker.loader import resolve_model_path
 
     resolve_model_path(a.model)  # a model that is not there (or not in the HF cache) fails now
@@ -214,9 +321,9 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
             defaults = generation_defaults(engine.model_path, a.generation_config)
         except ValueError as e:
             raise ValueError(str(e).replace("generation_config:", "--generation-config:", 1)) from None
-        app = build_app(engine, names, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+        app = build_app(engine, names, api_key=api_keys, max_body_bytes=a.max_body_bytes,
                         tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
-                        chat_template=chat_template, generation_defaults=defaults)
+                        chat_template=chat_template, generation_defaults=defaults, **guard_options)
         print(f"kvserve: serving {names[0]!r} ({engine.model_path}, {a.dtype}, max_model_len={engine.max_model_len}"
               f"{where}) on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         print(f"kvserve: {kv_description}", file=sys.stderr, flush=True)
@@ -230,8 +337,17 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
             print(f"kvserve: {', '.join(e for e in extras if e)}", file=sys.stderr, flush=True)
         print(f"kvserve: web page (chat, dashboard) at http://{_browser_host(a.host)}:{a.port}/, API docs at /docs",
               file=sys.stderr, flush=True)
-        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
-                    timeout_graceful_shutdown=5)
+        from kvserve.entrypoints.openai.http_guard import guarded_protocol
+
+        from kvserve.entrypoints.openai.shutdown import DrainingServer
+
+        config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=not a.no_access_log,
+                                timeout_graceful_shutdown=5, timeout_keep_alive=a.keep_alive_timeout,
+                                http=guarded_protocol(a.header_timeout, a.body_timeout, a.max_connections))
+        server = DrainingServer(config, app.state.server, a.shutdown_timeout)
+        server.run()
+        if not server.started:  # (uvicorn.run's exit status when it could not start)
+            return 3
     finally:
         if not in_process:  # the core process (already stopped by the app's lifespan; idempotent)
             engine.shutdown(timeout=10.0)

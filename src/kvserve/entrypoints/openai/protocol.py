@@ -41,16 +41,19 @@ class APIError(Exception):
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``...).
         param: the request field at fault, if any.
         code: a machine-readable code, if any.
+        headers: HTTP headers of the response (``Retry-After``...), if any.
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -102,6 +105,7 @@ class _SamplingFields(BaseModel):
     echo: StrictBool = False
     cache_salt: Optional[StrictStr] = Field(default=None, min_length=1)  # vLLM: a non-empty string
     priority: StrictInt = 0
+    timeout: Optional[Number] = None  # kvserve: seconds before the request is cancelled (408)
     # structured output: OpenAI's response_format, vLLM's structured_outputs (checked by structured_outputs_params)
     response_format: Optional[Any] = None
     structured_outputs: Optional[Any] = None
@@ -304,9 +308,11 @@ def tool_call_spec(req: "ChatCompletionRequest") -> Optional[ToolCallSpec]:
     if choice is None or choice == "auto":
         return ToolCallSpec(tools, "auto", max_calls=1 if req.parallel_tool_calls is False else None)
     if choice == "required":
-        item = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+        item = {"anyOf": [{"type": "object",
+                           "properties": {"name": {"const": n},
+                                          "parameters": _rebase_refs(p, f"#/items/anyOf/{j}/properties/parameters")},
                            "required": ["name", "parameters"], "additionalProperties": False}
-                          for n, p in params.items()]}
+                          for j, (n, p) in enumerate(params.items())]}
         schema = {"type": "array", "items": item, "minItems": 1}
         if not req.parallel_tool_calls:
             schema["maxItems"] = 1
@@ -319,6 +325,22 @@ def tool_call_spec(req: "ChatCompletionRequest") -> Optional[ToolCallSpec]:
         raise APIError(400, f"tool_choice names the function {fn.get('name')!r}, which is not in tools "
                             f"({', '.join(names)})", param="tool_choice", code="invalid_value")
     return ToolCallSpec(tools, "named", fn["name"], params[fn["name"]])
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref`` s (``#``, ``#/...``) made relative to ``base``, the
+    place where it is embedded in a larger schema (a function's parameters under
+    ``tool_choice: "required"``)."""
+    if isinstance(schema, dict):
+        out = {k: v if k in ("const", "enum", "default", "examples") else _rebase_refs(v, base)
+               for k, v in schema.items() if k != "$ref"}
+        if "$ref" in schema:
+            ref = schema["$ref"]
+            out["$ref"] = base + ref[1:] if isinstance(ref, str) and ref.startswith("#") else ref
+        return out
+    if isinstance(schema, list):
+        return [_rebase_refs(v, base) for v in schema]
+    return schema
 
 
 def structured_outputs_params(req: "_SamplingFields") -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
