@@ -202,6 +202,11 @@ def test_prefix_routing_computes_at_most_0_6x_of_round_robin(tiny_replicas):
 
 
 def test_metrics_and_health_per_replica(replicas):
+    engine = replicas.api.async_engine
+    engine.router = Router(engine.decode_names, "round_robin", block_size=16)
+    client = openai.OpenAI(base_url=replicas.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    for _ in range(2):  # one on each
+        client.completions.create(model="smol", prompt="hi", max_tokens=2)
     text = replicas.api.metrics.render().decode()
     for name in ("replica-0", "replica-1"):
         assert f'kvserve:num_requests_running{{model_name="smol",replica="{name}"}}' in text
@@ -214,12 +219,36 @@ def test_metrics_and_health_per_replica(replicas):
     assert r.status_code == 200
     states = r.json()["replicas"]
     assert set(states) == {"replica-0", "replica-1"} and all(s["state"] == "healthy" for s in states.values())
+    # the step heartbeat per replica: a paused replica with a request pending is 'stalled'
+    engine.engines["replica-1"].pause()
+    engine.router = Router(engine.decode_names, "round_robin", block_size=16)
+    client.completions.create(model="smol", prompt="hi", max_tokens=2)  # -> replica-0
+    import threading
+
+    pending = threading.Thread(target=lambda: client.completions.create(model="smol", prompt="hi", max_tokens=2))
+    pending.start()  # -> replica-1, paused
+    saved, replicas.api.health_timeout = replicas.api.health_timeout, 0.5
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            r = httpx.get(replicas.base_url + "/health", timeout=10)
+            if r.json()["replicas"]["replica-1"]["state"] == "stalled":
+                break
+            assert time.monotonic() < deadline, r.json()
+            time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["replicas"]["replica-0"]["state"] == "healthy"  # one still serves
+    finally:
+        replicas.api.health_timeout = saved
+        engine.engines["replica-1"].resume()
+        pending.join(60)
+    assert not pending.is_alive()
     # the web dashboard's feed sums the replicas
     stats = httpx.get(replicas.base_url + "/dashboard/stats", timeout=10).json()
+    text = replicas.api.metrics.render().decode()
     ttft_counts = sum(float(ln.split()[-1]) for ln in text.splitlines()
                       if ln.startswith("kvserve:time_to_first_token_seconds_count"))
     assert stats["totals"]["time_to_first_token_seconds_count"] == ttft_counts
-    assert len(stats["requests"]) >= 3 * len(PROMPTS)
+    assert len(stats["requests"]) >= 4  # (the 4 requests of this test at least)
 
 
 def test_disaggregated_equals_offline_and_the_decode_replica_computes_one_prompt_token(disaggregated, reference):

@@ -661,7 +661,8 @@ class OpenAIServer:
     async def health(self):
         states = getattr(self.async_engine, "replica_states", None)
         if states is not None:  # replicas: each one's state (200 while requests can be served)
-            return JSONResponse({"replicas": states()}, status_code=200 if self.async_engine.is_running else 503)
+            ok = engine_unhealthy(self.async_engine, self.health_timeout) is None
+            return JSONResponse({"replicas": states(self.health_timeout)}, status_code=200 if ok else 503)
         err = engine_unhealthy(self.async_engine, self.health_timeout)
         if err is not None:
             return JSONResponse(err.to_dict(), status_code=503)

@@ -127,17 +127,32 @@ class ReplicatedAsyncEngine:
     def healthy(self, names: Sequence[str]) -> list[str]:
         return [n for n in names if self._healthy(n)]
 
-    def replica_states(self) -> dict[str, dict]:
-        """``{name: {"role", "state" (healthy, restarting, starting), "pid", "restarts", "in_flight"}}``."""
+    @property
+    def stalled_for(self) -> float:
+        """The step heartbeat of the replicas that could serve (``/ready``): seconds since any
+        healthy replica last made a step while it had requests pending, 0 if one is idle or
+        stepping."""
+        stalls = [self.engines[n].stalled_for for n in self.healthy(self.pool.names)]
+        return min(stalls) if stalls else 0.0
+
+    def replica_states(self, health_timeout: Optional[float] = None) -> dict[str, dict]:
+        """``{name: {"role", "state", "pid", "restarts", "in_flight", "stalled_s"}}``: ``state`` is
+        ``healthy``, ``restarting`` (its process died: Ray Serve is replacing it), ``starting``, or
+        ``stalled`` (no step for ``health_timeout`` seconds while requests are pending)."""
         out = {}
         for name in self.pool.names:
             router = self.prefill_router if self.pool.role(name) == "prefill" else self.router
             state = self.states[name]
+            stalled = 0.0
             if state == "healthy" and not self._healthy(name):
                 state = "restarting"
+            elif state == "healthy":
+                stalled = self.engines[name].stalled_for
+                if health_timeout is not None and stalled > health_timeout:
+                    state = "stalled"
             out[name] = {"role": self.pool.role(name), "state": state,
                          "pid": self.pool.clients[name].pid, "restarts": self.restarts[name],
-                         "in_flight": router.load[name]}
+                         "in_flight": router.load[name], "stalled_s": round(stalled, 3)}
         return out
 
     async def _watch(self) -> None:
