@@ -65,6 +65,24 @@ def core_requests(input_processor: InputProcessor, items: Sequence[tuple[str, Se
     return out
 
 
+def run_on_loop(loop: Optional[asyncio.AbstractEventLoop], fn: Callable, *args) -> None:
+    """``fn(*args)`` now if this thread runs ``loop``, else soon on ``loop`` (thread-safe);
+    nothing when ``loop`` is None (never started) or closed."""
+    if loop is None:
+        return
+    try:
+        on_loop = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    if on_loop:
+        fn(*args)
+        return
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is closed: nobody is listening any more
+        pass
+
+
 def _as_callable(fn: Callable[[LLMEngine], Any] | str, args: tuple) -> Callable[[LLMEngine], Any]:
     """``fn``, or for a method name a function calling that public engine method with ``args``.
 
@@ -636,17 +654,7 @@ class MPAsyncEngine(AsyncEngine):
     def abort(self, request_id: str) -> None:
         """Cancel a request (thread-safe, returns at once); the core frees its KV blocks before its next step."""
         self.client.send(("abort", [request_id]))
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            self._forget(request_id)
-        else:
-            self._call_soon(self._forget, request_id)
+        run_on_loop(self._loop, self._forget, request_id)
 
     def _forget(self, request_id: str) -> None:
         self.output_processor.abort_request(request_id)

@@ -36,7 +36,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from kvserve.engine.router import Router
-from kvserve.entrypoints.openai.async_engine import EngineStoppedError, MPAsyncEngine
+from kvserve.entrypoints.openai.async_engine import EngineStoppedError, MPAsyncEngine, run_on_loop
 from kvserve.entrypoints.openai.metrics import ServerMetrics
 from kvserve.sampling_params import SamplingParams
 
@@ -220,17 +220,7 @@ class ReplicatedAsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request wherever it runs (thread-safe, returns at once)."""
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            self._abort(request_id)
-        else:
-            loop.call_soon_threadsafe(self._abort, request_id)
+        run_on_loop(self._loop, self._abort, request_id)
 
     def _abort(self, request_id: str) -> None:
         relay = self._relays.get(request_id)
