@@ -1,0 +1,632 @@
+"""Engine replicas and prefill/decode disaggregation on Ray Serve (issue #20), against one engine.
+
+Two parts (``--part disagg``, ``--part replicas``; default both), each against real
+``kvserve serve`` processes that this script starts on a free port, waits for (``/health``),
+and stops with SIGINT (checking that the server and every process it started are gone):
+
+1. **Disaggregation**: long-prompt arrivals mixed with running decodes. ``--streams`` decode
+   streams (``--stream-prompt-len`` random prompt tokens, up to ``--stream-max-tokens`` output
+   tokens, ``ignore_eos``; a stream that ends is started again) run for the whole run; once
+   each has produced tokens, ``--long-prompts`` requests of ``--long-len`` random prompt
+   tokens (uniform in the given range) and ``--long-max-tokens`` output tokens arrive at a
+   Poisson rate ``--rate`` (seeded). The window is from the first long prompt sent to the last
+   one finished; the streams are then closed (the server aborts them). Against (a)
+   ``colocated``: one ``kvserve serve`` engine (chunked prefill, the default), and (b)
+   ``1P + 1D``: ``--prefill-replicas 1 --decode-replicas 1``. Reported per system: the long
+   prompts' TTFT (P50 / P99, client side), the decode streams' inter-token latency within the
+   window (P50 / P99 / max: the stalls that long prefills cause), output tokens/s in the
+   window (the servers' ``generation_tokens`` counters), KV bytes moved per transferred
+   request (``kvserve:kv_transfer_bytes`` sum / count over the window; while that histogram is
+   empty, computed from the model's shape: ``2 * layers * kv_heads * head_dim * dtype bytes *
+   (prompt tokens - 1)``, and the table says so), and the TTFT split (means over the window of
+   ``kvserve:ttft_queue_seconds`` / ``ttft_prefill_seconds`` / ``ttft_transfer_seconds``; for the
+   colocated engine its ``request_queue_time_seconds``).
+2. **Replicas vs one engine**: ``kvserve bench serve``'s load generator
+   (:mod:`kvserve.bench.serve`: random prompts, streaming, ``ignore_eos``) at concurrency 1, 8
+   and 32 against ``kvserve serve`` and ``kvserve serve --data-parallel-size 2`` (prefix
+   routing): output tokens/s, TTFT, TPOT and ITL (P50 / P99) per level, and the ratio 2
+   replicas / one engine.
+
+Same model, dtype, KV pool size and seeds for every system. Prints markdown tables (and the
+machine: cores, load average); ``--save-json`` writes every figure. A machine with few cores
+runs every replica on the same cores: there, 2 replicas or a prefill + decode split share what
+one engine had (Ray gives each replica ``cores / replicas`` torch threads), so the figures show
+the mechanics and their overheads, not the speedup of more hardware. Across machines, start a
+Ray cluster and set ``RAY_ADDRESS`` (passed on to the servers), with ``--replica-cpus``.
+
+Usage::
+
+    python benchmarks/disaggregation.py                       # both parts, a few minutes
+    python benchmarks/disaggregation.py --part disagg --save-json out.json
+    python benchmarks/disaggregation.py --part replicas --concurrency 1 8 32
+    RAY_ADDRESS=HEAD:6379 python benchmarks/disaggregation.py --replica-cpus 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+from kvserve.bench.serve import BenchConfig, _pct, make_prompts, run_benchmark, send_request
+
+MACHINE_NOTE = ("this machine has {cores} CPU cores, shared with other jobs: 2 replicas, or a prefill and a decode "
+                "replica, split the same {cores} cores that one engine uses alone (each replica gets "
+                "cores / replicas torch threads), so these figures show the mechanics and their overheads "
+                "(routing, the KV hop, Ray), not the speedup that more hardware would bring")
+
+
+# --------------------------------------------------------------- processes
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _proc_stat(pid: int) -> Optional[tuple[str, int, int]]:
+    """(state, parent pid, start time) of a live process, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def _descendants(pid: int) -> dict[int, int]:
+    """``{pid: start time}`` of the live (non-zombie) descendants of ``pid``."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _proc_stat(int(entry))
+            if st is not None and st[0] != "Z":
+                table[int(entry)] = st
+    out: dict[int, int] = {}
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, st in table.items() if st[1] in frontier and p not in out}
+        out.update({p: table[p][2] for p in frontier})
+    return out
+
+
+def _alive(pid: int, start: int) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and st[0] != "Z" and st[2] == start
+
+
+class Server:
+    """One ``kvserve serve`` process: started on a free loopback port, ready once ``/health``
+    answers 200 (every replica ``healthy``), stopped with SIGINT.
+
+    ``problems`` collects what looked wrong (for the report): a slow or failed stop, processes
+    left behind, tracebacks or errors in the server's log.
+    """
+
+    def __init__(self, label: str, model: Optional[str], dtype: str, kv_cache_memory: float, extra: list[str],
+                 log_dir: Path, more: list[str] = (), start_timeout_s: float = 600.0) -> None:
+        self.label = label
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--dtype", dtype,
+                    "--kv-cache-memory", str(kv_cache_memory), "--port", str(self.port), "--no-access-log",
+                    *(["--model", model] if model else []), *more, *extra]
+        safe = "".join(c if c.isalnum() else "_" for c in label)
+        self.log_path = log_dir / f"server_{safe}.log"
+        self.start_timeout_s = start_timeout_s
+        self.proc: Optional[subprocess.Popen] = None
+        self._stopped = False
+        self.problems: list[str] = []
+        self.health: dict = {}
+        self.start_seconds = 0.0
+        self.stop_seconds = 0.0
+
+    def __enter__(self) -> "Server":
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        print(f"[{self.label}] starting: {' '.join(self.cmd[1:])} (log {self.log_path})", file=sys.stderr, flush=True)
+        self._log = open(self.log_path, "w")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+        print(f"[{self.label}] ready in {self.start_seconds:.1f} s", file=sys.stderr, flush=True)
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"[{self.label}] the server exited ({self.proc.returncode}) before it was ready:\n"
+                                   + self.log_tail())
+            try:
+                r = httpx.get(self.base_url + "/health", timeout=5)
+                if r.status_code == 200:
+                    body = r.json() if r.content else {}
+                    reps = body.get("replicas", {})
+                    if all(v.get("state") == "healthy" for v in reps.values()):
+                        self.health = body
+                        return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"[{self.label}] not ready within {self.start_timeout_s:.0f} s:\n" + self.log_tail())
+            time.sleep(0.5)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGINT, wait for the exit (90 s), then check that every process it started is gone."""
+        p = self.proc
+        if p is None or self._stopped:
+            return
+        self._stopped = True
+        kids = _descendants(p.pid)
+        t0 = time.perf_counter()
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(90)
+            except subprocess.TimeoutExpired:
+                self.problems.append(f"the server (pid {p.pid}) did not exit within 90 s of SIGINT; sent SIGKILL")
+                p.kill()
+                p.wait(30)
+        self.stop_seconds = time.perf_counter() - t0
+        if p.returncode not in (0, -signal.SIGINT):
+            self.problems.append(f"the server exited with code {p.returncode} after SIGINT")
+        deadline = time.monotonic() + 30
+        left = dict(kids)
+        while left and time.monotonic() < deadline:
+            left = {pid: st for pid, st in left.items() if _alive(pid, st)}
+            time.sleep(0.2)
+        if left:
+            names = []
+            for pid in left:
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()[:100].replace(b"\0", b" ")
+                    names.append(f"{pid} ({cmdline.decode(errors='replace').strip()})")
+                except OSError:
+                    names.append(str(pid))
+            self.problems.append(f"{len(left)} process(es) the server started were still alive 30 s after it "
+                                 f"exited: {'; '.join(names)} (killed now)")
+            for pid, st in left.items():  # ours: descendants of the server this script started
+                if _alive(pid, st):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        self._log.close()
+        log = self.log_path.read_text(errors="replace")
+        for ln in log.splitlines():
+            low = ln.lower()
+            if "traceback" in low or ln.startswith(("ERROR", "CRITICAL")) or " error " in low and "kvserve" in low:
+                self.problems.append(f"server log: {ln.strip()[:300]}")
+        print(f"[{self.label}] stopped in {self.stop_seconds:.1f} s (exit code {p.returncode})", file=sys.stderr,
+              flush=True)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ------------------------------------------------------------------ metrics
+def scrape(base_url: str) -> tuple[float, dict]:
+    """(time, ``{(sample name, ((label, value), ...)): value}``) of ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    t = time.perf_counter()
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return t, out
+
+
+def msum(m: dict, name: str, **labels) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels`` (the others summed over)."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in m.items() if n == name and want <= set(lab))
+
+
+def mdiff(m0: dict, m1: dict, name: str, **labels) -> float:
+    return msum(m1, name, **labels) - msum(m0, name, **labels)
+
+
+def hist_mean(m0: dict, m1: dict, name: str) -> tuple[float, int]:
+    """(mean, count) of histogram ``name`` between two scrapes (NaN, 0 if nothing was observed)."""
+    n = mdiff(m0, m1, name + "_count")
+    return (mdiff(m0, m1, name + "_sum") / n if n else math.nan), int(n)
+
+
+# -------------------------------------------------------------- workloads
+def model_shape(model: Optional[str], dtype: str) -> dict:
+    from kvserve.worker.loader import load_model_config, resolve_model_path
+
+    path = resolve_model_path(model)
+    cfg = load_model_config(path)
+    nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return {"path": str(path), "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "dtype_bytes": nbytes, "kv_bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * nbytes}
+
+
+def _vocab(tok) -> list[int]:
+    special = set(tok.all_special_ids)
+    return [t for t in range(len(tok)) if t not in special]
+
+
+@dataclass
+class Stream:
+    """One decode stream request: when it was sent and the arrival time of each text chunk."""
+
+    start: float
+    stamps: list[float] = field(default_factory=list)
+    done: bool = False
+    error: str = ""
+
+
+async def decode_lane(client: httpx.AsyncClient, url: str, model: str, prompts, max_tokens: int,
+                      record: list[Stream]) -> None:
+    """Keep one decode stream running until cancelled (a stream that ends is started again
+    with the lane's next prompt)."""
+    for prompt in prompts:
+        s = Stream(time.perf_counter())
+        record.append(s)
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "ignore_eos": True}
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                s.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    s.error = f"stream error: {json.dumps(obj['error'])[:300]}"
+                    return
+                if any(ch.get("text") for ch in obj.get("choices") or []):
+                    s.stamps.append(time.perf_counter())
+        s.done = True
+
+
+async def disagg_workload(base_url: str, a, tok, shape: dict) -> dict:
+    """Run part 1's workload against a ready server; return its figures."""
+    model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    url = base_url + "/v1/completions"
+    vocab = _vocab(tok)
+    rng = random.Random(a.seed)
+
+    def rand(n: int) -> list[int]:
+        return [vocab[rng.randrange(len(vocab))] for _ in range(n)]
+
+    lo, hi = a.long_len
+    long_prompts = [rand(rng.randint(lo, hi)) for _ in range(a.long_prompts + 1)]  # [0]: warm-up
+    lane_prompts = [[rand(a.stream_prompt_len) for _ in range(50)] for _ in range(a.streams + 1)]  # [-1]: warm-up
+    gaps = [random.Random(a.seed + 1).expovariate(a.rate) for _ in range(a.long_prompts)]
+    long_cfg = BenchConfig(base_url=base_url, model=model, output_len=a.long_max_tokens, ignore_eos=True,
+                           temperature=0.0, timeout_s=600.0)
+    limits = httpx.Limits(max_connections=a.streams + a.long_prompts + 8)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+        # warm-up (untimed): one long prompt and one short stream, one after the other
+        w = await send_request(client, long_cfg, long_prompts[0], None)
+        if not w.ok:
+            raise RuntimeError(f"warm-up request failed: {w.error}")
+        warm: list[Stream] = []
+        await decode_lane(client, url, model, lane_prompts[-1][:1], 16, warm)
+        if warm[0].error:
+            raise RuntimeError(f"warm-up stream failed: {warm[0].error}")
+        # the decode streams, until each has produced a few tokens
+        streams: list[list[Stream]] = [[] for _ in range(a.streams)]
+        lanes = [asyncio.create_task(decode_lane(client, url, model, lane_prompts[i], a.stream_max_tokens, streams[i]))
+                 for i in range(a.streams)]
+        deadline = time.perf_counter() + 300
+        while not all(st and len(st[-1].stamps) >= 4 for st in streams):
+            if any(t.done() for t in lanes):
+                errs = [s.error for st in streams for s in st if s.error]
+                raise RuntimeError(f"a decode stream ended early: {errs or [t.exception() for t in lanes if t.done()]}")
+            if time.perf_counter() > deadline:
+                raise RuntimeError("the decode streams did not start within 300 s")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        m_t0, m0 = scrape(base_url)
+        load0 = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        tasks = []
+        for i, gap in enumerate(gaps):
+            tasks.append(asyncio.create_task(send_request(client, long_cfg, long_prompts[i + 1], None)))
+            if i + 1 < len(gaps):
+                await asyncio.sleep(gap)
+        results = await asyncio.gather(*tasks)
+        t1 = time.perf_counter()
+        m_t1, m1 = scrape(base_url)
+        load1 = os.getloadavg()[0]
+        lane_errors = [s.error for st in streams for s in st if s.error]
+        lanes_alive = sum(not t.done() for t in lanes)
+        for t in lanes:
+            t.cancel()
+        await asyncio.gather(*lanes, return_exceptions=True)
+    # the server must abort the closed streams: nothing left running
+    idle_after = None
+    t_cancel = time.perf_counter()
+    while time.perf_counter() - t_cancel < 30:
+        _, m = scrape(base_url)
+        if msum(m, "kvserve:num_requests_running") + msum(m, "kvserve:num_requests_waiting") == 0:
+            idle_after = time.perf_counter() - t_cancel
+            break
+        await asyncio.sleep(0.25)
+    # figures
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft * 1e3 for r in ok]
+    gaps_ms = []
+    tokens_in_window = 0
+    restarts = 0
+    for st in streams:
+        for s in st:
+            restarts += t0 <= s.start <= t1
+            for prev, cur in zip(s.stamps, s.stamps[1:]):
+                if prev >= t0 and cur <= t1:
+                    gaps_ms.append((cur - prev) * 1e3)
+            tokens_in_window += sum(t0 <= x <= t1 for x in s.stamps)
+    gen = mdiff(m0, m1, "kvserve:generation_tokens_total")
+    kv_blocks, n_blocks = hist_mean(m0, m1, "kvserve:kv_transfer_blocks")
+    kv_bytes, n_kv = hist_mean(m0, m1, "kvserve:kv_transfer_bytes")
+    kv_secs, _ = hist_mean(m0, m1, "kvserve:kv_transfer_seconds")
+    computed = statistics.fmean([(r.prompt_len - 1) * shape["kv_bytes_per_token"] for r in ok]) if ok else math.nan
+    split = {k: hist_mean(m0, m1, f"kvserve:ttft_{k}_seconds") for k in ("queue", "prefill", "transfer")}
+    queue_time = hist_mean(m0, m1, "kvserve:request_queue_time_seconds")
+    per_replica = {}  # the counters of each replica over the window (a server of one engine: "")
+    for (name, labels), _ in m1.items():
+        if name in ("kvserve:generation_tokens_total", "kvserve:prompt_tokens_total", "kvserve:num_preemptions_total",
+                    "kvserve:prefix_cache_hits_total", "kvserve:prefix_cache_queries_total"):
+            rep = dict(labels).get("replica", "")
+            per_replica.setdefault(rep, {})[name.split(":")[1]] = mdiff(m0, m1, name, **dict(labels))
+    return {
+        "window_s": t1 - t0, "metrics_window_s": m_t1 - m_t0, "loadavg": [load0, load1],
+        "long": {"sent": len(results), "ok": len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
+                 "mean_prompt_len": statistics.fmean([r.prompt_len for r in ok]) if ok else 0,
+                 "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99), "ttft_mean_ms": statistics.fmean(ttft) if ttft else math.nan,
+                 "e2e_p50_ms": _pct([r.latency * 1e3 for r in ok], 50),
+                 "output_tokens": sum(r.output_tokens for r in ok)},
+        "decode": {"streams": a.streams, "itl_samples": len(gaps_ms), "itl_p50_ms": _pct(gaps_ms, 50),
+                   "itl_p99_ms": _pct(gaps_ms, 99), "itl_max_ms": max(gaps_ms, default=math.nan),
+                   "itl_mean_ms": statistics.fmean(gaps_ms) if gaps_ms else math.nan,
+                   "chunks_in_window": tokens_in_window, "restarts_in_window": restarts, "errors": lane_errors[:5],
+                   "lanes_alive_at_end": lanes_alive},
+        "output_tok_s": gen / (m_t1 - m_t0) if gen else (tokens_in_window + sum(r.output_tokens for r in ok)) / (t1 - t0),
+        "output_tok_s_source": "server generation_tokens_total" if gen else "client chunks",
+        "generation_tokens": gen,
+        "kv_transfer": {"requests": n_kv, "bytes_mean": kv_bytes, "blocks_mean": kv_blocks, "seconds_mean": kv_secs,
+                        "blocks_requests": n_blocks},
+        "kv_bytes_computed_per_long_request": computed,
+        "ttft_split_ms": {k: (v[0] * 1e3, v[1]) for k, v in split.items()},
+        "queue_time_ms": (queue_time[0] * 1e3, queue_time[1]),
+        "idle_after_close_s": idle_after,
+        "per_replica_window": per_replica,
+    }
+
+
+async def replicas_workload(base_url: str, a, tok, label: str) -> list[dict]:
+    model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    out = []
+    for c in a.concurrency:
+        n = a.num_prompts or min(64, max(16, 4 * c))
+        cfg = BenchConfig(base_url=base_url, model=model, num_prompts=n, input_len=a.input_len,
+                          output_len=a.output_len, max_concurrency=c, seed=a.seed + 1000 * c, warmup=1,
+                          label=f"{label} c={c}")  # (a seed per level: no prompt is cached from a level before)
+        prompts = make_prompts(cfg, len(tok), tok.all_special_ids)
+        s = await run_benchmark(cfg, prompts)
+        print(f"[{label}] c={c}: {s['output_throughput']:.1f} tok/s, TTFT P50 {s['median_ttft_ms']:.0f} ms, "
+              f"{s['completed']} ok / {s['failed']} failed", file=sys.stderr, flush=True)
+        out.append(s)
+    return out
+
+
+# ------------------------------------------------------------------ tables
+def _f(x: float, fmt: str = "{:.0f}") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def disagg_table(rows: list[dict]) -> str:
+    head = ("| system | long-prompt TTFT P50 / P99 (ms) | decode ITL P50 / P99 / max (ms) | output tok/s "
+            "| KV moved per long prompt | TTFT split: queue / prefill / transfer, mean (ms) | long prompts ok "
+            "| load avg |")
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        d, lg = r["decode"], r["long"]
+        kv = r["kv_transfer"]
+        if r["disaggregated"]:
+            if kv["requests"]:
+                moved = f"{kv['bytes_mean'] / 2**20:.1f} MiB ({kv['blocks_mean']:.0f} blocks, {kv['seconds_mean'] * 1e3:.0f} ms; metric)"
+            else:
+                moved = f"{r['kv_bytes_computed_per_long_request'] / 2**20:.1f} MiB (computed from the model shape)"
+            sp = r["ttft_split_ms"]
+            split = " / ".join(_f(sp[k][0]) for k in ("queue", "prefill", "transfer")) + f" (n = {sp['queue'][1]})"
+        else:
+            moved = "0 (one engine)"
+            q = r["queue_time_ms"]
+            split = f"{_f(q[0])} / {_f(lg['ttft_mean_ms'] - q[0])} / - (queue from request_queue_time; n = {q[1]})"
+        lines.append(f"| {r['label']} | {_f(lg['ttft_p50_ms'])} / {_f(lg['ttft_p99_ms'])} "
+                     f"| {_f(d['itl_p50_ms'], '{:.1f}')} / {_f(d['itl_p99_ms'], '{:.1f}')} / {_f(d['itl_max_ms'])} "
+                     f"| {r['output_tok_s']:.1f} | {moved} | {split} | {lg['ok']} / {lg['sent']} "
+                     f"| {r['loadavg'][0]:.1f} → {r['loadavg'][1]:.1f} |")
+    return "\n".join(lines)
+
+
+def replicas_table(runs: dict[str, list[dict]]) -> str:
+    lines = ["| server | concurrency | prompts ok / failed | output tok/s | TTFT P50 / P99 (ms) | TPOT P50 / P99 (ms) "
+             "| ITL P50 / P99 (ms) | load avg |", "|" + "---|" * 8]
+    for label, ss in runs.items():
+        for s in ss:
+            lines.append(f"| {label} | {s['config']['max_concurrency']} | {s['completed']} / {s['failed']} "
+                         f"| {s['output_throughput']:.1f} | {s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} "
+                         f"| {s['median_tpot_ms']:.1f} / {s['p99_tpot_ms']:.1f} "
+                         f"| {s['median_itl_ms']:.1f} / {s['p99_itl_ms']:.1f} "
+                         f"| {s['loadavg_start']:.1f} → {s['loadavg_end']:.1f} |")
+    names = list(runs)
+    if len(names) == 2:
+        one, two = (runs[n] for n in names)
+        lines += ["", f"| concurrency | {names[1]} / {names[0]}: output tok/s | TTFT P50 | TPOT P50 |", "|---|---:|---:|---:|"]
+        for s1, s2 in zip(one, two):
+            r = lambda k: s2[k] / s1[k] if s1[k] else math.nan  # noqa: E731
+            lines.append(f"| {s1['config']['max_concurrency']} | {r('output_throughput'):.2f}x "
+                         f"| {r('median_ttft_ms'):.2f}x | {r('median_tpot_ms'):.2f}x |")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["both", "disagg", "replicas"], default="both")
+    ap.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV pool GiB per engine/replica (default 1)")
+    ap.add_argument("--replica-cpus", type=float, default=None, help="passed to the replicated servers")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve-args", default="",
+                    help="more kvserve serve options for every server, e.g. '--max-num-batched-tokens 512'")
+    g = ap.add_argument_group("part 1: disaggregation")
+    g.add_argument("--streams", type=int, default=4, help="decode streams kept running (default 4)")
+    g.add_argument("--stream-prompt-len", type=int, default=32)
+    g.add_argument("--stream-max-tokens", type=int, default=2048,
+                   help="max_tokens of a decode stream (ended streams start again; default 2048)")
+    g.add_argument("--long-prompts", type=int, default=8, help="long-prompt requests (default 8)")
+    g.add_argument("--long-len", type=int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX"),
+                   help="long prompts' tokens, uniform (default 1500 2000)")
+    g.add_argument("--long-max-tokens", type=int, default=16)
+    g.add_argument("--rate", type=float, default=0.125,
+                   help="long-prompt arrivals per second, Poisson (default 0.125: one per 8 s on average)")
+    g = ap.add_argument_group("part 2: replicas vs one engine")
+    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    g.add_argument("--input-len", type=int, default=256)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per level (default: min(64, max(16, 4 x concurrency)))")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "least_loaded", "round_robin"])
+    ap.add_argument("--save-json", default=None)
+    ap.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temporary folder)")
+    a = ap.parse_args(argv)
+    if a.long_len[0] < 2 or a.long_len[1] < a.long_len[0]:
+        ap.error("--long-len MIN MAX: 2 <= MIN <= MAX")
+    if a.rate <= 0 or a.streams < 1 or a.long_prompts < 1:
+        ap.error("--rate, --streams and --long-prompts must be > 0")
+
+    from kvserve.engine.tokenizer import load_tokenizer
+    from kvserve.worker.worker import available_cores
+
+    shape = model_shape(a.model, a.dtype)
+    tok = load_tokenizer(shape["path"])
+    log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="kvserve-disagg-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cores = available_cores()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    rc = ["--replica-cpus", str(a.replica_cpus)] if a.replica_cpus else []
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_start = os.getloadavg()
+    report: dict = {"started_utc": started.isoformat(timespec="seconds"), "cpu": cpu, "cores": cores,
+                    "ray_address": os.environ.get("RAY_ADDRESS"), "model": shape, "dtype": a.dtype,
+                    "args": vars(a), "problems": {}}
+    common = dict(model=a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, log_dir=log_dir,
+                  more=shlex.split(a.serve_args))
+
+    if a.part in ("both", "disagg"):
+        rows = []
+        for label, extra, disagg in (("colocated (1 engine, chunked prefill)", [], False),
+                                     ("1 prefill + 1 decode replica", ["--prefill-replicas", "1", "--decode-replicas", "1", *rc], True)):
+            with Server(label, extra=extra, **common) as srv:
+                r = asyncio.run(disagg_workload(srv.base_url, a, tok, shape))
+            r.update(label=label, disaggregated=disagg, server_start_s=srv.start_seconds,
+                     server_stop_s=srv.stop_seconds, health=srv.health)
+            if r["idle_after_close_s"] is None:
+                srv.problems.append("requests still running/waiting 30 s after the decode streams were closed")
+            if disagg and not r["kv_transfer"]["requests"]:
+                srv.problems.append("kvserve:kv_transfer_bytes has no observation (KV bytes computed from the model "
+                                    "shape instead)")
+            report["problems"][label] = srv.problems
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "health"}, default=str), file=sys.stderr, flush=True)
+        report["disagg"] = rows
+    if a.part in ("both", "replicas"):
+        runs = {}
+        for label, extra in (("1 engine", []),
+                             (f"2 replicas ({a.routing})", ["--data-parallel-size", "2", "--routing", a.routing, *rc])):
+            with Server(label, extra=extra, **common) as srv:
+                runs[label] = asyncio.run(replicas_workload(srv.base_url, a, tok, label))
+            report["problems"][label] = srv.problems
+        report["replicas"] = runs
+
+    # ----- the report
+    print(f"\n{started:%Y-%m-%d %H:%M} UTC; {cpu}, {cores} cores; model {Path(shape['path']).name} in {a.dtype}; "
+          f"KV pool {a.kv_cache_memory:g} GiB per engine/replica" + (f"; serve {a.serve_args}" if a.serve_args else "")
+          + f"; servers' logs in {log_dir}")
+    print("Note: " + MACHINE_NOTE.format(cores=cores) + ".")
+    load_end = os.getloadavg()
+    report["loadavg_start_end"] = [load_start, load_end]
+    if max(load_start[0], load_end[0]) > cores:
+        print(f"Load average (1 min) {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end, on {cores} cores: "
+              "other jobs were running, so every figure here is noisy (see each row's load average).")
+    if os.environ.get("RAY_ADDRESS"):
+        print(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}: the replicas ran on that Ray cluster.")
+    if "disagg" in report:
+        rows = report["disagg"]
+        print(f"\n## Disaggregation: {a.streams} decode streams ({a.stream_prompt_len}-token prompts, greedy, "
+              f"ignore_eos) running throughout; {a.long_prompts} long prompts of {a.long_len[0]}-{a.long_len[1]} "
+              f"random tokens, {a.long_max_tokens} output tokens each, Poisson arrivals at {a.rate:g}/s (seed {a.seed})\n")
+        print(disagg_table(rows))
+        for r in rows:
+            kv = r["kv_transfer"]
+            print(f"\n{r['label']}: window {r['window_s']:.1f} s; decode ITL over {r['decode']['itl_samples']} gaps "
+                  f"(mean {r['decode']['itl_mean_ms']:.1f} ms), {r['decode']['restarts_in_window']} stream restarts "
+                  f"in the window; long prompts' mean {r['long']['mean_prompt_len']:.0f} tokens, E2E P50 "
+                  f"{r['long']['e2e_p50_ms']:.0f} ms; output tok/s from {r['output_tok_s_source']}; "
+                  f"server ready in {r['server_start_s']:.1f} s, stopped in {r['server_stop_s']:.1f} s"
+                  + (f"; KV transfers in the window: {kv['requests']} (kv_transfer_bytes), computed from the model "
+                     f"shape: {r['kv_bytes_computed_per_long_request'] / 2**20:.1f} MiB per long prompt "
+                     f"({shape['kv_bytes_per_token']} bytes per token)" if r["disaggregated"] else ""))
+    if "replicas" in report:
+        n = a.num_prompts or "min(64, max(16, 4 x concurrency))"
+        print(f"\n## Replicas vs one engine: kvserve bench serve, random {a.input_len}-token prompts, "
+              f"{a.output_len} output tokens, {n} requests per level, streaming, ignore_eos\n")
+        print(replicas_table(report["replicas"]))
+    problems = {k: v for k, v in report["problems"].items() if v}
+    if problems:
+        print("\nProblems seen in the servers:")
+        for k, v in problems.items():
+            for p in v:
+                print(f"- {k}: {p}")
+    if a.save_json:
+        Path(a.save_json).write_text(json.dumps(report, indent=1, default=str))
+        print(f"saved {a.save_json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
