@@ -14,7 +14,8 @@ and stops with SIGINT (checking that the server and every process it started are
    ``colocated``: one ``kvserve serve`` engine (chunked prefill, the default), and (b)
    ``1P + 1D``: ``--prefill-replicas 1 --decode-replicas 1``. Reported per system: the long
    prompts' TTFT (P50 / P99, client side), the decode streams' inter-token latency within the
-   window (P50 / P99 / max: the stalls that long prefills cause), output tokens/s in the
+   window (P50 / P99 / max, and the gaps of at least 0.5 s: the stalls that long prefills
+   cause, which P99 hides when they are under 1% of the gaps), output tokens/s in the
    window (the servers' ``generation_tokens`` counters), KV bytes moved per transferred
    request (``kvserve:kv_transfer_bytes`` sum / count over the window; while that histogram is
    empty, computed from the model's shape: ``2 * layers * kv_heads * head_dim * dtype bytes *
@@ -36,7 +37,7 @@ Ray cluster and set ``RAY_ADDRESS`` (passed on to the servers), with ``--replica
 
 Usage::
 
-    python benchmarks/disaggregation.py                       # both parts, a few minutes
+    python benchmarks/disaggregation.py                       # both parts (~10 min on 2 busy cores)
     python benchmarks/disaggregation.py --part disagg --save-json out.json
     python benchmarks/disaggregation.py --part replicas --concurrency 1 8 32
     RAY_ADDRESS=HEAD:6379 python benchmarks/disaggregation.py --replica-cpus 8
@@ -67,6 +68,9 @@ from typing import Optional
 import httpx
 
 from kvserve.bench.serve import BenchConfig, _pct, make_prompts, run_benchmark, send_request
+
+#: a decode stream's gap between two tokens at least this long counts as a stall (ms)
+STALL_MS = 500.0
 
 MACHINE_NOTE = ("this machine has {cores} CPU cores, shared with other jobs: 2 replicas, or a prefill and a decode "
                 "replica, split the same {cores} cores that one engine uses alone (each replica gets "
@@ -330,7 +334,8 @@ async def disagg_workload(base_url: str, a, tok, shape: dict) -> dict:
     lo, hi = a.long_len
     long_prompts = [rand(rng.randint(lo, hi)) for _ in range(a.long_prompts + 1)]  # [0]: warm-up
     lane_prompts = [[rand(a.stream_prompt_len) for _ in range(50)] for _ in range(a.streams + 1)]  # [-1]: warm-up
-    gaps = [random.Random(a.seed + 1).expovariate(a.rate) for _ in range(a.long_prompts)]
+    arrivals = random.Random(a.seed + 1)
+    gaps = [arrivals.expovariate(a.rate) for _ in range(a.long_prompts - 1)]  # between successive long prompts
     long_cfg = BenchConfig(base_url=base_url, model=model, output_len=a.long_max_tokens, ignore_eos=True,
                            temperature=0.0, timeout_s=600.0)
     limits = httpx.Limits(max_connections=a.streams + a.long_prompts + 8)
@@ -360,10 +365,10 @@ async def disagg_workload(base_url: str, a, tok, shape: dict) -> dict:
         load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         tasks = []
-        for i, gap in enumerate(gaps):
+        for i in range(a.long_prompts):
+            if i:
+                await asyncio.sleep(gaps[i - 1])
             tasks.append(asyncio.create_task(send_request(client, long_cfg, long_prompts[i + 1], None)))
-            if i + 1 < len(gaps):
-                await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
         t1 = time.perf_counter()
         m_t1, m1 = scrape(base_url)
@@ -409,7 +414,7 @@ async def disagg_workload(base_url: str, a, tok, shape: dict) -> dict:
             rep = dict(labels).get("replica", "")
             per_replica.setdefault(rep, {})[name.split(":")[1]] = mdiff(m0, m1, name, **dict(labels))
     return {
-        "window_s": t1 - t0, "metrics_window_s": m_t1 - m_t0, "loadavg": [load0, load1],
+        "arrival_gaps_s": gaps, "window_s": t1 - t0, "metrics_window_s": m_t1 - m_t0, "loadavg": [load0, load1],
         "long": {"sent": len(results), "ok": len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
                  "mean_prompt_len": statistics.fmean([r.prompt_len for r in ok]) if ok else 0,
                  "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99), "ttft_mean_ms": statistics.fmean(ttft) if ttft else math.nan,
@@ -418,6 +423,8 @@ async def disagg_workload(base_url: str, a, tok, shape: dict) -> dict:
         "decode": {"streams": a.streams, "itl_samples": len(gaps_ms), "itl_p50_ms": _pct(gaps_ms, 50),
                    "itl_p99_ms": _pct(gaps_ms, 99), "itl_max_ms": max(gaps_ms, default=math.nan),
                    "itl_mean_ms": statistics.fmean(gaps_ms) if gaps_ms else math.nan,
+                   "stalls": sum(g >= STALL_MS for g in gaps_ms),
+                   "stalled_s": sum(g for g in gaps_ms if g >= STALL_MS) / 1e3 / a.streams,
                    "chunks_in_window": tokens_in_window, "restarts_in_window": restarts, "errors": lane_errors[:5],
                    "lanes_alive_at_end": lanes_alive},
         "output_tok_s": gen / (m_t1 - m_t0) if gen else (tokens_in_window + sum(r.output_tokens for r in ok)) / (t1 - t0),
@@ -455,10 +462,11 @@ def _f(x: float, fmt: str = "{:.0f}") -> str:
 
 
 def disagg_table(rows: list[dict]) -> str:
-    head = ("| system | long-prompt TTFT P50 / P99 (ms) | decode ITL P50 / P99 / max (ms) | output tok/s "
+    head = ("| system | long-prompt TTFT P50 / P99 (ms) | decode ITL P50 / P99 / max (ms) "
+            f"| decode stalls ≥ {STALL_MS / 1e3:g} s: gaps, s per stream | output tok/s "
             "| KV moved per long prompt | TTFT split: queue / prefill / transfer, mean (ms) | long prompts ok "
             "| load avg |")
-    lines = [head, "|" + "---|" * 8]
+    lines = [head, "|" + "---|" * 9]
     for r in rows:
         d, lg = r["decode"], r["long"]
         kv = r["kv_transfer"]
@@ -475,6 +483,7 @@ def disagg_table(rows: list[dict]) -> str:
             split = f"{_f(q[0])} / {_f(lg['ttft_mean_ms'] - q[0])} / - (queue from request_queue_time; n = {q[1]})"
         lines.append(f"| {r['label']} | {_f(lg['ttft_p50_ms'])} / {_f(lg['ttft_p99_ms'])} "
                      f"| {_f(d['itl_p50_ms'], '{:.1f}')} / {_f(d['itl_p99_ms'], '{:.1f}')} / {_f(d['itl_max_ms'])} "
+                     f"| {d['stalls']}, {d['stalled_s']:.1f} s "
                      f"| {r['output_tok_s']:.1f} | {moved} | {split} | {lg['ok']} / {lg['sent']} "
                      f"| {r['loadavg'][0]:.1f} → {r['loadavg'][1]:.1f} |")
     return "\n".join(lines)
@@ -565,6 +574,11 @@ def main(argv=None) -> int:
                 r = asyncio.run(disagg_workload(srv.base_url, a, tok, shape))
             r.update(label=label, disaggregated=disagg, server_start_s=srv.start_seconds,
                      server_stop_s=srv.stop_seconds, health=srv.health)
+            if r["long"]["errors"]:
+                srv.problems.append(f"long-prompt requests failed: {r['long']['errors']}")
+            if r["decode"]["errors"] or r["decode"]["lanes_alive_at_end"] < a.streams:
+                srv.problems.append(f"decode streams failed: {r['decode']['errors']} "
+                                    f"({r['decode']['lanes_alive_at_end']} of {a.streams} alive at the end)")
             if r["idle_after_close_s"] is None:
                 srv.problems.append("requests still running/waiting 30 s after the decode streams were closed")
             if disagg and not r["kv_transfer"]["requests"]:
@@ -603,7 +617,8 @@ def main(argv=None) -> int:
         print(disagg_table(rows))
         for r in rows:
             kv = r["kv_transfer"]
-            print(f"\n{r['label']}: window {r['window_s']:.1f} s; decode ITL over {r['decode']['itl_samples']} gaps "
+            print(f"\n{r['label']}: long prompts sent over {sum(r['arrival_gaps_s']):.1f} s, window (first sent to last "
+                  f"finished) {r['window_s']:.1f} s; decode ITL over {r['decode']['itl_samples']} gaps "
                   f"(mean {r['decode']['itl_mean_ms']:.1f} ms), {r['decode']['restarts_in_window']} stream restarts "
                   f"in the window; long prompts' mean {r['long']['mean_prompt_len']:.0f} tokens, E2E P50 "
                   f"{r['long']['e2e_p50_ms']:.0f} ms; output tok/s from {r['output_tok_s_source']}; "
