@@ -266,6 +266,9 @@ def test_disaggregated_equals_offline_and_the_decode_replica_computes_one_prompt
         return float(next(ln for ln in text.splitlines() if ln.startswith(name)).split()[-1])
 
     assert value("kvserve:ttft_transfer_seconds_count") >= n
+    # the queue time is the prefill replica's (the decode replica's would include the prefill)
+    assert value('kvserve:request_queue_time_seconds_count{model_name="smol",replica="prefill-0"}') >= n
+    assert value('kvserve:request_queue_time_seconds_count{model_name="smol",replica="decode-0"}') == 0
     assert value("kvserve:kv_transfer_bytes_count") >= n
     loaded = after["decode-0"]["kv_transfer_loaded_bytes"] - before["decode-0"]["kv_transfer_loaded_bytes"]
     assert loaded > 0 and value("kvserve:kv_transfer_bytes_sum") >= loaded

@@ -320,6 +320,9 @@ class _Relay:
                 await eng.add_requests([(self.rid, self.ids, self.tag)], self.params, self, self.priority,
                                        self.cache_salt, self.arrival, self.prompt_only, kv_transfer_params=handle,
                                        user=self.user)
+                track = eng._tracks.get(self.rid)
+                if handle is not None and track is not None:  # its queue time was the prefill replica's
+                    track.queue_time_seen = True
         except BaseException:
             self._uncount()
             raise
@@ -360,6 +363,7 @@ class _Relay:
             start = max(out.metrics.first_scheduled_time, self.arrival)
             m.ttft_queue.observe(max(0.0, start - self.arrival))
             m.ttft_prefill.observe(max(0.0, now - start))
+            m.for_replica(self.replica).queue_time.observe(max(0.0, start - self.arrival))
         handle = out.kv_transfer_params
         if handle is None:
             self._end((self.tag, EngineStoppedError("the prefill replica returned no KV transfer handle")))
