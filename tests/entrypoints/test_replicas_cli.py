@@ -117,7 +117,7 @@ def test_a_killed_replica_is_replaced_and_its_requests_retried_or_ended(tiny_mod
 
         threads = [threading.Thread(target=plain, args=(i,)) for i in range(4)]
         threads += [threading.Thread(target=streamed, args=(i,)) for i in range(4)]
-        for t in threads[4:]:  # the streams first: round robin puts 2 on each replica
+        for t in threads[4:]:  # the streams first
             t.start()
         for t in threads[:4]:
             t.start()
@@ -139,7 +139,8 @@ def test_a_killed_replica_is_replaced_and_its_requests_retried_or_ended(tiny_mod
             else:
                 finished += 1
                 assert last["choices"][0]["finish_reason"] == "length"
-        assert ended_with_error == 2 and finished == 2, streams
+        # (round robin over the 8 requests as they arrived: 1 to 3 of the streams were replica-0's)
+        assert ended_with_error >= 1 and ended_with_error + finished == 4, streams
         deadline = time.monotonic() + 120
         while True:
             states = httpx.get(base + "/health", timeout=5).json()["replicas"]

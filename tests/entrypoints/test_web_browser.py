@@ -51,7 +51,8 @@ def _chromium() -> str:
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     engine = LLMEngine(EngineArgs(dtype="float32", max_model_len=1024, kv_cache_memory=0.25))
-    with ServerThread(engine, names=["smollm2"], api_key=KEY) as s:
+    # (metrics_public: a browser opening /docs cannot send the key)
+    with ServerThread(engine, names=["smollm2"], api_key=KEY, metrics_public=True) as s:
         yield s
 
 
