@@ -67,7 +67,7 @@ from typing import Optional
 
 import httpx
 
-from kvserve.bench.serve import BenchConfig, _pct, make_prompts, run_benchmark, send_request
+from kvserve.bench.serve import BenchConfig, _pct, make_prompts, run_benchmark, send_request, sse_events
 
 #: a decode stream's gap between two tokens at least this long counts as a stall (ms)
 STALL_MS = 500.0
@@ -306,13 +306,7 @@ async def decode_lane(client: httpx.AsyncClient, url: str, model: str, prompts, 
             if r.status_code != 200:
                 s.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
+            async for obj in sse_events(r):
                 if "error" in obj:
                     s.error = f"stream error: {json.dumps(obj['error'])[:300]}"
                     return

@@ -135,6 +135,22 @@ def _payload(cfg: BenchConfig, prompt: list[int], text: Optional[str]) -> dict:
     return body
 
 
+async def sse_events(response: httpx.Response):
+    """The JSON objects of a response's server-sent events (``data: ...`` lines), until
+    ``data: [DONE]`` (an async generator).
+
+    Raises:
+        json.JSONDecodeError: an event that is not JSON.
+    """
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, prompt: list[int],
                        text: Optional[str]) -> RequestResult:
     """Send one streaming request and time its chunks."""
@@ -150,13 +166,7 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, prompt: list
                 body = (await r.aread()).decode(errors="replace")
                 res.error = f"HTTP {r.status_code}: {body[:300]}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
+            async for obj in sse_events(r):
                 if "error" in obj:
                     res.error = f"stream error: {json.dumps(obj['error'])[:300]}"
                     return res
