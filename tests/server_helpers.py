@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
+import httpx
 import uvicorn
 
 
@@ -28,6 +33,60 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class CLIServer:
+    """``kvserve serve --model MODEL`` in a subprocess (float32, a 0.05 GiB KV pool, 4,096-token
+    context unless ``extra`` says otherwise: later options win), its stderr collected by a thread;
+    ready once ``/health`` answers 200 (at most 180 s)."""
+
+    def __init__(self, folder, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--model", str(folder), "--dtype", "float32",
+             "--kv-cache-memory", "0.05", "--max-model-len", "4096", "--port", str(self.port), "--no-access-log",
+             *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.core_pid = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    if httpx.get(self.base + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline and self.proc.poll() is None, f"no start: {self.stderr}"
+                time.sleep(0.1)
+            assert self.core_pid is not None, self.stderr
+        except BaseException:
+            self.kill()
+            raise
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if self.core_pid is None and "engine core in process" in line:
+                self.core_pid = int(line.split("engine core in process ")[1].split(")")[0])
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(10)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 class ServerThread:

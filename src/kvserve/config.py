@@ -373,9 +373,12 @@ class SchedulerConfig:
         max_model_len: longest sequence (prompt + output tokens).
         max_waiting: most requests waiting to start before new ones are refused (0 = unbounded;
             see :class:`kvserve.engine.args.EngineArgs`).
+        max_num_seqs_per_user: the most sequences one user runs at once (None: no cap; see
+            :mod:`kvserve.core.scheduler`).
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 4096
     max_waiting: int = 0
+    max_num_seqs_per_user: Optional[int] = None

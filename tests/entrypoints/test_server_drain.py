@@ -7,75 +7,19 @@ exits 0 with the engine core gone and no traceback; a second SIGTERM exits at on
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import free_port, pid_gone
+from server_helpers import CLIServer, pid_gone
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tiny_model_dir):
     return tiny_model_dir("llama_long")[0]
-
-
-class CLIServer:
-    """``kvserve serve`` on the tiny model in a subprocess, its stderr collected by a thread."""
-
-    def __init__(self, folder, *extra: str) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
-                                                            os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--model", str(folder), "--dtype", "float32",
-             "--kv-cache-memory", "0.05", "--max-model-len", "4096", "--port", str(self.port), "--no-access-log",
-             *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self.core_pid = None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        try:
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.get(self.base + "/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline and self.proc.poll() is None, f"no start: {self.stderr}"
-                time.sleep(0.1)
-            assert self.core_pid is not None, self.stderr
-        except BaseException:
-            self.kill()
-            raise
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            if self.core_pid is None and "engine core in process" in line:
-                self.core_pid = int(line.split("engine core in process ")[1].split(")")[0])
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.lines)
-
-    def wait(self, timeout: float) -> int:
-        rc = self.proc.wait(timeout)
-        self._reader.join(10)
-        return rc
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 def _stream(base: str, body: dict, out: dict, started: threading.Event) -> None:

@@ -31,6 +31,14 @@ victim is taken from a user above its share first. So one user's burst (``n=128`
 of requests) cannot hold every slot while another user waits. With one user nothing of this
 applies and the order is as above.
 
+A slot is not the whole cost, though: a step's time grows with its batch (on a CPU a decode step
+of 128 sequences takes ~10x one of 8), so a user holding half of 128 slots still makes another
+user's tokens ~10x slower. ``max_num_seqs_per_user`` (off by default) caps the sequences one
+user runs at once, alone or not: the rest of its samples and requests wait (FCFS), and nobody
+else's steps grow beyond the other users' sequences plus the cap. (A cap applied only while
+another user is present would thrash: the burst grows back between two requests of the other
+user, re-prefilling its samples in large steps that the next request then waits behind.)
+
 Beam search: the beams of a group extend together (each step waits for all of them), so
 they are preempted together, and a beam whose group is running is admitted without the
 watermark below. If every running request waits for beams that do not fit, the last group
@@ -165,26 +173,35 @@ class Scheduler:
     # ------------------------------------------------------------ fair share
     def _fair_share(self) -> tuple[Counter, int]:
         """``(running sequences per user, fair share in slots)``; a share of 0 when fewer than two
-        users have requests (fairness does not apply)."""
+        users have requests (fairness does not apply). With ``max_num_seqs_per_user`` the share
+        is at most that cap."""
         running = Counter(r.user for r in self.running)
         users = set(running) | set(self._waiting_users)
         if len(users) < 2:
             return running, 0
-        return running, max(1, self.config.max_num_seqs // len(users))
+        share = max(1, self.config.max_num_seqs // len(users))
+        cap = self.config.max_num_seqs_per_user
+        return running, share if cap is None else min(share, cap)
 
-    def _next_waiting(self) -> int:
+    def _next_waiting(self) -> int | None:
         """Index in ``waiting`` of the request to admit next: the first of the best priority
         level, or with several users, the first of that level whose user runs the fewest
-        sequences."""
+        sequences; requests of users at ``max_num_seqs_per_user`` are passed over (None when
+        every waiting request's user is at it)."""
         running, share = self._fair_share()
-        if not share:
-            return 0
-        level = self.waiting[0].priority
-        best, best_count = 0, running[self.waiting[0].user]
+        cap = self.config.max_num_seqs_per_user
+        level = best = None
+        best_count = 0
         for i, r in enumerate(self.waiting):
-            if best_count == 0 or r.priority != level:
+            if cap and running[r.user] >= cap:
+                continue
+            if best is None:
+                level, best, best_count = r.priority, i, running[r.user]
+                if not share:
+                    break
+            elif best_count == 0 or r.priority != level:
                 break
-            if running[r.user] < best_count:
+            elif running[r.user] < best_count:
                 best, best_count = i, running[r.user]
         return best
 
@@ -341,6 +358,8 @@ class Scheduler:
         swapped_in = 0  # blocks swapped in this step
         while self.waiting and budget > 0:
             index = self._next_waiting()
+            if index is None:  # every waiting request's user runs its max_num_seqs_per_user
+                break
             req = self.waiting[index]
             swap_blocks = self.swap.num_blocks_of(req.request_id) if self.swap is not None else 0
             if swap_blocks and swapped_in and swapped_in + swap_blocks > self.max_swap_in_blocks:

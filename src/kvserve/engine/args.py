@@ -86,6 +86,11 @@ class EngineArgs:
             preempted requests and forked samples do not count) before new ones are refused
             with ``QueueFullError`` (0: unbounded, offline's default; ``kvserve serve``'s is
             ``4 × max_num_seqs``).
+        max_num_seqs_per_user: the most sequences (samples of ``n`` count) one user
+            (``Request.user``) runs at once: the rest of its samples and requests wait, so that
+            one user's burst cannot make every step large (a step's time grows with its batch);
+            a beam search wider than it is refused. ``None`` (default): no cap, only the fair
+            share of slots between users.
         enable_prefix_caching: reuse cached prompt KV (off for models whose every layer has a
             sliding window, whose blocks before the window are freed instead).
         quantization: None, or "int8" for weight-only int8 linears.
@@ -133,6 +138,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_waiting: int = 0
+    max_num_seqs_per_user: Optional[int] = None
     enable_prefix_caching: bool = True
     quantization: Optional[str] = None
     seed: Optional[int] = None
@@ -179,6 +185,7 @@ class EngineArgs:
 
         for field, optional in (("block_size", False), ("max_num_batched_tokens", False), ("max_num_seqs", False),
                                 ("max_waiting", False), ("max_model_len", True), ("num_blocks", True),
+                                ("max_num_seqs_per_user", True),
                                 ("seed", True), ("tensor_parallel_size", False)):
             v = getattr(self, field)
             if not (is_int(v) or (optional and v is None)):
@@ -207,6 +214,9 @@ class EngineArgs:
         if (self.num_blocks is None and self.kv_cache_memory is not None
                 and not 0 < self.kv_cache_memory <= MAX_KV_CACHE_GIB):
             raise ValueError(f"{name('kv_cache_memory')} must be in (0, {MAX_KV_CACHE_GIB}] GiB, got {self.kv_cache_memory}")
+        if self.max_num_seqs_per_user is not None and not 1 <= self.max_num_seqs_per_user <= self.max_num_seqs:
+            raise ValueError(f"{name('max_num_seqs_per_user')} must be in [1, {name('max_num_seqs')}="
+                             f"{self.max_num_seqs}] or None, got {self.max_num_seqs_per_user}")
         if self.max_waiting < 0:
             raise ValueError(f"{name('max_waiting')} must be ≥ 0 (0: unbounded), got {self.max_waiting}")
         kv_quant.check_kv_cache_dtype(self.kv_cache_dtype, name("kv_cache_dtype"))

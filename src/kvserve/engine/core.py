@@ -254,7 +254,8 @@ class EngineCore:
         self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, prefix_caching,
                                  None, namespace_model=str(path), sliding_window=window,
                                  kv_loader=kv_loader(self.executor) if args.kv_connector else None)
-        self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting)
+        self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting,
+                                                args.max_num_seqs_per_user)
         self.preemption_mode = check_swap_options(args.swap_space, args.preemption_mode)
         self.swap: Optional[KVSwapSpace] = None
         if self.preemption_mode == "swap":
@@ -301,7 +302,8 @@ class EngineCore:
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, prompt or
                 prompt + max_tokens longer than ``max_model_len``, a request larger than
-                the whole KV pool, or more beams than ``max_num_seqs``.
+                the whole KV pool, or more beams than ``max_num_seqs`` (or
+                ``max_num_seqs_per_user``).
             QueueFullError: ``max_waiting`` requests wait to start
                 (:meth:`Scheduler.num_waiting_to_start
                 <kvserve.core.scheduler.Scheduler.num_waiting_to_start>`: preempted requests and
@@ -356,6 +358,10 @@ class EngineCore:
             # never gather its beams again once preempted
             raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs={self.args.max_num_seqs}: "
                              f"every beam of a group runs at once")
+        cap = self.args.max_num_seqs_per_user
+        if params.use_beam_search and cap is not None and params.beam_width > cap:
+            raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs_per_user={cap}: every beam of "
+                             f"a group runs at once")
         if params.use_beam_search and params.beam_width > 1:
             # Every beam extends each step, so all of them hold their KV side by side (the
             # prompt's full blocks shared, the rest each beam's own). The samples of n /

@@ -44,6 +44,10 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
                    help="most tokens of one user's requests in flight, each counting its prompt tokens + "
                         "max_tokens × n (without max_tokens: the rest of the context); more get 429 with "
                         "Retry-After, a request over it alone 400 (default: no limit)")
+    g.add_argument("--max-num-seqs-per-user", type=int, default=None, metavar="N",
+                   help="the most sequences (samples of n count) one user runs at once; the rest of its samples "
+                        "and requests wait, so that one user's n=128 burst cannot make every step slow; a wider "
+                        "beam search gets 400 (default: no cap, only the fair share of --max-num-seqs)")
     g = p.add_argument_group("browser-origin safety")
     g.add_argument("--allowed-hosts", action="append", default=None, metavar="NAMES",
                    help="host names clients may send in the Host header besides IP addresses, localhost, --host and "
@@ -253,7 +257,8 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
 
     # before loading the model, which can take a while
     a.model = serve_model(a)
-    args = EngineArgs(model=a.model, dtype=a.dtype, max_waiting=serve_max_waiting(a), **engine_kwargs(a))
+    args = EngineArgs(model=a.model, dtype=a.dtype, max_waiting=serve_max_waiting(a),
+                      max_num_seqs_per_user=a.max_num_seqs_per_user, **engine_kwargs(a))
     args.check(option_names=True)
     if a.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be ≥ 1, got {a.max_body_bytes}")
