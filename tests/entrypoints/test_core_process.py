@@ -433,6 +433,9 @@ def test_disconnects_abort_in_the_core_and_free_kv_blocks(server):
     generated = after["kvserve:generation_tokens_total"] - before["kvserve:generation_tokens_total"]
     assert generated < 8 * 400 / 2  # cancelled long before the end
     assert after["kvserve:kv_cache_usage_perc"] == 0.0
+    assert after["kvserve:kv_cache_used_blocks"] == 0
+    assert after["kvserve:kv_cache_free_blocks"] + after["kvserve:kv_cache_cached_blocks"] == stats["kv_blocks_total"]
+    assert after["kvserve:kv_cache_cached_blocks"] == stats["kv_blocks_cached"]
 
 
 def test_bad_requests_get_400_and_a_concurrent_request_is_unaffected(server, offline):

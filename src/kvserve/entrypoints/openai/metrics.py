@@ -11,6 +11,8 @@ Histograms (one observation per request unless noted):
     e2e_request_latency_seconds       arrival → finish
     request_queue_time_seconds        arrival → first scheduled
 Gauges: num_requests_running, num_requests_waiting, kv_cache_usage_perc (0..1),
+    kv_cache_free_blocks / kv_cache_cached_blocks / kv_cache_used_blocks (KV blocks unreferenced
+    and empty / in the prefix cache and evictable / referenced by requests: they sum to the pool),
     prefix_cache_hit_rate (cached / queried prompt tokens, 0..1), cpu_cache_usage_perc (host swap pool
     blocks in use, 0..1), num_requests_swapped (requests whose KV is in the host swap pool).
 Counters: prompt_tokens_total, generation_tokens_total, num_preemptions_total,
@@ -102,6 +104,9 @@ class ServerMetrics:
         gauge("running", "num_requests_running", "Requests running in the engine.")
         gauge("waiting", "num_requests_waiting", "Requests waiting to be scheduled.")
         gauge("kv_usage", "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        gauge("kv_blocks_free", "kv_cache_free_blocks", "KV blocks unreferenced and holding no cached KV.")
+        gauge("kv_blocks_cached", "kv_cache_cached_blocks", "KV blocks in the prefix cache, unreferenced (evictable).")
+        gauge("kv_blocks_in_use", "kv_cache_used_blocks", "KV blocks referenced by requests.")
         gauge("prefix_hit_rate", "prefix_cache_hit_rate",
               "Prompt tokens served from the prefix cache / prompt tokens (0..1).")
         counter("prompt_tokens", "prompt_tokens", "Prompt tokens of the requests (counted once per request).")
