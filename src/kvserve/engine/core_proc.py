@@ -20,7 +20,7 @@ core → API (``out`` pipe):
     ``("ready", CoreInfo)`` or ``("failed", exception)`` once, after construction;
     ``("added", cid, exception_or_None)``; ``("outputs", [EngineCoreOutput, ...], stats)`` after
     every step (token deltas: what a step sends does not grow with the sequences' length);
-    ``("stats", stats)`` when idle; ``("reply", cid, ok, value_or_exception)``;
+    ``("stats", stats)`` at the start and when idle; ``("reply", cid, ok, value_or_exception)``;
     ``("step_failed", message, stats)``: a step raised, every live request was aborted (the
     core goes on serving new ones); ``("stopped",)``.
 
@@ -149,6 +149,7 @@ class _CoreLoop:
     def run(self) -> int:
         """Serve until told to stop (returns 0) or the engine cannot run steps any more (1)."""
         engine = self.engine
+        self.out.send(("stats", engine.stats()))  # (the front end's gauges, before any request)
         while True:
             idle = self.paused or not engine.has_unfinished_requests()
             if idle:  # block (with a periodic check of the parent) until a command arrives
