@@ -35,6 +35,7 @@ from kvserve.worker import kv_quant
 from kvserve.worker.kv_block_mover import KVBlockMover
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_ops import KVCacheOps
+from kvserve.core.kv_offload import KVOffloadTier
 from kvserve.config import ModelConfig
 from kvserve.core.radix_cache import Namespace, PartialMatch, RadixCache, RadixNode, make_namespace
 from kvserve.core.request import Request
@@ -381,11 +382,16 @@ class KVCacheManager:
         sliding_window: the window (tokens) of a model whose every layer is windowed: blocks
             before the window of a request's next token are freed (module docstring); None
             keeps every block.
+        offload: the prefix cache's disk tier (:class:`~kvserve.core.kv_offload.KVOffloadTier`,
+            recording into this manager's :attr:`ops`; needs prefix caching): blocks the tree
+            evicts are written to disk, and :meth:`admit` continues a request's match into the
+            blocks on disk, loading them (as a KV transfer's load: ``kv_loader`` or the local
+            pools' mover) and inserting them into the tree. None: no disk tier.
 
     Raises:
         ValueError: ``hit_rate_window`` < 1, ``sliding_window`` < 1, or ``sliding_window`` with
             prefix caching (the radix cache keeps whole prefixes locked while a request runs,
-            so its early blocks could not be freed).
+            so its early blocks could not be freed), or ``offload`` without prefix caching.
 
     Attributes:
         ops: the block copies recorded and not yet handed over (:meth:`KVCacheOps.take`); the
@@ -405,6 +411,7 @@ class KVCacheManager:
         partial_block_reuse: bool = True,
         sliding_window: Optional[int] = None,
         kv_loader: Optional[Callable[[KVCacheOps], None]] = None,
+        offload: Optional[KVOffloadTier] = None,
     ) -> None:
         if hit_rate_window < 1:
             raise ValueError(f"hit_rate_window must be ≥ 1, got {hit_rate_window}")
@@ -427,7 +434,14 @@ class KVCacheManager:
         self._loader = kv_loader
         self.namespace_model = namespace_model
         self.partial_block_reuse = partial_block_reuse
-        self.cache: Optional[RadixCache] = RadixCache(self.pool) if enable_prefix_caching else None
+        if offload is not None and not enable_prefix_caching:
+            raise ValueError("kv_offload_dir: the disk tier extends the prefix cache, which is off "
+                             "(enable_prefix_caching=False, or a model whose every layer has a sliding window)")
+        if offload is not None:
+            offload.ops = self.ops
+        self.offload = offload
+        self.cache: Optional[RadixCache] = RadixCache(
+            self.pool, on_evict=offload.on_evict if offload is not None else None) if enable_prefix_caching else None
         self.metrics = PrefixCacheMetrics(window=hit_rate_window)
         self._nodes: dict[str, RadixNode] = {}  # request id → the tree node it has locked
 
@@ -609,6 +623,7 @@ class KVCacheManager:
         node: Optional[RadixNode] = None
         partial: Optional[PartialMatch] = None
         transfer = request.kv_transfer
+        disk_keys: list[bytes] = []
         cap = 0
         if cache is not None:
             cap = self._hit_cap(request)
@@ -617,15 +632,28 @@ class KVCacheManager:
             node, blocks = m.node, m.blocks
             cache.lock(node)
             self.pool.incref(blocks)
-            if m.partial is not None and self.partial_block_reuse and transfer is None:
+            if self.offload is not None and transfer is None:  # the match goes on into the disk tier
+                disk_keys = self.offload.lookup(ns, request.all_token_ids, blocks,
+                                                cap // self.block_size - len(blocks))
+            if m.partial is not None and self.partial_block_reuse and transfer is None and not disk_keys:
                 partial = m.partial
                 cache.lock(partial.node)  # the copy source must outlive the eviction below
         hit = computed = len(blocks) * self.block_size + (partial.num_tokens if partial else 0)
         if transfer is not None and transfer.num_tokens > computed:
             computed = transfer.num_tokens  # the blocks after the cached ones come from the transfer
+        computed += len(disk_keys) * self.block_size
         num_new = min(request.num_tokens - computed, token_budget)
         need = self.blocks_needed(computed + num_new) - len(blocks)
         room = num_new > 0 and self._make_room(need, headroom)
+        if not room and disk_keys and num_new > 0:
+            # all the disk blocks at once may not fit where a chunk at a time would: compute instead
+            disk_keys = []
+            computed = hit
+            num_new = min(request.num_tokens - computed, token_budget)
+            need = self.blocks_needed(computed + num_new) - len(blocks)
+            room = num_new > 0 and self._make_room(need, headroom)
+        if self.offload is not None:
+            self.offload.unpin()
         if not room and partial is not None and num_new > 0:
             # the locked copy source may be the very block that eviction needs (a pool of a
             # few blocks): recompute that part instead of waiting for room that never comes
@@ -646,6 +674,13 @@ class KVCacheManager:
         if partial is not None:
             self._copy_block_prefix(partial.block_id, new[0], partial.num_tokens)
             cache.unlock(partial.node)
+        if disk_keys and not self._load_offloaded(request, disk_keys, new[: len(disk_keys)]):
+            disk_keys = []  # recompute after the in-memory hit
+            computed = hit
+            num_new = min(request.num_tokens - computed, token_budget)
+            keep = self.blocks_needed(computed + num_new) - len(blocks)
+            self.pool.decref(new[keep:])
+            new = new[:keep]
         if transfer is not None:
             if not self._load_transfer(request, transfer, hit, new):  # recompute after the cached blocks
                 computed = hit
@@ -658,6 +693,9 @@ class KVCacheManager:
         if node is not None:
             self._nodes[rid] = node
         request.num_computed_tokens = computed
+        if disk_keys:  # the loaded blocks join the tree now (a request admitted next matches them in memory)
+            hit += len(disk_keys) * self.block_size
+            self.cache_computed(request)
         if cache is not None:
             resumed = request.num_preemptions > 0
             if not resumed:
@@ -665,6 +703,45 @@ class KVCacheManager:
             if resumed or cap > 0 or request.sampling_params.prompt_logprobs is None:
                 self.metrics.record(request.num_tokens, hit, resumed)
         return num_new
+
+    def _apply_load(self) -> Optional[str]:
+        """Apply the ops recorded so far, a load last, now (the pools' mover, or ``kv_loader``);
+        returns the load's error message, or None when it succeeded (or waits in :attr:`ops`,
+        without mover and loader)."""
+        apply = self._mover.apply if self._mover is not None else self._loader
+        if apply is None:
+            return None
+        from kvserve.distributed.kv_transfer import KVTransferError
+
+        try:
+            apply(self.ops.take())
+        except KVTransferError as e:
+            return str(e)
+        return None
+
+    def _load_offloaded(self, request: Request, keys: list[bytes], new: list[int]) -> bool:
+        """Load the disk tier's blocks ``keys`` into ``new`` (fresh blocks, pairwise) now;
+        returns False when the load failed (a file missing or refused: the keys leave the tier's
+        index, the request recomputes those tokens)."""
+        assert self.offload is not None
+        self.ops.load(self.offload.handle(keys), list(range(len(keys))), new)
+        err = self._apply_load()
+        if err is not None:
+            self.offload.failed(keys)
+            logger.warning("request %s: reading %d KV block(s) from the disk tier failed (%s); it recomputes them",
+                           request.request_id, len(keys), err)
+            return False
+        self.offload.loaded(len(keys))
+        return True
+
+    def offload_cached(self) -> int:
+        """Record the writing of the tree's blocks that are not on disk yet (most recently used
+        first, within the budget; at shutdown, so that a restarted engine finds them). Returns the
+        blocks recorded (0 without a disk tier)."""
+        if self.offload is None or self.cache is None:
+            return 0
+        nodes = sorted(self.cache.iter_nodes(), key=lambda n: n.last_access)
+        return self.offload.offload_cached([b for n in nodes for b in n.blocks])
 
     def _load_transfer(self, request: Request, transfer, hit: int, new: list[int]) -> bool:
         """Load the blocks of ``transfer`` (a
@@ -680,19 +757,14 @@ class KVCacheManager:
         if end <= first:
             return True  # the cache held every transferred block
         self.ops.load(transfer, list(range(first, end)), new[: end - first])
-        apply = self._mover.apply if self._mover is not None else self._loader
-        ok = True
-        if apply is not None:
-            from kvserve.distributed.kv_transfer import KVTransferError
-
-            t0 = time.perf_counter()
-            try:
-                apply(self.ops.take())
-            except KVTransferError as e:
-                ok = False
-                self.num_transfer_failed += 1
-                logger.warning("request %s: loading %d transferred KV block(s) failed (%s); it recomputes its prompt "
-                               "after its %d cached token(s)", request.request_id, end - first, e, hit)
+        t0 = time.perf_counter()
+        err = self._apply_load()
+        ok = err is None
+        if not ok:
+            self.num_transfer_failed += 1
+            logger.warning("request %s: loading %d transferred KV block(s) failed (%s); it recomputes its prompt "
+                           "after its %d cached token(s)", request.request_id, end - first, err, hit)
+        if self._mover is not None or self._loader is not None:
             stats["seconds"] = time.perf_counter() - t0
             self.num_transfer_load_seconds += stats["seconds"]
         if ok:
@@ -722,7 +794,8 @@ class KVCacheManager:
         if full * bs <= node.depth:
             return
         table = self.block_tables[request.request_id]
-        new = self.cache.insert(self.namespace(request), _tokens(request, full * bs), table[:full], start=node)
+        tokens = _tokens(request, full * bs)
+        new = self.cache.insert(self.namespace(request), tokens, table[:full], start=node)
         # Where the tree already held these tokens in other blocks (a forked sample's copied
         # block, or two requests computing the same prompt at once), the request switches to
         # the tree's blocks and frees its duplicates: its lock must pin exactly the blocks it
@@ -741,6 +814,12 @@ class KVCacheManager:
                 self.pool.incref([b])
                 self.pool.decref([table[first + i]])
                 table[first + i] = b
+        if self.offload is not None and cached:  # the keys of the blocks that entered the tree
+            ns = self.namespace(request)
+            prev = self.offload.prev_key(ns, table[:first])
+            if prev is None:  # (unknown: chain from the start)
+                prev = self.offload.chain(self.offload.seed(ns), tokens, 0, first)[-1]
+            self.offload.note_cached(cached, self.offload.chain(prev, tokens, first, len(cached)))
         self.cache.move_lock(node, new)
         self._nodes[request.request_id] = new
 
@@ -837,6 +916,7 @@ class KVCacheManager:
             "kv_transfer_loaded_bytes": self.num_transfer_loaded_bytes,
             "kv_transfer_load_seconds": self.num_transfer_load_seconds,
             "kv_transfer_failed": self.num_transfer_failed,
+            **(self.offload.stats() if self.offload is not None else {}),
         }
 
     # ------------------------------------------------------------------ beam search

@@ -20,7 +20,13 @@ its own pools, in order, before that forward
   decode engine takes a request's prompt K/V from the prefill engine). The engine core applies
   a load at once, as it admits the request, with the ops recorded before it
   (:meth:`Worker.load_kv_blocks`), not with the step: a load can fail (the blocks are gone), and
-  then only that request recomputes its prompt (:meth:`KVCacheManager.admit`).
+  then only that request recomputes its prompt (:meth:`KVCacheManager.admit`). The disk tier's
+  reads (:mod:`kvserve.core.kv_offload`) are loads of the ``"disk"`` connector;
+* ``offload``: device blocks → the disk tier's files (blocks the prefix cache evicted,
+  :mod:`kvserve.core.kv_offload`): each worker copies its shard of the blocks out when it applies
+  the op (before anything later writes them) and writes the files in a background thread; the
+  batch also names files to delete (the tier's least recently used, beyond its budget), deleted
+  after the writes.
 
 Semantics: the ops of a :class:`KVCacheOps` mean exactly what applying them one by one, in the
 order recorded, would do. For speed, consecutive moves of one kind are kept together in a
@@ -51,7 +57,8 @@ COPY = "copy"
 SWAP_OUT = "swap_out"
 SWAP_IN = "swap_in"
 LOAD = "load"
-KINDS = (COPY, SWAP_OUT, SWAP_IN, LOAD)
+OFFLOAD = "offload"
+KINDS = (COPY, SWAP_OUT, SWAP_IN, LOAD, OFFLOAD)
 
 
 class KVCacheOpsError(RuntimeError):
@@ -65,13 +72,17 @@ class BlockMoves:
 
     Attributes:
         kind: :data:`COPY` (device → device), :data:`SWAP_OUT` (device → host),
-            :data:`SWAP_IN` (host → device) or :data:`LOAD` (a connector's payload → device).
+            :data:`SWAP_IN` (host → device), :data:`LOAD` (a connector's payload → device) or
+            :data:`OFFLOAD` (device → the disk tier's files).
         src, dst: block ids, one per move (device or host block ids as ``kind`` says; for a
-            load, the indices of the blocks in the payload).
+            load, the indices of the blocks in the payload; for an offload, the device blocks
+            and the indices of their keys in ``source``).
         num_tokens: :data:`COPY` only: the leading slots of each block moved (``1 ..
             block_size``); empty for swaps and loads, which move whole blocks.
-        source: :data:`LOAD` only: the :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`
-            of the payload (one batch per handle).
+        source: :data:`LOAD`: the :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`
+            of the payload (one batch per handle). :data:`OFFLOAD`: ``(keys, drop)``, the file
+            keys of the blocks written (``keys[dst[i]]`` for ``src[i]``) and those of the files to
+            delete after the writes (tuples of 16-byte keys).
     """
 
     kind: str
@@ -142,6 +153,17 @@ class KVCacheOps:
         self._written.clear()
         self._written.update(device_blocks)
 
+    def offload(self, device_blocks: Sequence[int], keys: Sequence[bytes], drop: Sequence[bytes] = ()) -> None:
+        """Record the writing of device blocks to the disk tier's files ``keys`` (pairwise), then
+        the deletion of the files ``drop``. An offload is a batch of its own."""
+        if len(device_blocks) != len(keys):
+            raise ValueError(f"offload: {len(device_blocks)} device blocks for {len(keys)} keys")
+        if not keys and not drop:
+            return
+        n = len(device_blocks)
+        self.batches.append(BlockMoves(OFFLOAD, list(device_blocks), list(range(n)), source=(tuple(keys), tuple(drop))))
+        self._written.clear()  # (reads device blocks, writes none)
+
     def _swap(self, kind: str, src: Sequence[int], dst: Sequence[int]) -> None:
         if len(src) != len(dst):
             raise ValueError(f"{kind}: {len(src)} source blocks for {len(dst)} destination blocks")
@@ -174,7 +196,7 @@ class KVCacheOps:
     def moves(self) -> list[tuple]:
         """Every move in order, one tuple each: ``("copy", src, dst, num_tokens)``,
         ``("swap_out", device_block, host_block)``, ``("swap_in", host_block, device_block)``,
-        ``("load", payload_block, device_block)``."""
+        ``("load", payload_block, device_block)``, ``("offload", device_block, key_index)``."""
         out: list[tuple] = []
         for b in self.batches:
             if b.kind == COPY:

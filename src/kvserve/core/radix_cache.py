@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator, Optional, Sequence
+from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 from kvserve.core.block_pool import BlockPool
 
@@ -151,6 +151,8 @@ class RadixCache:
     Args:
         pool: the block pool whose blocks the tree references (one reference per block
             it stores, taken in :meth:`insert` and dropped in :meth:`evict`).
+        on_evict: called with the ids of the blocks :meth:`evict` removes, before their
+            reference is dropped (the disk tier writes them: :mod:`kvserve.core.kv_offload`).
 
     Complexity (a path has one node per :meth:`insert` call that added blocks to it):
     match costs O(matched tokens + nodes on the path + children of the last node);
@@ -159,8 +161,9 @@ class RadixCache:
     nodes (a lazy min-heap of leaves ordered by last access).
     """
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, on_evict: Optional[Callable[[list[int]], None]] = None) -> None:
         self.pool = pool
+        self.on_evict = on_evict
         self.block_size = pool.block_size
         self.root = RadixNode(tokens=(), blocks=[], parent=None, namespace=None, depth=-1)
         self.stats = CacheStats()
@@ -635,6 +638,8 @@ class RadixCache:
         self._push(node)
 
     def _release(self, blocks: list[int]) -> None:
+        if self.on_evict is not None:
+            self.on_evict(blocks)
         self._evictable -= len(blocks)
         self._cached.difference_update(blocks)
         self.pool.decref(blocks)

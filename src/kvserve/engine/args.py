@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvserve.core.kv_cache_manager import DEFAULT_KV_CACHE_MEMORY_FRACTION
+from kvserve.core.kv_offload import check_offload_options
 from kvserve.core.kv_swap import check_swap_options
 from kvserve.spec_decode import SpeculativeConfig
 from kvserve.worker import kv_quant
@@ -124,6 +125,12 @@ class EngineArgs:
             (prefill/decode disaggregation, :mod:`kvserve.distributed.kv_transfer`): ``"local"``
             (engines in one process), ``"ray"`` (Ray's object store: engines in processes of one
             Ray cluster), or None (no transfer; requests with ``kv_transfer_params`` are refused).
+        kv_offload_dir: a directory for the prefix cache's disk tier (:mod:`kvserve.core.kv_offload`):
+            full blocks evicted from memory are written there and read back when a later prompt's
+            prefix continues past what memory holds; the files outlive the engine (a restarted
+            engine finds them). Created if missing; must be writable. None (default): no disk tier.
+        kv_offload_gib: the disk tier's size in GiB, in (0, 1048576] (least recently used files
+            are deleted beyond it); needed with ``kv_offload_dir``.
     """
 
     model: Optional[str] = None
@@ -149,6 +156,8 @@ class EngineArgs:
     distributed_executor_backend: Optional[str] = None
     distributed_timeout_s: float = 120.0
     kv_connector: Optional[str] = None
+    kv_offload_dir: Optional[str] = None
+    kv_offload_gib: Optional[float] = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -237,6 +246,13 @@ class EngineArgs:
         if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 < t <= 86400:
             raise ValueError(f"{name('distributed_timeout_s')} must be in (0, 86400] seconds, got {t!r}")
         check_swap_options(self.swap_space, self.preemption_mode, name)
+        self.kv_offload_dir = check_offload_options(self.kv_offload_dir, self.kv_offload_gib, name)
+        if self.kv_offload_dir is not None and not self.enable_prefix_caching:
+            raise ValueError(f"{name('kv_offload_dir')}: the disk tier extends the prefix cache, which is off "
+                             f"({'--no-prefix-caching' if option_names else 'enable_prefix_caching=False'})")
+        if self.kv_offload_dir is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"{name('kv_offload_dir')}: the disk tier runs at {name('tensor_parallel_size')} 1 for "
+                             f"now, got {self.tensor_parallel_size}")
 
 
 #: the largest KV budget accepted (GiB): beyond it the block count overflows, and no machine has it

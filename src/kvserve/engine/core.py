@@ -91,6 +91,24 @@ def kv_loader(executor: Executor):
     return load
 
 
+def _close_kv_offload(kv: KVCacheManager, executor: Executor) -> None:
+    """Write the prefix cache's blocks that are not on disk yet to the disk tier (within its
+    budget, most recently used first) and wait for every queued write: at shutdown, so that a
+    restarted engine finds the cache. Errors are logged (the engine is going away)."""
+    try:
+        if not executor.is_alive:
+            return
+        n = kv.offload_cached()
+        ops = kv.ops.take()
+        if ops:
+            executor.collective_rpc("apply_kv_ops", (ops,))
+        executor.collective_rpc("close_kv_offload")
+        if n:
+            logger.info("KV disk tier: wrote %d cached block(s) at shutdown", n)
+    except Exception:  # noqa: BLE001 - a dead worker: what was written stays
+        logger.warning("KV disk tier: writing the cached blocks at shutdown failed", exc_info=True)
+
+
 class EngineCore:
     """The engine core: :class:`EngineCoreRequest` in, :class:`EngineCoreOutput` per step out.
 
@@ -207,7 +225,12 @@ class EngineCore:
         return self.executor.is_alive
 
     def shutdown(self) -> None:
-        """Stop the workers (the rank processes of a tensor-parallel executor); idempotent."""
+        """Stop the workers (the rank processes of a tensor-parallel executor); idempotent. With
+        a disk tier, the blocks still in the prefix cache are written to it first, and the
+        writes queued are waited for (:func:`_close_kv_offload`)."""
+        finalizer = getattr(self, "_offload_finalizer", None)
+        if finalizer is not None:
+            finalizer()
         self.executor.shutdown()
 
     def _init_kv_cache(self, cfg: ModelConfig, path) -> None:
@@ -251,9 +274,16 @@ class EngineCore:
         self.executor.collective_rpc("initialize_kv_cache", (cfg, self.kv_spec, self.kv_cache_dtype))
         # (a KV transfer's load is applied at admission, not with the step: a failed one is then
         # one request's, which recomputes its prompt: kv_loader)
+        offload = self._init_kv_offload(cfg, path) if args.kv_offload_dir and prefix_caching else None
+        if args.kv_offload_dir and not prefix_caching:
+            raise ValueError(f"kv_offload_dir: the disk tier extends the prefix cache, which is off for this model "
+                             f"(every layer has a sliding window of {window} tokens)")
         self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, prefix_caching,
                                  None, namespace_model=str(path), sliding_window=window,
-                                 kv_loader=kv_loader(self.executor) if args.kv_connector else None)
+                                 kv_loader=kv_loader(self.executor) if args.kv_connector or offload else None,
+                                 offload=offload)
+        if offload is not None:  # (at shutdown, or when the core is collected: the cached blocks go to disk too)
+            self._offload_finalizer = weakref.finalize(self, _close_kv_offload, self.kv, self.executor)
         self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting,
                                                 args.max_num_seqs_per_user)
         self.preemption_mode = check_swap_options(args.swap_space, args.preemption_mode)
@@ -268,6 +298,28 @@ class EngineCore:
                         ", pinned" if pinned else "")
         self.scheduler = Scheduler(self.scheduler_config, self.kv, swap=self.swap)
         self.executor.collective_rpc("init_model_runner", (self.kv.block_tables, args.block_size, window))
+
+    def _init_kv_offload(self, cfg: ModelConfig, path):
+        """The prefix cache's disk tier (:mod:`kvserve.core.kv_offload`): the model fingerprint,
+        the index rebuilt from ``kv_offload_dir``, and each worker's writer/reader."""
+        from kvserve.core.kv_offload import KVOffloadTier, model_fingerprint
+        from kvserve.distributed.kv_transfer.disk_connector import BlockFileLayout
+
+        args, tp = self.args, self.args.tensor_parallel_size
+        kv_heads = cfg.num_kv_heads if tp == 1 else cfg.heads_per_rank(tp)[1]
+        fp, _ = model_fingerprint(path, self.dtype, self.kv_cache_dtype, args.block_size, cfg.num_layers, kv_heads,
+                                  cfg.head_dim, tp, args.quantization)
+        layout = BlockFileLayout(fp, 0, tp, cfg.num_layers, args.block_size, kv_heads,
+                                 kv_quant.row_elements(cfg.head_dim, self.kv_cache_dtype), self.kv_cache_dtype)
+        tier = KVOffloadTier(args.kv_offload_dir, args.kv_offload_gib, layout, ops=None)
+        if tier.capacity_blocks < 1:
+            raise ValueError(f"kv_offload_gib={args.kv_offload_gib} holds no KV block file of "
+                             f"{tier.block_file_bytes} bytes; raise kv_offload_gib")
+        self.executor.collective_rpc("initialize_kv_offload", (args.kv_offload_dir, layout))
+        logger.info("KV disk tier: %s, %.2f GiB = %d blocks of %d bytes; %d blocks found there (model fingerprint %s)",
+                    args.kv_offload_dir, args.kv_offload_gib, tier.capacity_blocks, tier.block_file_bytes,
+                    tier.num_scanned_blocks, fp.hex())
+        return tier
 
     @property
     def proposer(self):

@@ -47,6 +47,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
                    help="what preemption does with a request's KV: recompute it when resumed, or swap it to "
                         "the host (--swap-space) and back (default: swap when --swap-space > 0, else recompute)")
+    p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="a directory for the prefix cache's disk tier: KV blocks evicted from memory are written "
+                        "there and read back when a later prompt's prefix continues past memory; they outlive a "
+                        "restart (needs --kv-offload-gib)")
+    p.add_argument("--kv-offload-gib", type=float, default=None, metavar="N",
+                   help="the disk tier's size in GiB, > 0 (least recently used block files are deleted beyond it)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks: each holds 1/N of every layer (default 1)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
@@ -72,6 +78,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         preemption_mode=a.preemption_mode,
         tensor_parallel_size=a.tensor_parallel_size,
         distributed_executor_backend=a.distributed_executor_backend,
+        kv_offload_dir=a.kv_offload_dir,
+        kv_offload_gib=a.kv_offload_gib,
     )
 
 
@@ -111,7 +119,8 @@ def _params(a: argparse.Namespace):
 #: (context_len: `kvserve plan`'s).
 _ENGINE_OPTIONS = {f: "--" + f.replace("_", "-") for f in (
     "max_model_len", "kv_cache_memory_fraction", "kv_cache_memory", "kv_cache_dtype", "device", "block_size", "max_num_batched_tokens",
-    "max_num_seqs", "context_len", "speculative_config", "swap_space", "preemption_mode")}
+    "max_num_seqs", "context_len", "speculative_config", "swap_space", "preemption_mode", "kv_offload_dir",
+    "kv_offload_gib")}
 
 
 def _option_error(e: ValueError) -> str:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvserve.core.kv_ops import COPY, LOAD, SWAP_IN, SWAP_OUT, KVCacheOps
+from kvserve.core.kv_ops import COPY, LOAD, OFFLOAD, SWAP_IN, SWAP_OUT, KVCacheOps
 
 GiB = 1 << 30
 
@@ -53,6 +53,9 @@ class KVBlockMover:
             the CPU; None without a swap space.
         pin: the host pool is pinned memory (a CUDA device).
         block_bytes: bytes of one block, all layers, K and V.
+        disk: the disk tier's connector of this rank
+            (:class:`~kvserve.distributed.kv_transfer.disk_connector.DiskKVConnector`), which
+            ``offload`` ops write to and loads of the ``"disk"`` connector read from; None without one.
     """
 
     def __init__(self, kv_caches: KVPools, rank: int = 0) -> None:
@@ -64,6 +67,7 @@ class KVBlockMover:
         self.pin = self.device.type == "cuda"
         self.block_bytes = math.prod(k0.shape[1:]) * k0.element_size() * 2 * len(kv_caches)
         self.host_caches: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+        self.disk = None
 
     def allocate_host(self, num_blocks: int) -> None:
         """Allocate the host pool of ``num_blocks`` blocks (zero-filled; pinned on CUDA).
@@ -103,7 +107,7 @@ class KVBlockMover:
                 applied, the load and those after it were not.
         """
         for b in ops.batches:
-            if not b.src:
+            if not b.src and b.kind != OFFLOAD:
                 continue
             if b.kind == COPY:
                 self._copy(b.src, b.dst, b.num_tokens)
@@ -113,6 +117,8 @@ class KVBlockMover:
                 (self._swap_out if b.kind == SWAP_OUT else self._swap_in)(b.src, b.dst)
             elif b.kind == LOAD:
                 self._load(b.source, b.src, b.dst)
+            elif b.kind == OFFLOAD:
+                self._offload(b.src, b.dst, *b.source)
             else:
                 raise ValueError(f"unknown KV op kind {b.kind!r}")
 
@@ -122,6 +128,27 @@ class KVBlockMover:
         connector's payload, :mod:`kvserve.distributed.kv_transfer`)."""
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
         return [tuple(c.index_select(0, idx).to("cpu") for c in pair) for pair in self.kv_caches]
+
+    def save_blocks(self, blocks: Sequence[int]) -> torch.Tensor:
+        """The K/V of device blocks ``blocks`` as one new CPU tensor ``[len(blocks), 2 · num_layers,
+        block_size, num_kv_heads, row]`` (layer ``l``'s K at ``2l``, V at ``2l + 1``; a disk tier
+        file's payload)."""
+        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
+        return torch.stack([c.index_select(0, idx) for pair in self.kv_caches for c in pair], dim=1).to("cpu")
+
+    def _offload(self, device_blocks: list[int], key_index: list[int], keys: tuple, drop: tuple) -> None:
+        """Copy device blocks out and queue their files to the disk tier's writer, then queue the
+        deletion of the files ``drop`` (:mod:`kvserve.core.kv_offload`).
+
+        Raises:
+            ValueError: this worker has no disk tier.
+        """
+        if self.disk is None:
+            raise ValueError(f"offload of {len(device_blocks)} blocks, but this worker has no disk tier")
+        if device_blocks:
+            self.disk.put([keys[i] for i in key_index], self.save_blocks(device_blocks))
+        if drop:
+            self.disk.delete(drop)
 
     def _load(self, handle, payload_blocks: list[int], device_blocks: list[int]) -> None:
         """Write blocks ``payload_blocks`` of a KV connector's saved payload (``handle``: its
@@ -136,7 +163,8 @@ class KVBlockMover:
         from kvserve.distributed.kv_transfer import KVTransferError, get_connector
 
         try:
-            payload = get_connector(handle.connector).fetch(handle.key, self.rank, payload_blocks)
+            conn = self.disk if handle.connector == "disk" and self.disk is not None else get_connector(handle.connector)
+            payload = conn.fetch(handle.key, self.rank, payload_blocks)
         except KVTransferError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. a process not connected to Ray: the request recomputes

@@ -147,6 +147,23 @@ class Worker:
         self.kv_mover.allocate_host(num_blocks)
         return self.kv_mover.pin
 
+    def initialize_kv_offload(self, directory: str, layout) -> None:
+        """Start this rank's side of the prefix cache's disk tier: a
+        :class:`~kvserve.distributed.kv_transfer.disk_connector.DiskKVConnector` over ``directory``
+        for ``layout`` (rank 0's :class:`~kvserve.distributed.kv_transfer.disk_connector.BlockFileLayout`;
+        this rank's is derived), which ``offload`` ops write to and disk loads read from."""
+        from kvserve.distributed.kv_transfer.disk_connector import DiskKVConnector
+
+        self.close_kv_offload()
+        self.kv_mover.disk = DiskKVConnector(directory, layout.for_rank(self.rank))
+
+    def close_kv_offload(self) -> None:
+        """Write what the disk tier's writer has queued and stop it (no-op without a disk tier)."""
+        disk = self.kv_mover.disk if self.kv_mover is not None else None
+        if disk is not None:
+            disk.close()
+            self.kv_mover.disk = None
+
     @property
     def host_caches(self) -> Optional[list]:
         """The swap space's host pool (None without one)."""
@@ -249,7 +266,9 @@ class Worker:
 
     def shutdown(self) -> None:
         """Leave the tensor-parallel group (:func:`kvserve.distributed.destroy_distributed`);
-        idempotent: once left, a later call leaves nothing (not another engine's group)."""
+        idempotent: once left, a later call leaves nothing (not another engine's group). The disk
+        tier's queued writes are written first."""
+        self.close_kv_offload()
         if self._in_group:
             self._in_group = False
             parallel_state.destroy_distributed()

@@ -498,7 +498,11 @@ class AsyncEngine:
                              ("swap_num_swap_outs", m.swap_outs), ("swap_num_swap_ins", m.swap_ins),
                              ("swap_num_swapped_out_blocks", m.swap_out_blocks),
                              ("swap_num_swapped_in_blocks", m.swap_in_blocks),
-                             ("swap_num_recompute_fallbacks", m.swap_fallbacks)):
+                             ("swap_num_recompute_fallbacks", m.swap_fallbacks),
+                             ("kv_offload_written_blocks", m.offload_written_blocks),
+                             ("kv_offload_read_blocks", m.offload_read_blocks),
+                             ("kv_offload_hits", m.offload_hits),
+                             ("kv_offload_read_failed", m.offload_read_failures)):
             v = s.get(key, 0)
             if v > self._last_spec.get(key, 0):
                 counter.inc(v - self._last_spec.get(key, 0))

@@ -25,6 +25,10 @@ Counters: prompt_tokens_total, generation_tokens_total, num_preemptions_total,
     swap_out_requests_total / swap_in_requests_total (preempted requests whose KV moved to the host
     pool and back), swap_out_blocks_total / swap_in_blocks_total (KV blocks moved, all layers),
     swap_recompute_fallbacks_total (preemptions recomputed because the host pool was full),
+    kv_offload_written_blocks_total / kv_offload_read_blocks_total (KV blocks written to and read
+    back from the prefix cache's disk tier, --kv-offload-dir), kv_offload_hits_total (requests that
+    read blocks from the disk tier), kv_offload_read_failures_total (reads refused: a missing,
+    corrupt or truncated file; the request recomputed),
     request_success_total{finished_reason} (one per returned sequence: stop, length, abort, error).
 
 Besides the registry, bounded rings of the most recent finished requests (their prompt and
@@ -127,6 +131,12 @@ class ServerMetrics:
         counter("swap_in_blocks", "swap_in_blocks", "KV blocks copied back from the host pool.")
         counter("swap_fallbacks", "swap_recompute_fallbacks",
                 "Preemptions recomputed instead of swapped (host pool full).")
+        counter("offload_written_blocks", "kv_offload_written_blocks",
+                "KV blocks evicted from the prefix cache and written to the disk tier.")
+        counter("offload_read_blocks", "kv_offload_read_blocks", "KV blocks read back from the disk tier.")
+        counter("offload_hits", "kv_offload_hits", "Requests that read KV blocks from the disk tier.")
+        counter("offload_read_failures", "kv_offload_read_failures",
+                "Disk-tier reads refused (missing, corrupt or truncated files); the request recomputed.")
         self._success_family = Counter("kvserve:request_success", "Finished sequences by finish reason.",
                                        lab + ["finished_reason"], registry=r)
         self.replicas = list(replicas) if replicas is not None else None
