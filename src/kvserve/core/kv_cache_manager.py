@@ -527,6 +527,8 @@ class KVCacheManager:
         if need > free:
             assert self.cache is not None
             self.metrics.evicted_blocks += self.cache.evict(need - free)
+            if self._mover is not None and self.ops:  # (local pools: the disk tier's writes at once)
+                self._mover.apply(self.ops.take())
         return self.pool.num_free >= need
 
     def allocate_slots(self, request: Request, num_new_tokens: int, headroom: int = 0) -> bool:
@@ -728,6 +730,8 @@ class KVCacheManager:
         err = self._apply_load()
         if err is not None:
             self.offload.failed(keys)
+            if self._mover is not None:
+                self._mover.apply(self.ops.take())
             logger.warning("request %s: reading %d KV block(s) from the disk tier failed (%s); it recomputes them",
                            request.request_id, len(keys), err)
             return False

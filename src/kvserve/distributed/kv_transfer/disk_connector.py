@@ -291,15 +291,16 @@ class DiskKVConnector(KVConnector):
             raise ValueError(f"put: {len(keys)} keys for blocks of shape {tuple(blocks.shape)}, expected "
                              f"[{len(keys)}, {', '.join(map(str, self.layout.shape))}]")
         nbytes = self.layout.payload_bytes
+        views = list(blocks.unbind(0))  # (one object per block: the writer drops it from _pending by identity)
         with self._cond:
             while self._pending_bytes > self.max_pending_bytes and self._thread.is_alive():
                 self._cond.wait(1.0)
-            for i, key in enumerate(keys):
+            for key, block in zip(keys, views):
                 if key not in self._pending:
                     self._pending_bytes += nbytes
-                self._pending[key] = blocks[i]
-        for i, key in enumerate(keys):
-            self._queue.put(("write", key, blocks[i]))
+                self._pending[key] = block
+        for key, block in zip(keys, views):
+            self._queue.put(("write", key, block))
 
     def delete(self, keys: Iterable[bytes]) -> None:
         """Queue the deletion of blocks' files (after the writes queued before)."""
