@@ -36,6 +36,7 @@ Units: budgets in GiB and bytes, blocks of ``block_size`` tokens, one file per b
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import numbers
 import os
@@ -231,11 +232,12 @@ class KVOffloadTier:
     def _enforce_budget(self, record: bool = True) -> list[bytes]:
         """Drop the least recently used keys (not pinned) beyond the budget; returns them (and
         records their deletion when ``record``)."""
-        drop = []
-        it = iter(list(self.index))
-        while len(self.index) > self.capacity_blocks:
-            key = next(it, None)
-            if key is None:
+        drop: list[bytes] = []
+        over = len(self.index) - self.capacity_blocks
+        if over <= 0:
+            return drop
+        for key in list(itertools.islice(self.index, over + len(self._pinned))):  # (the oldest only: O(over))
+            if len(drop) == over:
                 break
             if key not in self._pinned:
                 del self.index[key]
