@@ -215,7 +215,7 @@ def test_the_byte_budget_keeps_the_most_recent_blocks(llama, reference, tmp_path
     s = llm.engine.stats()
     assert s["kv_offload_written_blocks"] > 4 and s["kv_offload_blocks"] == 4
     assert s["kv_offload_deleted_blocks"] == s["kv_offload_written_blocks"] - 4
-    llm.engine.core.executor.collective_rpc("close_kv_offload")
+    llm.engine.core.executor.collective_rpc("flush_kv_offload")
     assert len(_files(tmp_path / "t")) == 4
     llm.shutdown()
     assert len(_files(tmp_path / "t")) == 4  # (the blocks still cached at shutdown did not push past it)
@@ -276,3 +276,29 @@ def test_cli_names_the_flag(argv, words, tmp_path, capsys):
     argv = [a.format(d=tmp_path / "d", f=tmp_path / "f") for a in argv]
     assert main(["generate", "hi", "--model", str(tmp_path / "nope.gguf")] + argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_tensor_parallel_ranks_write_and_read_their_own_shards(llama, reference, tmp_path):
+    """At ``tensor_parallel_size=2`` each rank writes its shard (``<key>.r0.kvb``, ``.r1.kvb``); a
+    restarted engine reads both back; a corrupt shard of one rank fails the read on every rank
+    (the request recomputes, the block's files go on both ranks)."""
+    llm = _llm(llama, tmp_path, tensor_parallel_size=2)
+    assert llm.generate([A], PARAMS)[0].outputs[0].token_ids == reference["A"]
+    keys = _keys(llm, A)
+    llm.shutdown()
+    assert set(_files(tmp_path)) == {block_file_name(k, r) for k in keys for r in (0, 1)}
+    llm = _llm(llama, tmp_path, tensor_parallel_size=2)
+    out = llm.generate([A], PARAMS)[0]
+    s = llm.engine.stats()
+    assert out.outputs[0].token_ids == reference["A"] and out.num_cached_tokens == A_FULL_BLOCKS * 16
+    assert s["kv_offload_read_blocks"] == A_FULL_BLOCKS and s["prompt_tokens_computed"] == len(A) - A_FULL_BLOCKS * 16
+    llm.shutdown()
+    _flip_payload_byte(str(tmp_path / block_file_name(keys[7], 1)))
+    llm = _llm(llama, tmp_path, tensor_parallel_size=2)
+    out = llm.generate([A], PARAMS)[0]
+    s = llm.engine.stats()
+    assert out.outputs[0].token_ids == reference["A"] and s["kv_offload_read_failed"] == 1
+    assert s["prompt_tokens_computed"] == len(A)
+    llm.engine.core.executor.collective_rpc("flush_kv_offload")  # (the deletions done)
+    assert not {block_file_name(k, r) for k in keys for r in (0, 1)} & set(_files(tmp_path))
+    llm.shutdown()

@@ -130,7 +130,8 @@ class EngineArgs:
             prefix continues past what memory holds; the files outlive the engine (a restarted
             engine finds them). Created if missing; must be writable. None (default): no disk tier.
         kv_offload_gib: the disk tier's size in GiB, in (0, 1048576] (least recently used files
-            are deleted beyond it); needed with ``kv_offload_dir``.
+            are deleted beyond it); needed with ``kv_offload_dir``. With tensor parallelism each rank
+            writes and reads its own shard of a block (one file per block and rank).
     """
 
     model: Optional[str] = None
@@ -250,9 +251,6 @@ class EngineArgs:
         if self.kv_offload_dir is not None and not self.enable_prefix_caching:
             raise ValueError(f"{name('kv_offload_dir')}: the disk tier extends the prefix cache, which is off "
                              f"({'--no-prefix-caching' if option_names else 'enable_prefix_caching=False'})")
-        if self.kv_offload_dir is not None and self.tensor_parallel_size > 1:
-            raise ValueError(f"{name('kv_offload_dir')}: the disk tier runs at {name('tensor_parallel_size')} 1 for "
-                             f"now, got {self.tensor_parallel_size}")
 
 
 #: the largest KV budget accepted (GiB): beyond it the block count overflows, and no machine has it

@@ -157,6 +157,12 @@ class Worker:
         self.close_kv_offload()
         self.kv_mover.disk = DiskKVConnector(directory, layout.for_rank(self.rank))
 
+    def flush_kv_offload(self) -> None:
+        """Wait until the disk tier's queued writes and deletions are done (no-op without one)."""
+        disk = self.kv_mover.disk if self.kv_mover is not None else None
+        if disk is not None:
+            disk.flush()
+
     def close_kv_offload(self) -> None:
         """Write what the disk tier's writer has queued and stop it (no-op without a disk tier)."""
         disk = self.kv_mover.disk if self.kv_mover is not None else None
