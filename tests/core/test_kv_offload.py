@@ -162,11 +162,13 @@ def test_scan_keeps_whole_blocks_of_every_rank(tmp_path):
         c.put(keys, x) if rank == 0 else c.put(keys[:1], x[:1])  # rank 1 lacks block b
         c.close()
     (tmp_path / ".x.tmp").write_bytes(b"half")
+    os.utime(tmp_path / ".x.tmp", (0, 0))  # (stale; a fresh one may be another engine's write in progress)
+    (tmp_path / ".y.tmp").write_bytes(b"writing")
     (tmp_path / "notes.txt").write_text("not a block")
     res = scan_directory(str(tmp_path), lay)
     assert [k for _, k in res.blocks] == [keys[0]] and res.incomplete == 1
     assert sorted(os.listdir(tmp_path)) == sorted([block_file_name(keys[0], 0), block_file_name(keys[0], 1),
-                                                   "notes.txt"])
+                                                   ".y.tmp", "notes.txt"])
     # a tier one block large deletes the oldest beyond it at start
     t = KVOffloadTier(str(tmp_path), lay.file_bytes * 2 * 1.5 / (1 << 30), lay, KVCacheOps())
     assert t.capacity_blocks == 1 and len(t.index) == 1

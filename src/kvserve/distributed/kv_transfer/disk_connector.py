@@ -34,6 +34,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
@@ -52,6 +53,8 @@ HEADER = struct.Struct("<8sII16s16sIIIIII16sQI")
 HEADER_CRC = struct.Struct("<I")
 HEADER_BYTES = HEADER.size + HEADER_CRC.size
 SUFFIX = ".kvb"
+#: Age (seconds) after which a start-up scan deletes a temporary file (a write cut short).
+STALE_TMP_S = 600.0
 #: Bytes of queued (not yet written) blocks above which :meth:`DiskKVConnector.put` waits for the writer.
 MAX_PENDING_BYTES = 256 << 20
 
@@ -196,7 +199,8 @@ def scan_directory(directory: str, layout: BlockFileLayout) -> ScanResult:
     ``0 .. layout.tp_size - 1`` are this model's (``layout``, any rank) and whole.
 
     Corrupt and truncated files are deleted, foreign ones skipped, each with a warning (one line
-    per kind, with the count and the first file); leftover temporary files are deleted.
+    per kind, with the count and the first file); temporary files older than :data:`STALE_TMP_S`
+    (writes cut short) are deleted.
     """
     found: dict[bytes, dict[int, int]] = {}
     res = ScanResult([])
@@ -205,7 +209,11 @@ def scan_directory(directory: str, layout: BlockFileLayout) -> ScanResult:
         entries = [e for e in it if e.is_file(follow_symlinks=False)]
     for e in entries:
         if e.name.startswith(".") and e.name.endswith(".tmp"):
-            _unlink(e.path)  # (a write cut short)
+            try:  # a write cut short (not one in progress in another engine on this directory)
+                if time.time() - e.stat().st_mtime > STALE_TMP_S:
+                    _unlink(e.path)
+            except OSError:
+                pass
             continue
         parsed = parse_file_name(e.name)
         if parsed is None:
@@ -346,7 +354,7 @@ class DiskKVConnector(KVConnector):
     def _write(self, key: bytes, block: torch.Tensor) -> None:
         data = memoryview(block.contiguous().view(torch.uint8).numpy()).cast("B")
         path = self.path(key)
-        tmp = os.path.join(self.directory, f".{os.path.basename(path)}.{threading.get_ident()}.tmp")
+        tmp = os.path.join(self.directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(self.layout.header(key, zlib.crc32(data)))
