@@ -51,7 +51,8 @@ class LLM:
         **kwargs: any other :class:`kvserve.engine.llm_engine.EngineArgs` field (``kv_cache_memory``,
             ``max_model_len``, ``max_num_batched_tokens``, ``max_num_seqs``, ``block_size``,
             ``num_blocks``, ``enable_prefix_caching``, ``device``, ``quantization``, ``seed``,
-            ``swap_space``, ``preemption_mode``).
+            ``swap_space``, ``preemption_mode``, ``kv_offload_dir``, ``kv_offload_gib``: the prefix
+            cache's disk tier, whose blocks a later ``LLM`` on the same directory reads back).
 
     Example:
         >>> llm = LLM(dtype="float32")
@@ -73,8 +74,9 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine's workers now (the rank processes of ``tensor_parallel_size > 1``);
-        the engine cannot be used afterwards. Also done when the ``LLM`` is garbage-collected
-        and at exit."""
+        the engine cannot be used afterwards. With ``kv_offload_dir``, the prefix cache's blocks
+        are written to the disk tier first. Also done when the ``LLM`` is garbage-collected and
+        at exit."""
         self.engine.shutdown()
 
     def _submit(self, prompts, params, stream: bool = False) -> tuple[list[Optional[str]], dict[int, str]]:
