@@ -129,12 +129,13 @@ class KVBlockMover:
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
         return [tuple(c.index_select(0, idx).to("cpu") for c in pair) for pair in self.kv_caches]
 
-    def save_blocks(self, blocks: Sequence[int]) -> torch.Tensor:
-        """The K/V of device blocks ``blocks`` as one new CPU tensor ``[len(blocks), 2 · num_layers,
-        block_size, num_kv_heads, row]`` (layer ``l``'s K at ``2l``, V at ``2l + 1``; a disk tier
-        file's payload)."""
+    def save_blocks(self, blocks: Sequence[int]) -> list[torch.Tensor]:
+        """The K/V of device blocks ``blocks`` copied out to the CPU (one gather per pool, the only
+        copy): ``2 · num_layers`` tensors ``[len(blocks), block_size, num_kv_heads, row]``, layer
+        ``l``'s K at ``2l`` and V at ``2l + 1`` (the parts of the disk tier's files,
+        :meth:`DiskKVConnector.put`)."""
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
-        return torch.stack([c.index_select(0, idx) for pair in self.kv_caches for c in pair], dim=1).to("cpu")
+        return [c.index_select(0, idx).to("cpu") for pair in self.kv_caches for c in pair]
 
     def _offload(self, device_blocks: list[int], key_index: list[int], keys: tuple, drop: tuple) -> None:
         """Copy device blocks out and queue their files to the disk tier's writer, then queue the

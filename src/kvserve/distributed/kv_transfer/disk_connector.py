@@ -39,6 +39,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from kvserve.distributed.kv_transfer.base import KVConnector, KVPayload, KVTransferError
@@ -252,6 +253,21 @@ def scan_directory(directory: str, layout: BlockFileLayout) -> ScanResult:
     return res
 
 
+class _Pending:
+    """A block queued for writing: block ``index`` of the parts ``arrays`` (uint8 views of the
+    ``2 · num_layers`` tensors ``[n, block_size, num_kv_heads, row]`` a put was given)."""
+
+    __slots__ = ("arrays", "index")
+
+    def __init__(self, arrays: list, index: int) -> None:
+        self.arrays = arrays
+        self.index = index
+
+    def pieces(self) -> list:
+        """The block's payload, in file order: one contiguous uint8 array per layer and K/V."""
+        return [a[self.index] for a in self.arrays]
+
+
 class DiskKVConnector(KVConnector):
     """One rank's side of the disk tier: writes its shard of offloaded blocks (in a background
     thread) and reads them back (:meth:`fetch`).
@@ -279,7 +295,7 @@ class DiskKVConnector(KVConnector):
         self.num_written_blocks = 0
         self.num_write_errors = 0
         self.num_deleted = 0
-        self._pending: dict[bytes, torch.Tensor] = {}  # key -> block not yet written
+        self._pending: dict[bytes, _Pending] = {}  # key -> block not yet written
         self._pending_bytes = 0
         self._cond = threading.Condition()
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
@@ -291,24 +307,35 @@ class DiskKVConnector(KVConnector):
         return os.path.join(self.directory, block_file_name(key, self.layout.rank))
 
     # ------------------------------------------------------------------ writing
-    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
-        """Queue blocks for writing: ``blocks[i]`` (``[2 · num_layers, block_size, num_kv_heads,
-        row]``, the layout's dtype, on the CPU, contiguous) becomes the file of ``keys[i]``. Returns
-        at once unless more than ``max_pending_bytes`` are queued (then waits for the writer)."""
-        if len(keys) != blocks.shape[0] or tuple(blocks.shape[1:]) != self.layout.shape:
-            raise ValueError(f"put: {len(keys)} keys for blocks of shape {tuple(blocks.shape)}, expected "
-                             f"[{len(keys)}, {', '.join(map(str, self.layout.shape))}]")
-        nbytes = self.layout.payload_bytes
-        views = list(blocks.unbind(0))  # (one object per block: the writer drops it from _pending by identity)
+    def put(self, keys: Sequence[bytes], blocks) -> None:
+        """Queue blocks for writing. ``blocks`` is either one tensor ``[len(keys), 2 · num_layers,
+        block_size, num_kv_heads, row]`` (block ``i`` becomes the file of ``keys[i]``) or its
+        ``2 · num_layers`` parts, each ``[len(keys), block_size, num_kv_heads, row]`` (layer ``l``'s K
+        at ``2l``, V at ``2l + 1``: what a worker's pools give with one gather each, no further copy);
+        the layout's dtype, on the CPU. Returns at once unless more than ``max_pending_bytes`` are
+        queued (then waits for the writer). The tensors must not change until written.
+
+        Raises:
+            ValueError: shapes that do not match ``keys`` and the layout.
+        """
+        lay = self.layout
+        parts = list(blocks.unbind(1)) if isinstance(blocks, torch.Tensor) else list(blocks)
+        if len(parts) != lay.shape[0] or any(tuple(p.shape) != (len(keys), *lay.shape[1:]) for p in parts):
+            got = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else [tuple(p.shape) for p in parts[:2]]
+            raise ValueError(f"put: {len(keys)} keys for blocks of shape {got}, expected "
+                             f"[{len(keys)}, {', '.join(map(str, lay.shape))}] (or its {lay.shape[0]} parts)")
+        arrays = [p.view(torch.uint8).numpy() for p in parts]  # (the writer slices these: no tensor per block)
+        nbytes = lay.payload_bytes
+        items = [_Pending(arrays, i) for i in range(len(keys))]  # (one object per block: dropped by identity)
         with self._cond:
             while self._pending_bytes > self.max_pending_bytes and self._thread.is_alive():
                 self._cond.wait(1.0)
-            for key, block in zip(keys, views):
+            for key, item in zip(keys, items):
                 if key not in self._pending:
                     self._pending_bytes += nbytes
-                self._pending[key] = block
-        for key, block in zip(keys, views):
-            self._queue.put(("write", key, block))
+                self._pending[key] = item
+        for key, item in zip(keys, items):
+            self._queue.put(("write", key, item))
 
     def delete(self, keys: Iterable[bytes]) -> None:
         """Queue the deletion of blocks' files (after the writes queued before)."""
@@ -351,14 +378,18 @@ class DiskKVConnector(KVConnector):
                         self._cond.notify_all()
                 self._queue.task_done()
 
-    def _write(self, key: bytes, block: torch.Tensor) -> None:
-        data = memoryview(block.contiguous().view(torch.uint8).numpy()).cast("B")
+    def _write(self, key: bytes, block: "_Pending") -> None:
+        pieces = block.pieces()
+        crc = 0
+        for piece in pieces:
+            crc = zlib.crc32(piece, crc)
         path = self.path(key)
         tmp = os.path.join(self.directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(self.layout.header(key, zlib.crc32(data)))
-                f.write(data)
+                f.write(self.layout.header(key, crc))
+                for piece in pieces:
+                    f.write(piece)
             os.replace(tmp, path)
         except BaseException:
             _unlink(tmp)
@@ -367,8 +398,9 @@ class DiskKVConnector(KVConnector):
 
     # ------------------------------------------------------------------ reading
     def read(self, keys: Sequence[bytes]) -> torch.Tensor:
-        """The blocks of ``keys`` (this rank's shard): ``[len(keys), 2 · num_layers, block_size,
-        num_kv_heads, row]`` in the layout's dtype, on the CPU. Queued blocks come from memory, the
+        """The blocks of ``keys`` (this rank's shard): ``[2 · num_layers, len(keys), block_size,
+        num_kv_heads, row]`` in the layout's dtype, on the CPU (each layer's K and V contiguous, as
+        the pools' scatter wants them; layer ``l``'s K at ``2l``). Queued blocks come from memory, the
         others from their files, each checked (header and payload CRC-32); a file read is marked
         recently used (its mtime, the LRU order a restart rebuilds).
 
@@ -377,14 +409,18 @@ class DiskKVConnector(KVConnector):
                 unless foreign, with a warning); nothing is returned then.
         """
         lay = self.layout
-        out = torch.empty((len(keys), *lay.shape), dtype=lay.dtype)
-        raw = out.view(len(keys), -1).view(torch.uint8) if len(keys) else out
+        parts, rest = lay.shape[0], lay.shape[1:]
+        out = torch.empty((parts, len(keys), *rest), dtype=lay.dtype)
+        # [parts, n, bytes of one part] (numpy: these small copies stay on this thread)
+        raw = out.view(parts, len(keys), -1).view(torch.uint8).numpy()
+        buf = np.empty(lay.payload_bytes, dtype=np.uint8)  # one file's payload, then spread out
         header = bytearray(HEADER_BYTES)
         for i, key in enumerate(keys):
             with self._cond:
                 block = self._pending.get(key)
             if block is not None:
-                out[i].copy_(block)
+                for j, piece in enumerate(block.pieces()):
+                    raw[j, i] = piece.reshape(-1)
                 continue
             path = self.path(key)
             try:
@@ -394,11 +430,11 @@ class DiskKVConnector(KVConnector):
                     got, crc = lay.check_header(bytes(header[:n]), size)
                     if got != key:
                         raise BlockFileError("corrupt", f"header key {got.hex()} differs from the file name")
-                    buf = raw[i].numpy()
                     if f.readinto(memoryview(buf)) != lay.payload_bytes:
                         raise BlockFileError("truncated", "payload shorter than the header says")
                     if zlib.crc32(buf) != crc:
                         raise BlockFileError("corrupt", "payload checksum mismatch")
+                raw[:, i] = buf.reshape(parts, -1)
             except BlockFileError as e:
                 self.num_failed += 1
                 logger.warning("KV disk tier: block file %s refused (%s: %s)%s", path, e.kind, e,
@@ -429,7 +465,7 @@ class DiskKVConnector(KVConnector):
         if rank != self.layout.rank:
             raise KVTransferError(f"KV disk tier: rank {rank} asked the connector of rank {self.layout.rank}")
         x = self.read([key[b] for b in blocks])
-        return [(x[:, 2 * i], x[:, 2 * i + 1]) for i in range(self.layout.num_layers)]
+        return [(x[2 * i], x[2 * i + 1]) for i in range(self.layout.num_layers)]
 
     def save(self, payloads: Sequence[KVPayload]) -> Any:
         raise TypeError("the disk tier's blocks are written by each worker (put), keyed by their token chain")
