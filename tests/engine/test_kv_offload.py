@@ -221,6 +221,22 @@ def test_the_byte_budget_keeps_the_most_recent_blocks(llama, reference, tmp_path
     assert len(_files(tmp_path / "t")) == 4  # (the blocks still cached at shutdown did not push past it)
 
 
+def test_a_smaller_budget_at_start_deletes_the_oldest_files(llama, reference, tmp_path):
+    keys = _write_a(llama, tmp_path, reference)
+    for i, k in enumerate(keys):  # block i written at time i (the LRU order a restart rebuilds)
+        os.utime(tmp_path / block_file_name(k, 0), ns=(10**18 + i * 10**9, 10**18 + i * 10**9))
+    probe = _llm(llama, tmp_path / "probe")
+    file_bytes = probe.engine.core.kv.offload.block_file_bytes
+    probe.shutdown()
+    llm = _llm(llama, tmp_path, gib=5.5 * file_bytes / (1 << 30))
+    s = llm.engine.stats()
+    assert s["kv_offload_scanned_blocks"] == A_FULL_BLOCKS and s["kv_offload_blocks"] == 5
+    assert set(_files(tmp_path)) == {block_file_name(k, 0) for k in keys[-5:]}
+    llm.shutdown()
+    with pytest.raises(ValueError, match="kv_offload_gib=1e-09 holds no KV block file"):
+        _llm(llama, tmp_path, gib=1e-9)
+
+
 def test_prometheus_counters(llama, reference, tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 

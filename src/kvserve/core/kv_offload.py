@@ -51,7 +51,7 @@ import torch
 from kvserve.core.kv_ops import KVCacheOps
 from kvserve.core.radix_cache import Namespace
 from kvserve.distributed.kv_transfer.base import KVTransferHandle
-from kvserve.distributed.kv_transfer.disk_connector import BlockFileLayout, scan_directory
+from kvserve.distributed.kv_transfer.disk_connector import BlockFileLayout, block_file_name, scan_directory
 
 GiB = 1 << 30
 #: The largest ``kv_offload_gib`` accepted (GiB).
@@ -134,14 +134,18 @@ class KVOffloadTier:
         capacity_gib: most GiB of block files (all ranks).
         layout: rank 0's :class:`BlockFileLayout` (the fingerprint, shapes, ranks).
         ops: the KV manager's op recorder.
-        scan: rebuild the index from ``directory`` now.
+        scan: rebuild the index from ``directory`` now (beyond the budget, the oldest files are
+            deleted at once).
+
+    Raises:
+        ValueError: naming ``kv_offload_gib``: the budget holds no block file.
 
     Attributes:
         key_of: tree block id → its key (set by the KV manager when the block enters the tree).
         index: keys on disk (or queued to be), least recently used first.
     """
 
-    def __init__(self, directory: str, capacity_gib: float, layout: BlockFileLayout, ops: KVCacheOps,
+    def __init__(self, directory: str, capacity_gib: float, layout: BlockFileLayout, ops: Optional[KVCacheOps],
                  scan: bool = True) -> None:
         self.directory = directory
         self.layout = layout
@@ -157,12 +161,20 @@ class KVOffloadTier:
         self.num_read_failed = 0  # loads that failed (the request recomputed)
         self.num_deleted_blocks = 0  # files deleted to stay in the budget (or after a failed read)
         self.num_scanned_blocks = 0
+        if self.capacity_blocks < 1:
+            raise ValueError(f"kv_offload_gib={capacity_gib} holds no KV block file of {self.block_file_bytes} bytes "
+                             f"(all ranks); raise kv_offload_gib")
         if scan:
             res = scan_directory(directory, layout)
             for _, key in res.blocks:
                 self.index[key] = None
             self.num_scanned_blocks = len(res.blocks)
-            self._enforce_budget()
+            for key in self._enforce_budget(record=False):  # (a smaller budget than last time: the oldest go now)
+                for rank in range(layout.tp_size):
+                    try:
+                        os.unlink(os.path.join(directory, block_file_name(key, rank)))
+                    except FileNotFoundError:
+                        pass
 
     # ------------------------------------------------------------------ keys
     def seed(self, namespace: Namespace) -> bytes:

@@ -311,10 +311,7 @@ class EngineCore:
                                   cfg.head_dim, tp, args.quantization)
         layout = BlockFileLayout(fp, 0, tp, cfg.num_layers, args.block_size, kv_heads,
                                  kv_quant.row_elements(cfg.head_dim, self.kv_cache_dtype), self.kv_cache_dtype)
-        tier = KVOffloadTier(args.kv_offload_dir, args.kv_offload_gib, layout, ops=None)
-        if tier.capacity_blocks < 1:
-            raise ValueError(f"kv_offload_gib={args.kv_offload_gib} holds no KV block file of "
-                             f"{tier.block_file_bytes} bytes; raise kv_offload_gib")
+        tier = KVOffloadTier(args.kv_offload_dir, args.kv_offload_gib, layout, ops=None)  # (the KV manager's ops)
         self.executor.collective_rpc("initialize_kv_offload", (args.kv_offload_dir, layout))
         logger.info("KV disk tier: %s, %.2f GiB = %d blocks of %d bytes; %d blocks found there (model fingerprint %s)",
                     args.kv_offload_dir, args.kv_offload_gib, tier.capacity_blocks, tier.block_file_bytes,
