@@ -190,3 +190,19 @@ def test_a_block_is_served_from_memory_until_its_file_is_written(tmp_path):
     gate.set()
     conn.close()
     assert len(os.listdir(tmp_path)) == 2 and not conn._pending
+
+
+def test_offload_ops_record_pickle_and_read_back():
+    import pickle
+
+    ops = KVCacheOps()
+    ops.copy(1, 2, 3)
+    ops.offload([4, 5], [b"a" * 16, b"b" * 16], [b"c" * 16])
+    ops.offload([], [], [b"d" * 16])  # deletions alone are a batch too
+    ops.swap_in([0], [4])  # (after the offload read block 4: a new batch, in order)
+    with pytest.raises(ValueError, match="2 device blocks for 1 keys"):
+        ops.offload([1, 2], [b"x" * 16])
+    got = pickle.loads(pickle.dumps(ops.take()))
+    assert [b.kind for b in got.batches] == ["copy", OFFLOAD, OFFLOAD, "swap_in"]
+    assert got.batches[1].source == ((b"a" * 16, b"b" * 16), (b"c" * 16,))
+    assert got.moves()[1:3] == [(OFFLOAD, 4, 0), (OFFLOAD, 5, 1)]

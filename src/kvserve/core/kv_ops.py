@@ -43,8 +43,8 @@ beam clones) or around an abort wait for the next forward; they are never droppe
 op writes may enter the prefix cache, e.g. a swapped-in request's blocks when it is freed), and
 a later op or forward on a block that was freed and reused in between runs after them.
 
-Everything here is plain ints in lists (and, for a load, the connector's small handle): cheap
-to record and to pickle to another process.
+Everything here is plain ints in lists (and, for a load, the connector's small handle; for an
+offload, the 16-byte keys of its files): cheap to record and to pickle to another process.
 """
 
 from __future__ import annotations
