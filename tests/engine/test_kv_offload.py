@@ -37,8 +37,10 @@ A_FULL_BLOCKS = 12  # 199 tokens may come from a cache (the last is computed): 1
 def reference(llama):
     """Cold outputs (no prefix cache at all) of A and B."""
     llm = LLM(model=llama, dtype="float32", num_blocks=64, enable_prefix_caching=False)
-    out = {name: llm.generate([p], PARAMS)[0].outputs[0].token_ids for name, p in (("A", A), ("B", B))}
+    outs = {name: llm.generate([p], PARAMS)[0].outputs[0] for name, p in (("A", A), ("B", B))}
     llm.shutdown()
+    out = {name: o.token_ids for name, o in outs.items()}
+    out["A_text"] = outs["A"].text
     return out
 
 
@@ -318,3 +320,28 @@ def test_tensor_parallel_ranks_write_and_read_their_own_shards(llama, reference,
     llm.engine.core.executor.collective_rpc("flush_kv_offload")  # (the deletions done)
     assert not {block_file_name(k, r) for k in keys for r in (0, 1)} & set(_files(tmp_path))
     llm.shutdown()
+
+
+def test_a_server_core_process_reads_the_prefix_from_disk(llama, reference, tmp_path):
+    """The server path (the engine core in its own process, as ``kvserve serve``) on a directory an
+    earlier engine wrote: A's prefix comes from disk, the completion equals the cold one, and
+    ``/metrics`` counts it. (That a stopping server's core writes its cache: the ``shutdown`` of
+    the tests above, and benchmarks/kv_offload_restart.py against real ``kvserve serve`` restarts.)"""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_helpers import ServerThread
+
+    from kvserve.engine.args import EngineArgs
+
+    _write_a(llama, tmp_path, reference)
+    args = EngineArgs(model=llama, dtype="float32", num_blocks=NUM_BLOCKS, kv_offload_dir=str(tmp_path),
+                      kv_offload_gib=0.05)
+    with ServerThread(args, names=["tiny"]) as s:
+        r = httpx.post(s.base_url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": A, "max_tokens": 8, "temperature": 0})
+        r.raise_for_status()
+        text = httpx.get(s.base_url + "/metrics", timeout=30).text
+    m = {x.name: x.value for fam in text_string_to_metric_families(text) for x in fam.samples}
+    assert r.json()["choices"][0]["text"] == reference["A_text"]
+    assert m["kvserve:kv_offload_read_blocks_total"] == A_FULL_BLOCKS and m["kvserve:kv_offload_hits_total"] == 1
+    assert m["kvserve:prefix_cache_hits_total"] == A_FULL_BLOCKS * 16
