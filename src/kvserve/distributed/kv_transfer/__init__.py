@@ -24,6 +24,11 @@ process, for engines that share one, and the reference for the others) and ``"ra
 (:class:`~kvserve.distributed.kv_transfer.ray_connector.RayKVConnector`: Ray's object store,
 one object per block: shared memory on one node, Ray's transfer across nodes).
 ``torch.distributed`` send/recv (NCCL on GPUs) or NIXL would plug in behind the same calls.
+
+The prefix cache's disk tier (``kv_offload_dir``, :mod:`kvserve.core.kv_offload`) reads through
+the same load path: its ``"disk"`` connector
+(:class:`~kvserve.distributed.kv_transfer.disk_connector.DiskKVConnector`) is each worker's own
+(one per rank, it reads and writes that rank's shard files), not a process-wide one.
 """
 
 from kvserve.distributed.kv_transfer.base import (KV_TRANSFER_TIMEOUT_S, KVConnector, KVTransferError,
