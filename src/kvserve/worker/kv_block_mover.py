@@ -126,8 +126,8 @@ class KVBlockMover:
         """The K/V of device blocks ``blocks``, copied out: per layer ``(K, V)``, each
         ``[len(blocks), block_size, num_kv_heads, row]`` in the pools' dtype, on the CPU (a KV
         connector's payload, :mod:`kvserve.distributed.kv_transfer`)."""
-        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
-        return [tuple(c.index_select(0, idx).to("cpu") for c in pair) for pair in self.kv_caches]
+        flat = self.save_blocks(blocks)
+        return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(self.kv_caches))]
 
     def save_blocks(self, blocks: Sequence[int]) -> list[torch.Tensor]:
         """The K/V of device blocks ``blocks`` copied out to the CPU (one gather per pool, the only
