@@ -10,9 +10,11 @@ from __future__ import annotations
 import json as _json
 import math
 from dataclasses import dataclass, field, fields
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
+
+from kvserve.core.kv_compression import KVCompressionConfig
 
 MAX_LOGPROBS = 20
 
@@ -163,6 +165,10 @@ class SamplingParams:
             the grammar is complete (nothing but EOS could follow), even before ``min_tokens``
             and with ``ignore_eos``; ``max_tokens`` first gives ``"length"`` and an incomplete
             output. Not with beam search.
+        kv_compression: a KV compression policy for this request (a dict, its JSON text or a
+            :class:`~kvserve.core.kv_compression.KVCompressionConfig`): StreamingLLM, SnapKV or H2O
+            (see :mod:`kvserve.core.kv_compression`); None takes the engine's
+            (``LLM(kv_compression=...)``), ``{"method": "none"}`` turns it off. Not with beam search.
         use_beam_search / beam_width / length_penalty: beam search; the score is
             ``cum_logprob / output_len ** length_penalty``. Beams are ranked on the model's raw
             logprobs (temperature and seed do not apply); the fields that would edit them or
@@ -198,6 +204,7 @@ class SamplingParams:
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
     structured_outputs: Optional[StructuredOutputsParams] = None
+    kv_compression: Optional[Any] = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -222,6 +229,7 @@ class SamplingParams:
                 raise ValueError(f"structured_outputs: unknown field(s) {unknown}; the fields are json, regex, "
                                  f"choice, grammar, json_object, disable_any_whitespace")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        self.kv_compression = KVCompressionConfig.parse(self.kv_compression)  # (raises naming kv_compression.<field>)
         self._validate()
 
     # ------------------------------------------------------------------ checks
@@ -294,6 +302,9 @@ class SamplingParams:
                 self.beam_width = max(self.n, self.best_of or 1)
             if self.beam_width < self.n:
                 raise ValueError(f"beam_width must be at least n ({self.n}), got {self.beam_width}")
+            if self.kv_compression is not None and self.kv_compression.enabled:
+                raise ValueError("kv_compression is not supported with use_beam_search (beams share their KV blocks "
+                                 "copy-on-write by position, which compaction would break); use {\"method\": \"none\"}")
             if self.structured_outputs is not None:  # (as vLLM)
                 raise ValueError(f"structured_outputs is not supported with use_beam_search (beams are ranked on the "
                                  f"model's raw log-probabilities, without the grammar's mask); got a "

@@ -34,7 +34,7 @@ import torch
 from kvserve.worker import kv_quant
 from kvserve.worker.kv_block_mover import KVBlockMover
 from kvserve.core.block_pool import BlockPool
-from kvserve.core.kv_ops import KVCacheOps
+from kvserve.core.kv_ops import Compaction, KVCacheOps
 from kvserve.core.kv_offload import KVOffloadTier
 from kvserve.config import ModelConfig
 from kvserve.core.radix_cache import Namespace, PartialMatch, RadixCache, RadixNode, make_namespace
@@ -544,7 +544,7 @@ class KVCacheManager:
         table = self.block_tables.get(request.request_id, [])
         if self.sliding_window is not None and table:  # first give back what the window left behind
             self._free_outside_window(table, request.num_computed_tokens)
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table)
+        need = self.blocks_needed(request.num_kv_tokens + num_new_tokens) - len(table)
         if need <= 0:
             return True
         if not self._make_room(need, headroom):
@@ -569,7 +569,7 @@ class KVCacheManager:
         rid = request.request_id
         if rid in self.block_tables:
             raise RuntimeError(f"request {rid} already holds blocks")
-        need = self.blocks_needed(num_computed_tokens + num_new_tokens)
+        need = self.blocks_needed(num_computed_tokens - request.num_dropped_tokens + num_new_tokens)
         if not self._make_room(need, headroom):
             return None
         table = self.pool.allocate(need)
@@ -584,6 +584,8 @@ class KVCacheManager:
     def _hit_cap(self, request: Request) -> int:
         """Most tokens the request may take from the cache."""
         cap = request.num_tokens - 1  # the last token is always computed
+        if request.kv_compression is not None and request.kv_compression.uses_scores:
+            return 0  # SnapKV / H2O score the queries of the tokens they compute: compute them all
         if request.sampling_params.prompt_logprobs is not None:
             scored = len(request.prompt_logprobs) - 1  # prompt positions already scored
             if scored < request.num_prompt_tokens - 1:
@@ -790,7 +792,7 @@ class KVCacheManager:
         """Insert the request's computed full blocks into the cache (call after each step,
         once ``num_computed_tokens`` counts only tokens whose K/V are final)."""
         node = self._nodes.get(request.request_id)
-        if node is None:
+        if node is None or request.num_dropped_tokens:  # (never a compacted request's blocks)
             return
         assert self.cache is not None
         bs = self.block_size
@@ -827,12 +829,16 @@ class KVCacheManager:
         self.cache.move_lock(node, new)
         self._nodes[request.request_id] = new
 
-    def free(self, request: Request, cache: bool = True) -> None:
+    def free(self, request: Request, cache: bool = True, keep_scores: bool = False) -> None:
         """Release the request's blocks. With ``cache`` its computed full blocks are first
-        inserted into the prefix cache, where they stay (evictable) for later requests."""
+        inserted into the prefix cache, where they stay (evictable) for later requests (not
+        once a compaction dropped some of its tokens: its blocks then hold a selection). Unless
+        ``keep_scores`` (a request swapped out), the workers drop its compression scores."""
         rid = request.request_id
         if cache:
             self.cache_computed(request)
+        if request.kv_compression is not None and request.kv_compression.uses_scores and not keep_scores:
+            self.ops.forget(rid)  # (the workers' attention scores of it)
         node = self._nodes.pop(rid, None)
         if node is not None:
             assert self.cache is not None
@@ -859,6 +865,8 @@ class KVCacheManager:
         if (src_table is None or src.num_computed_tokens < n or dst.request_id in self.block_tables
                 or dst.prompt_token_ids != src.prompt_token_ids):
             return False
+        if src.num_dropped_tokens or (dst.kv_compression is not None and dst.kv_compression.uses_scores):
+            return False  # (a compacted prompt; or SnapKV / H2O, which score every query they compute)
         num_full, rem = divmod(n, self.block_size)
         if self.sliding_window is not None:  # dst's first token (position n) needs its window's blocks
             first = max(0, n - self.sliding_window + 1) // self.block_size
@@ -891,6 +899,57 @@ class KVCacheManager:
             self._nodes[dst.request_id] = node
         dst.num_computed_tokens = n
         dst.num_cached_tokens = n
+        return True
+
+    # ------------------------------------------------------------------ compression
+    def compress(self, request: Request, keep: Optional[list[int]], num_kept: int) -> bool:
+        """Compact the request's KV to ``num_kept`` tokens (:mod:`kvserve.core.kv_compression`):
+        the kept tokens move to KV indices ``0 .. num_kept - 1`` of a table of
+        ``ceil(num_kept / block_size)`` blocks, and ``num_dropped_tokens`` grows by the tokens
+        dropped. Blocks the request alone holds (not shared with a fork, not in the prefix
+        cache) are rewritten in place; shared ones are replaced by fresh blocks (copy-on-write);
+        the rest go back to the pool. The move is recorded in :attr:`ops`
+        (:class:`~kvserve.core.kv_ops.Compaction`; applied at once with local pools). First the
+        request's computed full blocks enter the prefix cache (their K/V is exact), and it leaves
+        the tree: the cache never holds a compacted block.
+
+        Args:
+            request: a running request with ``num_kv_tokens > num_kept``.
+            keep: ``num_kept`` ascending KV indices kept in every layer and head (StreamingLLM), or
+                None (the workers select them per layer and head from their scores).
+            num_kept: tokens kept.
+
+        Returns:
+            False (nothing changed) when the fresh blocks a shared table needs do not fit.
+        """
+        rid = request.request_id
+        old = self.block_tables.get(rid)
+        n = request.num_kv_tokens
+        if old is None or n <= num_kept:
+            return False
+        if request.num_dropped_tokens == 0:
+            self.cache_computed(request)
+            old = self.block_tables[rid]  # (it may have switched to the tree's blocks)
+        nb = self.blocks_needed(num_kept)
+        cache = self.cache
+        owned = [i < len(old) and old[i] != FREED_BLOCK and self.pool.ref_counts[old[i]] == 1
+                 and not (cache is not None and cache.is_cached(old[i])) for i in range(nb)]
+        if not self._make_room(owned.count(False)):
+            return False
+        node = self._nodes.pop(rid, None)
+        if node is not None:
+            assert cache is not None
+            cache.unlock(node)
+        fresh = iter(self.pool.allocate(owned.count(False)))
+        new = [old[i] if owned[i] else next(fresh) for i in range(nb)]
+        cfg = request.kv_compression
+        self.ops.compact(Compaction(rid, list(old), n, list(new), num_kept, cfg.method, keep, cfg.to_dict()))
+        kept_in_place = {old[i] for i in range(nb) if owned[i]}
+        self.pool.decref([b for b in held_blocks(old) if b not in kept_in_place])
+        self.block_tables[rid] = new
+        request.num_dropped_tokens += n - num_kept
+        if self._mover is not None:
+            self._mover.apply(self.ops.take())
         return True
 
     # ------------------------------------------------------------------ metrics

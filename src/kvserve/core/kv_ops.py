@@ -26,7 +26,12 @@ its own pools, in order, before that forward
   :mod:`kvserve.core.kv_offload`): each worker copies its shard of the blocks out when it applies
   the op (before anything later writes them) and writes the files in a background thread; the
   batch also names files to delete (the tier's least recently used, beyond its budget), deleted
-  after the writes.
+  after the writes;
+* ``compact``: a request's KV compaction (:mod:`kvserve.core.kv_compression`): the kept tokens
+  of its old blocks moved to the first slots of its new ones (:class:`Compaction`; a batch of its
+  own, every kept token read before any is written, so old and new blocks may overlap);
+* ``forget``: drop the attention scores a worker keeps for a request's compression (it finished
+  or is recomputed).
 
 Semantics: the ops of a :class:`KVCacheOps` mean exactly what applying them one by one, in the
 order recorded, would do. For speed, consecutive moves of one kind are kept together in a
@@ -50,7 +55,7 @@ offload, the 16-byte keys of its files): cheap to record and to pickle to anothe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 #: Move kinds (:attr:`BlockMoves.kind`).
 COPY = "copy"
@@ -58,7 +63,35 @@ SWAP_OUT = "swap_out"
 SWAP_IN = "swap_in"
 LOAD = "load"
 OFFLOAD = "offload"
-KINDS = (COPY, SWAP_OUT, SWAP_IN, LOAD, OFFLOAD)
+COMPACT = "compact"
+FORGET = "forget"
+KINDS = (COPY, SWAP_OUT, SWAP_IN, LOAD, OFFLOAD, COMPACT, FORGET)
+
+
+@dataclass(slots=True)
+class Compaction:
+    """One request's KV compaction, applied by every worker to its own pools (its KV heads).
+
+    Attributes:
+        request_id: the request (the key of the worker's attention scores for it).
+        src_table, src_len: the old block table and its KV length (tokens): KV index j lives in
+            slot ``src_table[j // block_size] · block_size + j % block_size``.
+        dst_table, dst_len: the new table and the kept tokens (KV indices ``0 .. dst_len - 1``).
+        method: ``"streaming_llm"``, ``"snapkv"`` or ``"h2o"``.
+        keep: ``dst_len`` ascending old KV indices kept, the same in every layer and head
+            (StreamingLLM); None when the worker selects them per layer and head from its scores
+            (SnapKV, H2O: :mod:`kvserve.worker.kv_compressor`).
+        params: the policy (:meth:`KVCompressionConfig.to_dict`).
+    """
+
+    request_id: str
+    src_table: list[int]
+    src_len: int
+    dst_table: list[int]
+    dst_len: int
+    method: str
+    keep: Optional[list[int]] = None
+    params: dict = field(default_factory=dict)
 
 
 class KVCacheOpsError(RuntimeError):
@@ -163,6 +196,17 @@ class KVCacheOps:
         n = len(device_blocks)
         self.batches.append(BlockMoves(OFFLOAD, list(device_blocks), list(range(n)), source=(tuple(keys), tuple(drop))))
         self._written.clear()  # (reads device blocks, writes none)
+    def compact(self, c: Compaction) -> None:
+        """Record a request's KV compaction (a batch of its own: ``source`` is the
+        :class:`Compaction`)."""
+        self.batches.append(BlockMoves(COMPACT, [c.src_len], [c.dst_len], source=c))
+        self._written.clear()
+        self._written.update(c.dst_table)
+
+    def forget(self, request_id: str) -> None:
+        """Record that the workers drop their compression scores of ``request_id``."""
+        self.batches.append(BlockMoves(FORGET, [0], [0], source=request_id))
+        self._written.clear()
 
     def _swap(self, kind: str, src: Sequence[int], dst: Sequence[int]) -> None:
         if len(src) != len(dst):
@@ -201,6 +245,8 @@ class KVCacheOps:
         for b in self.batches:
             if b.kind == COPY:
                 out.extend((COPY, s, d, n) for s, d, n in zip(b.src, b.dst, b.num_tokens))
+            elif b.kind in (COMPACT, FORGET):
+                out.append((b.kind, b.source))
             else:
                 out.extend((b.kind, s, d) for s, d in zip(b.src, b.dst))
         return out

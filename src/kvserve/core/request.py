@@ -145,6 +145,14 @@ class Request:
         grammar: the sequence's structured-output grammar state
             (:class:`kvserve.structured_output.manager.StructuredOutputGrammar`), None when unconstrained;
             it has consumed exactly ``output_token_ids``.
+        kv_compression: the request's KV compression policy
+            (:class:`~kvserve.core.kv_compression.KVCompressionConfig`; its own or the engine's),
+            None when its KV is kept whole.
+        num_dropped_tokens: computed tokens whose K/V a compaction removed: the request's KV holds
+            :attr:`num_kv_tokens` = ``num_computed_tokens - num_dropped_tokens`` tokens, and the
+            token at position p (p ≥ the last compaction's length) has KV index
+            ``p - num_dropped_tokens`` (its slot; its RoPE position stays p).
+        kv_prompt_compressed: SnapKV's selection ran since the request was (re)admitted.
     """
 
     request_id: str
@@ -185,6 +193,15 @@ class Request:
     kv_transfer: Any = field(default=None, repr=False, compare=False)
     kv_transfer_stats: Optional[dict] = field(default=None, repr=False, compare=False)
     kv_save: bool = False
+    kv_compression: Any = field(default=None, repr=False, compare=False)
+    num_dropped_tokens: int = 0
+    kv_prompt_compressed: bool = False
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose K/V the request's blocks hold (``num_computed_tokens`` less those a
+        compaction dropped)."""
+        return self.num_computed_tokens - self.num_dropped_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

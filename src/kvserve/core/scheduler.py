@@ -269,8 +269,14 @@ class Scheduler:
                 del out.scheduled[j]
                 break
         self._swap_out(victim)
-        self.kv.free(victim)  # computed full blocks are cached first: resumption may hit them
+        swapped = self.swap is not None and victim.request_id in self.swap.swapped
+        # computed full blocks are cached first: resumption may hit them; a swapped request keeps
+        # its compression state (dropped tokens, the workers' scores), a recomputed one restarts it
+        self.kv.free(victim, keep_scores=swapped)
         victim.num_computed_tokens = 0
+        if not swapped:
+            victim.num_dropped_tokens = 0
+            victim.kv_prompt_compressed = False
         victim.clear_spec()  # (drafts are proposed again once it decodes)
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -286,7 +292,7 @@ class Scheduler:
         if self.swap is None or victim.sampling_params.use_beam_search or victim.num_computed_tokens == 0:
             return
         table = self.kv.block_tables.get(victim.request_id, [])
-        blocks = table[: self.kv.blocks_needed(victim.num_computed_tokens)]  # (not this step's new slots)
+        blocks = table[: self.kv.blocks_needed(victim.num_kv_tokens)]  # (not this step's new slots)
         if FREED_BLOCK in blocks:
             self.swap.num_swap_fallbacks += 1
             return
@@ -386,6 +392,10 @@ class Scheduler:
                     # its blocks cannot come back even with nothing else running: recompute it
                     self.swap.discard(req.request_id)  # type: ignore[union-attr]
                     self.swap.num_swap_drops += 1  # type: ignore[union-attr]
+                    if req.num_dropped_tokens or req.kv_prompt_compressed:  # its compression restarts
+                        req.num_dropped_tokens, req.kv_prompt_compressed = 0, False
+                    if req.kv_compression is not None and req.kv_compression.uses_scores:
+                        self.kv.ops.forget(req.request_id)
                     continue
                 break
             self._pop_waiting(index)
@@ -404,7 +414,7 @@ class Scheduler:
         preempt anything), allocate their slots, and drop the rest; returns the number kept."""
         bs = self.kv.block_size
         table = self.kv.block_tables.get(req.request_id, [])
-        slots = (len(table) + self.kv.num_empty_blocks) * bs - (req.num_computed_tokens + 1)
+        slots = (len(table) + self.kv.num_empty_blocks) * bs - (req.num_kv_tokens + 1)
         d = max(0, min(len(req.spec_token_ids), room, slots))
         if d and not self.kv.allocate_slots(req, 1 + d):  # (cannot fail: only empty blocks are taken)
             d = 0

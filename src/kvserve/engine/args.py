@@ -17,6 +17,7 @@ import torch
 
 from kvserve.core.kv_cache_manager import DEFAULT_KV_CACHE_MEMORY_FRACTION
 from kvserve.core.kv_offload import check_offload_options
+from kvserve.core.kv_compression import KVCompressionConfig
 from kvserve.core.kv_swap import check_swap_options
 from kvserve.spec_decode import SpeculativeConfig
 from kvserve.worker import kv_quant
@@ -132,6 +133,11 @@ class EngineArgs:
         kv_offload_gib: the disk tier's size in GiB, in (0, 1048576] (least recently used files
             are deleted beyond it); needed with ``kv_offload_dir``. With tensor parallelism each rank
             writes and reads its own shard of a block (one file per block and rank).
+        kv_compression: the KV compression policy of requests that set none, as a dict (or its
+            JSON text): ``{"method": "streaming_llm", "sink_tokens": 4, "window": W}``,
+            ``{"method": "snapkv", "budget": B, "observation_window": 32, "kernel_size": 7}`` or
+            ``{"method": "h2o", "budget": B, "recent": R}`` (:mod:`kvserve.core.kv_compression`);
+            None keeps every request's KV whole.
     """
 
     model: Optional[str] = None
@@ -159,6 +165,7 @@ class EngineArgs:
     kv_connector: Optional[str] = None
     kv_offload_dir: Optional[str] = None
     kv_offload_gib: Optional[float] = None
+    kv_compression: Optional[Union[dict, str, KVCompressionConfig]] = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -233,6 +240,7 @@ class EngineArgs:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)
+        KVCompressionConfig.parse(self.kv_compression)  # (raises naming kv_compression.<field>)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"{name('tensor_parallel_size')} must be ≥ 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in (None, "mp", "ray"):

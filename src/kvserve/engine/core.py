@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.core.kv_compression import KVCompressionConfig, streaming_keep
 from kvserve.core.kv_cache_manager import KVCacheManager, available_memory, default_kv_cache_memory, plan_kv_cache
 from kvserve.core.kv_ops import KVCacheOpsError
 from kvserve.core.kv_swap import KVSwapSpace, check_swap_options, num_host_blocks
@@ -170,6 +171,29 @@ class EngineCore:
         self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
         self.spec = SpecDecodeDriver.from_config(self.speculative_config, cfg, self.tokenizer, self.dtype, self.device,
                                                  self.kv_spec.num_blocks, args.block_size, max_len)
+        self.kv_compression = KVCompressionConfig.parse(args.kv_compression)
+        if self.kv_compression is not None:
+            self._check_kv_compression(self.kv_compression)
+        self.num_kv_compactions = 0  # compactions applied (all requests)
+        self.num_kv_dropped_tokens = 0  # tokens they dropped
+
+    def _check_kv_compression(self, cfg: KVCompressionConfig, params: Optional[SamplingParams] = None) -> None:
+        """Raises ValueError naming ``kv_compression`` where a policy cannot work: kept tokens above
+        max_model_len, a model with sliding-window layers (their windows count KV indices as
+        positions), SnapKV / H2O with speculative decoding (rejected drafts' queries would count in
+        the scores), beam search."""
+        if not cfg.enabled:
+            return
+        cfg.check_fits(self.max_model_len)
+        if self.model_config.sliding_window is not None:
+            raise ValueError(f"kv_compression is not supported for models with sliding-window layers (window "
+                             f"{self.model_config.sliding_window}): their windows are counted in cached tokens")
+        if self.spec is not None and cfg.uses_scores:
+            raise ValueError(f"kv_compression: {cfg.method} is not supported with speculative decoding (the "
+                             f"attention of rejected drafts would count in its scores); streaming_llm is")
+        if params is not None and params.use_beam_search:
+            raise ValueError("kv_compression is not supported with use_beam_search (beams share their KV blocks "
+                             "copy-on-write by position, which compaction would break)")
 
     def _check_config(self, cfg: ModelConfig) -> int:
         """The checks that need only the model's config; returns ``max_model_len``.
@@ -424,6 +448,10 @@ class EngineCore:
                     f"{group_need} KV blocks side by side, but the whole KV cache has {self.kv.num_blocks} blocks "
                     f"({self.kv_spec.capacity_tokens} tokens)"
                 )
+        if params.kv_compression is not None:
+            self._check_kv_compression(params.kv_compression, params)
+        elif self.kv_compression is not None:
+            self._check_kv_compression(self.kv_compression, params)
         if self.args.max_waiting:
             # the requests actually waiting: not preempted ones, not forked samples
             waiting = self.scheduler.num_waiting_to_start()
@@ -446,6 +474,10 @@ class EngineCore:
         request_id, priority, cache_salt = request.request_id, request.priority, request.cache_salt
         params.max_tokens = self.validate_request(ids, params)  # (the request's own copy)
         load, save = self._check_kv_transfer(request.kv_transfer_params, ids, params)
+        compression = params.kv_compression if params.kv_compression is not None else self.kv_compression
+        if compression is not None and compression.enabled and (load is not None or save):
+            raise ValueError("kv_compression is not supported with kv_transfer_params (the prompt K/V moves between "
+                             "engines whole)")
         if params.structured_outputs is not None:  # compiled (or found in the cache) now: errors are the request's
             self.structured_output.compile(params.structured_outputs)
         rid = request_id
@@ -470,6 +502,7 @@ class EngineCore:
                 arrival_index=arrival,
                 parent_id=rid,
                 sample_index=i,
+                kv_compression=compression if compression is not None and compression.enabled else None,
             )
             if params.structured_outputs is not None:  # each sample follows the grammar on its own
                 seq.grammar = self.structured_output.new_grammar(params.structured_outputs)
@@ -654,6 +687,7 @@ class EngineCore:
         self._update_computed(sched, result, failed)
         self._fork_pending(sched, failed)
         changed = self._update_from_output(sched, result, failed)
+        self._compress(sched, failed)
         outputs = []
         for rid, group in changed.items():
             if rid not in failed:
@@ -752,6 +786,38 @@ class EngineCore:
                         if self._advance_beams(group):
                             changed[rid] = group
         return changed
+
+    # ------------------------------------------------------- KV compression
+    def _compress(self, sched: SchedulerOutput, failed: dict[str, tuple[RequestGroup, Exception]]) -> None:
+        """Compact the KV of the step's requests whose policy says so
+        (:mod:`kvserve.core.kv_compression`): StreamingLLM and H2O once their KV holds ``kept +
+        block_size`` tokens (back to ``kept``), SnapKV once, when its prompt (prompt + output, for a
+        recomputed request) is computed and longer than the budget. The compaction is recorded for
+        the workers (:meth:`KVCacheManager.compress`); when its fresh blocks do not fit now it is
+        tried again after the next step."""
+        bs = self.kv.block_size
+        for req, _ in sched.scheduled:
+            cfg = req.kv_compression
+            if cfg is None or req.status is not RequestStatus.RUNNING or self._group_id(req) in failed:
+                continue
+            with self._isolated(req, failed):
+                n = req.num_kv_tokens
+                keep: Optional[list[int]] = None
+                if cfg.method == "snapkv":
+                    if req.kv_prompt_compressed or req.num_tokens - req.num_computed_tokens > 1:
+                        continue  # (done, or its prompt still has chunks to compute)
+                    req.kv_prompt_compressed = True
+                    if n <= cfg.kept:
+                        continue
+                elif n < cfg.kept + bs:
+                    continue
+                elif cfg.method == "streaming_llm":
+                    keep = streaming_keep(n, cfg.sink_tokens, cfg.window)
+                if self.kv.compress(req, keep, cfg.kept):
+                    self.num_kv_compactions += 1
+                    self.num_kv_dropped_tokens += n - cfg.kept
+                elif cfg.method == "snapkv":
+                    req.kv_prompt_compressed = False  # (try again after the next step)
 
     # ------------------------------------------------------- speculative decoding
     def _apply_verification(self, req: Request, res: SpecResult, now: float) -> None:

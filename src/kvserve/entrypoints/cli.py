@@ -41,6 +41,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as JSON (vLLM\'s form), e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
+    p.add_argument("--kv-compression", default=None, metavar="JSON",
+                   help='KV compression of requests that set none, as JSON: \'{"method": "streaming_llm", '
+                        '"sink_tokens": 4, "window": 256}\', \'{"method": "snapkv", "budget": 1024}\' or '
+                        '\'{"method": "h2o", "budget": 512, "recent": 64}\' (default: none)')
     p.add_argument("--swap-space", type=float, default=0.0,
                    help="GiB of host memory for the KV blocks of preempted requests, 0 to 1048576 "
                         "(default 0: none)")
@@ -74,6 +78,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         device=a.device,
         quantization=None if a.quantization == "none" else a.quantization,
         speculative_config=a.speculative_config,
+        kv_compression=a.kv_compression,
         swap_space=a.swap_space,
         preemption_mode=a.preemption_mode,
         tensor_parallel_size=a.tensor_parallel_size,
@@ -120,7 +125,7 @@ def _params(a: argparse.Namespace):
 _ENGINE_OPTIONS = {f: "--" + f.replace("_", "-") for f in (
     "max_model_len", "kv_cache_memory_fraction", "kv_cache_memory", "kv_cache_dtype", "device", "block_size", "max_num_batched_tokens",
     "max_num_seqs", "context_len", "speculative_config", "swap_space", "preemption_mode", "kv_offload_dir",
-    "kv_offload_gib")}
+    "kv_offload_gib", "kv_compression")}
 
 
 def _option_error(e: ValueError) -> str:

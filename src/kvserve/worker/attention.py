@@ -67,6 +67,65 @@ class PrefillSegment:
 
 
 @dataclass
+class KVProbe:
+    """Query rows of one request whose attention probabilities feed its KV compression scores
+    (:mod:`kvserve.worker.kv_compressor`: SnapKV's observation window, H2O's every query).
+
+    Attributes:
+        request_id: the request.
+        rows: ``[m]`` int64 rows of the batch (query tokens).
+        query_kv: ``[m]`` int64 KV index of each row's own token: row i attends to KV indices
+            ``0 .. query_kv[i]`` (causal).
+        context_slots: ``[c]`` int64 cache slots of KV indices ``0 .. c - 1`` (``c = max(query_kv) + 1``).
+        num_dropped: the request's ``num_dropped_tokens`` (a KV index's position is index + it,
+            for tokens after its last compaction).
+    """
+
+    request_id: str
+    rows: torch.Tensor
+    query_kv: torch.Tensor
+    context_slots: torch.Tensor
+    num_dropped: int = 0
+
+
+#: Query rows per block when a probe's probabilities are computed (bounds the ``[KVH, g, m, c]``
+#: float32 temporary of a long prompt).
+PROBE_ROWS = 256
+
+
+def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMetadata", scale: float) -> None:
+    """For each probe of ``meta.kv_probes``, the column sums of its rows' attention probabilities,
+    per KV head: ``softmax(q·kᵀ · scale)`` over the causal context, in float32, summed over the rows
+    and over the query heads of each KV head's group → ``[num_kv_heads, c]``; appended (one list
+    per layer, one tensor per probe) to ``meta.derived["kv_probe"]``. Called by every backend once
+    per layer, after the step's K/V are written (so keys are read from the cache, 8-bit ones
+    dequantized). A plain PyTorch path (the C kernels do not return probabilities).
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` the layer's queries (after RoPE).
+        k_cache: the layer's K pool.
+        meta: the step's metadata.
+        scale: the softmax scale.
+    """
+    out = []
+    H = q.shape[1]
+    for p in meta.kv_probes:
+        ks = kv_quant.gather(k_cache, p.context_slots, torch.float32)  # [c, KVH, hd]
+        c, KVH, hd = ks.shape
+        g = H // KVH
+        sums = torch.zeros(KVH, c, dtype=torch.float32, device=q.device)
+        cols = torch.arange(c, device=q.device)
+        for r0 in range(0, p.rows.shape[0], PROBE_ROWS):
+            rows, qkv = p.rows[r0 : r0 + PROBE_ROWS], p.query_kv[r0 : r0 + PROBE_ROWS]
+            qs = q.index_select(0, rows).float().view(-1, KVH, g, hd)  # [m, KVH, g, hd]
+            logits = torch.einsum("mkgd,ckd->kgmc", qs, ks) * scale
+            logits.masked_fill_((cols.unsqueeze(0) > qkv.unsqueeze(1)).view(1, 1, -1, c), float("-inf"))
+            sums += torch.softmax(logits, dim=-1).sum(dim=(1, 2))
+        out.append(sums)
+    meta.derived.setdefault("kv_probe", []).append(out)
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs shared by every layer.
 
@@ -89,6 +148,8 @@ class AttentionMetadata:
             built with ``prefill_block_tables``.
         derived: per-step values the backends build lazily and share across layers (window
             masks, gathered decode slots); keyed by the backend.
+        kv_probes: query rows whose attention probabilities feed KV compression scores
+            (:class:`KVProbe`, :func:`record_kv_probes`); empty for most steps.
 
     A backend says which decode inputs it reads (:attr:`AttentionBackend.uses_context_slots`);
     the model runner builds only those.
@@ -105,6 +166,7 @@ class AttentionMetadata:
     prefill_block_tables: Optional[torch.Tensor] = None
     prefill_chunks: Optional[torch.Tensor] = None
     derived: dict = field(default_factory=dict)
+    kv_probes: list[KVProbe] = field(default_factory=list)
 
 
 class AttentionBackend:
@@ -170,6 +232,8 @@ class TorchSDPABackend(AttentionBackend):
         if meta.num_decode_tokens:
             self.decode(q, k_cache, v_cache, meta, scale, out, window)
         self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
+        if meta.kv_probes:
+            record_kv_probes(q, k_cache, meta, scale)
         return out
 
     @staticmethod
@@ -336,6 +400,8 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
                                                 scale, out)
             else:
                 self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
+        if meta.kv_probes:
+            record_kv_probes(q, k_cache, meta, scale)
         return out
 
 

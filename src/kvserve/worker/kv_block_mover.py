@@ -26,7 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvserve.core.kv_ops import COPY, LOAD, OFFLOAD, SWAP_IN, SWAP_OUT, KVCacheOps
+from kvserve.core.kv_ops import COMPACT, COPY, FORGET, LOAD, OFFLOAD, SWAP_IN, SWAP_OUT, KVCacheOps
+from kvserve.worker.kv_compressor import KVCompressor
 
 GiB = 1 << 30
 
@@ -68,6 +69,7 @@ class KVBlockMover:
         self.block_bytes = math.prod(k0.shape[1:]) * k0.element_size() * 2 * len(kv_caches)
         self.host_caches: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
         self.disk = None
+        self.compressor = KVCompressor(kv_caches)  # KV compression: scores and compactions
 
     def allocate_host(self, num_blocks: int) -> None:
         """Allocate the host pool of ``num_blocks`` blocks (zero-filled; pinned on CUDA).
@@ -119,6 +121,10 @@ class KVBlockMover:
                 self._load(b.source, b.src, b.dst)
             elif b.kind == OFFLOAD:
                 self._offload(b.src, b.dst, *b.source)
+            elif b.kind == COMPACT:
+                self.compressor.compact(b.source)
+            elif b.kind == FORGET:
+                self.compressor.forget(b.source)
             else:
                 raise ValueError(f"unknown KV op kind {b.kind!r}")
 

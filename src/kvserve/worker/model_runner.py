@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kvserve.worker.attention import AttentionMetadata, PrefillSegment
+from kvserve.worker.attention import AttentionMetadata, KVProbe, PrefillSegment
 from kvserve.core.request import Request, TokenLogprob
 from kvserve.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenHistory, compute_logprobs
 from kvserve.core.scheduler import SchedulerOutput
@@ -132,6 +132,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.compressor = None  # the worker's KVCompressor (kv_block_mover), for compression scores
         backend = getattr(model, "attn_backend", None)
         self.uses_context_slots = getattr(backend, "uses_context_slots", True) and sliding_window is None
 
@@ -170,7 +171,9 @@ class ModelRunner:
             max_blocks = max(len(t) for t in tables)
             bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
             nc = torch.tensor([r.num_computed_tokens + i for r, i in rows], dtype=torch.long)
-            ctx_len = nc + 1
+            # KV index = position - dropped tokens (0 unless the request's KV was compacted)
+            kv = nc - torch.tensor([r.num_dropped_tokens for r, _ in rows], dtype=torch.long)
+            ctx_len = kv + 1
             max_ctx = int(ctx_len.max())
             meta.num_decode_tokens = D
             meta.decode_max_context_len = max_ctx
@@ -184,7 +187,12 @@ class ModelRunner:
             meta.decode_block_tables = bt.to(self.device)
             meta.decode_context_lens = ctx_len.to(self.device)
             pos_parts.append(nc)
-            slot_parts.append(bt.gather(1, (nc // bs).unsqueeze(1)).squeeze(1) * bs + nc % bs)
+            slot_parts.append(bt.gather(1, (kv // bs).unsqueeze(1)).squeeze(1) * bs + kv % bs)
+            probe_rows = [(r, i, 1) for i, (r, _) in enumerate(decodes)]
+            row = len(decodes)
+            for r, n in verify:
+                probe_rows.append((r, row, n))
+                row += n
             for i, (r, n) in enumerate(decodes):
                 nc1 = r.num_computed_tokens
                 ids.append(token_slice(r, nc1, nc1 + 1)[0])
@@ -203,18 +211,22 @@ class ModelRunner:
                 row += n
 
         start = len(ids)
+        if not rows:
+            probe_rows = []
         for r, n in prefills:
             nc = r.num_computed_tokens
+            k0 = nc - r.num_dropped_tokens  # the chunk's first KV index (its position is nc)
             ids.extend(token_slice(r, nc, nc + n))
             table = torch.tensor(self.block_tables[r.request_id], dtype=torch.long)
-            ctx_pos = torch.arange(nc + n, dtype=torch.long)
+            ctx_pos = torch.arange(k0 + n, dtype=torch.long)  # KV indices of the context
             ctx_slots = table[ctx_pos // bs] * bs + ctx_pos % bs
-            pos_parts.append(ctx_pos[nc:])
-            slot_parts.append(ctx_slots[nc:])
-            seg = PrefillSegment(start=start, end=start + n, num_past=nc)
-            if nc > 0:
+            pos_parts.append(torch.arange(nc, nc + n, dtype=torch.long))
+            slot_parts.append(ctx_slots[k0:])
+            probe_rows.append((r, start, n))
+            seg = PrefillSegment(start=start, end=start + n, num_past=k0)
+            if k0 > 0:
                 seg.context_slots = ctx_slots.to(self.device)
-                q_pos = ctx_pos[nc:].unsqueeze(1)
+                q_pos = ctx_pos[k0:].unsqueeze(1)
                 seg.causal_mask = (ctx_pos.unsqueeze(0) <= q_pos).to(self.device)
             meta.prefills.append(seg)
             want_pl = r.sampling_params.prompt_logprobs is not None
@@ -234,6 +246,7 @@ class ModelRunner:
             meta.prefill_chunks = torch.tensor([[seg.start, seg.end - seg.start, seg.num_past]
                                                 for seg in meta.prefills], dtype=torch.long, device=self.device)
         meta.slot_mapping = torch.cat(slot_parts).to(self.device)
+        meta.kv_probes = self._kv_probes(probe_rows)
         return BatchInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.cat(pos_parts).to(self.device),
@@ -246,6 +259,37 @@ class ModelRunner:
             spec_rows=spec_rows,
         )
 
+    def _kv_probes(self, rows: list[tuple[Request, int, int]]) -> list[KVProbe]:
+        """The :class:`KVProbe` of each request whose KV compression needs attention scores
+        (``rows``: request, first batch row, rows): H2O's every query; SnapKV's queries at positions
+        ``≥ num_tokens - observation_window`` while its prompt (prompt + output, when recomputed)
+        has not been compressed yet."""
+        bs = self.block_size
+        probes = []
+        for r, row0, n in rows:
+            cfg = r.kv_compression
+            if cfg is None or not cfg.uses_scores:
+                continue
+            p0 = r.num_computed_tokens  # position of row0
+            lo = 0
+            if cfg.method == "snapkv":
+                if r.kv_prompt_compressed:
+                    continue
+                lo = max(0, r.num_tokens - cfg.observation_window - p0)
+                if lo >= n:
+                    continue
+            k0 = p0 - r.num_dropped_tokens
+            c = k0 + n
+            table = torch.tensor(self.block_tables[r.request_id], dtype=torch.long)
+            ctx = torch.arange(c, dtype=torch.long)
+            probes.append(KVProbe(
+                request_id=r.request_id,
+                rows=torch.arange(row0 + lo, row0 + n, dtype=torch.long, device=self.device),
+                query_kv=torch.arange(k0 + lo, k0 + n, dtype=torch.long, device=self.device),
+                context_slots=(table[ctx // bs] * bs + ctx % bs).to(self.device),
+                num_dropped=r.num_dropped_tokens))
+        return probes
+
     # --------------------------------------------------------------- execute
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
@@ -257,6 +301,8 @@ class ModelRunner:
         if before_forward is not None:
             before_forward(batch)
         logits = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, batch.logits_indices)
+        if batch.meta.kv_probes and self.compressor is not None:
+            self.compressor.accumulate(batch.meta)
         if logits is None:  # a tensor-parallel rank the logits are not gathered to: nothing to sample
             return ModelRunnerOutput(sample_requests=[], sampler_output=None)
         out = ModelRunnerOutput(sample_requests=batch.sample_requests, sampler_output=None)

@@ -224,6 +224,7 @@ class Worker:
         ``request_id → block ids`` map, read in this process (one-process executor)."""
         self.runner = ModelRunner(self.model, self.kv_caches, block_tables, block_size, self.device,
                                   sliding_window=sliding_window)
+        self.runner.compressor = self.kv_mover.compressor
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       broadcast: Optional[Callable[[KVCacheOps, tuple], None]] = None) -> ModelRunnerOutput:
@@ -262,8 +263,11 @@ class Worker:
         self._pin_threads()
         if kv_ops:
             self.apply_kv_ops(kv_ops)
-        self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches,
-                   _to_device(meta, self.device), logits_indices.to(self.device))
+        meta = _to_device(meta, self.device)
+        self.model(input_ids.to(self.device), positions.to(self.device), self.kv_caches, meta,
+                   logits_indices.to(self.device))
+        if meta.kv_probes:  # (this rank's KV heads' compression scores)
+            self.kv_mover.compressor.accumulate(meta)
 
     def _pin_threads(self) -> None:
         """This thread's torch threads to the rank's share of the cores (a no-op at one rank)."""

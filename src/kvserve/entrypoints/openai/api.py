@@ -462,6 +462,8 @@ class OpenAIServer:
         if isinstance(e, EngineStoppedError):
             return APIError(503, str(e), type="server_error", code="engine_unavailable")
         msg = str(e)
+        if msg.startswith("kv_compression"):
+            return APIError(400, msg, param="kv_compression", code="invalid_value")
         if "max_tokens" in msg and msg.startswith("prompt ("):
             return APIError(400, msg, param="max_tokens", code="context_length_exceeded")
         if "max_model_len" in msg or "KV" in msg:

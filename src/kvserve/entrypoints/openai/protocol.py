@@ -109,6 +109,8 @@ class _SamplingFields(BaseModel):
     # structured output: OpenAI's response_format, vLLM's structured_outputs (checked by structured_outputs_params)
     response_format: Optional[Any] = None
     structured_outputs: Optional[Any] = None
+    # kvserve: this request's KV compression policy (kvserve.core.kv_compression), or {"method": "none"}
+    kv_compression: Optional[Any] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -510,6 +512,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs
         prompt_logprobs=req.prompt_logprobs,
         logit_bias=req.logit_bias,
         allowed_token_ids=req.allowed_token_ids,
+        kv_compression=req.kv_compression,
     )
     if req.use_beam_search:
         kw.update(use_beam_search=True, beam_width=req.beam_width)
