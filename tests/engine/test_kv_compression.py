@@ -31,8 +31,8 @@ from kvserve.worker import attention as attention_mod
 STREAM = {"method": "streaming_llm", "sink_tokens": 4, "window": 32}
 
 
-def greedy(n: int, comp=None, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, kv_compression=comp, **kw)
+def greedy(max_tokens: int, comp=None, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, kv_compression=comp, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +319,143 @@ def test_h2o_kept_positions_match_numpy(tiny, monkeypatch):
     assert compactions >= 3
     core.kv.check_invariants()
 
+
+
+# ---------------------------------------------------------------------------- with the rest of the engine
+def test_prefix_cache_never_stores_compacted_blocks(tiny):
+    """A StreamingLLM request's prompt blocks enter the cache (exact K/V, inserted before its first
+    compaction); nothing after that does: a later request with its prompt + output hits at most the
+    prompt's full blocks, where an uncompressed run's hits its whole context."""
+    llm, _ = tiny
+    prompt = prompt_ids(40, 7)
+    got = llm.generate([prompt], greedy(100, STREAM, seed=1))[0].outputs[0].token_ids
+    follow = prompt + got[:60]
+    hit = llm.generate([follow], greedy(1, STREAM))[0].num_cached_tokens
+    assert hit <= 48  # (3 full blocks of the prompt: its 52-token KV compacted after that)
+    full = llm.generate([prompt_ids(40, 8)], greedy(100, seed=1))[0].outputs[0].token_ids
+    hit_full = llm.generate([prompt_ids(40, 8) + full[:60]], greedy(1))[0].num_cached_tokens
+    assert hit_full >= 96
+    llm.engine.core.kv.check_invariants()
+
+
+@pytest.mark.parametrize("comp", [STREAM, {"method": "h2o", "budget": 24, "recent": 8}])
+def test_n_samples_each_compress_alone(tiny, comp):
+    """n = 3 greedy samples (forked copy-on-write for StreamingLLM; each computing its prompt for
+    H2O, whose scores need every query) equal the n = 1 run."""
+    llm, _ = tiny
+    prompt = prompt_ids(40, 9)
+    one = llm.generate([prompt], greedy(90, comp))[0].outputs[0].token_ids
+    outs = llm.generate([prompt], greedy(90, comp, n=3))[0].outputs
+    assert [o.token_ids for o in outs] == [one] * 3
+    llm.engine.core.kv.check_invariants()
+
+
+def test_structured_output_under_compression(tiny):
+    llm, _ = tiny
+    prompt = prompt_ids(60, 10)  # (compacted right after the prompt: 60 >= 4 + 32 + 16)
+    o = llm.generate([prompt], SamplingParams(max_tokens=80, temperature=0, kv_compression=STREAM,
+                                              structured_outputs={"regex": "[0-9]{3,90}"}))[0].outputs[0]
+    import re
+
+    assert re.fullmatch("[0-9]{3,90}", o.text) or (o.finish_reason == "length" and re.fullmatch("[0-9]*", o.text))
+    assert llm.engine.core.num_kv_compactions > 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption(tiny_model_dir, mode):
+    """A pool of 12 blocks for 4 requests that each hold up to 4: preemptions. Swap brings each
+    request's compacted KV and its scores back (the same tokens as each run alone); recompute
+    restarts the policy on prompt + output (the tokens then differ after the preemption) and stays
+    within the blocks."""
+    folder = tiny_model_dir("llama")[0]
+    kw = dict(swap_space=0.01, preemption_mode="swap") if mode == "swap" else {}
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=512, num_blocks=12, block_size=16,
+              max_num_batched_tokens=64, enable_prefix_caching=False, **kw)
+    alone = LLM(model=str(folder), dtype="float32", max_model_len=512, num_blocks=64, block_size=16,
+                max_num_batched_tokens=64, enable_prefix_caching=False)
+    comps = [STREAM, {"method": "h2o", "budget": 24, "recent": 8}] * 2
+    prompts = [prompt_ids(30, 20 + i) for i in range(4)]
+    params = [greedy(120, c) for c in comps]
+    want = [alone.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    core = llm.engine.core
+    assert core.scheduler.num_preemptions > 0
+    assert all(len(g) == 120 for g in got)
+    if mode == "swap":
+        assert core.swap.num_swap_outs > 0 and core.swap.num_swap_drops == 0
+        assert got == want
+    else:
+        assert got != want  # (recomputed K/V then compacted: not the state the first run had)
+    core.kv.check_invariants()
+    # every finished request's scores were dropped on the workers (the forget ops applied next step)
+    llm.generate([[5, 6]], greedy(1))
+    assert core.executor.driver_worker.kv_mover.compressor.states == {}
+    llm.engine.shutdown()
+    alone.engine.shutdown()
+
+
+def test_speculative_decoding_streaming(tiny_model_dir):
+    """n-gram drafts verified over a compacted KV: the run completes with drafts accepted; SnapKV /
+    H2O are refused with speculative decoding (their scores would count rejected drafts)."""
+    folder = tiny_model_dir("llama")[0]
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=512, num_blocks=64, block_size=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 1})
+    prompt = [5, 6, 7, 8, 9] * 8
+    o = llm.generate([prompt], greedy(150, STREAM))[0].outputs[0]
+    core = llm.engine.core
+    assert len(o.token_ids) == 150 and core.num_kv_compactions > 0 and core.spec_num_draft_tokens > 0
+    core.kv.check_invariants()
+    with pytest.raises(ValueError, match="kv_compression: h2o is not supported with speculative decoding"):
+        llm.generate([prompt], greedy(4, {"method": "h2o", "budget": 24, "recent": 8}))
+    llm.engine.shutdown()
+
+
+def test_cli_refuses_bad_config_naming_the_option(capsys):
+    from kvserve.entrypoints.cli import main
+
+    rc = main(["generate", "hi", "--kv-compression", '{"method": "streaming_llm", "window": 0}'])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--kv-compression.window must be ≥ 1, got 0" in err
+
+
+# ---------------------------------------------------------------------------- HTTP
+def test_http_field(tiny, tiny_model_dir):
+    import httpx
+    from server_helpers import ServerThread
+
+    from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+
+    llm, _ = tiny
+    folder = tiny_model_dir("llama")[0]
+    engine = LLMEngine(EngineArgs(model=str(folder), dtype="float32", max_model_len=512, num_blocks=200,
+                                  kv_compression={"method": "h2o", "budget": 24, "recent": 8}))
+    prompt = prompt_ids(40, 11)
+    base = {"model": "tiny", "prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    with ServerThread(engine, names=["tiny"]) as s:
+        url = s.base_url + "/v1/completions"
+        for bad, msg in [({"method": "streaming_llm", "window": 0}, "kv_compression.window must be ≥ 1"),
+                         ({"method": "h2o", "budget": 0, "recent": 0}, "kv_compression.budget must be ≥ 1"),
+                         ({"method": "zip"}, "kv_compression.method must be one of"),
+                         ({"method": "snapkv", "budget": 4096}, "kv_compression.budget must be at most max_model_len"),
+                         ({"method": "streaming_llm", "sink_tokens": -2, "window": 8}, "kv_compression.sink_tokens")]:
+            r = httpx.post(url, json={**base, "kv_compression": bad}, timeout=30)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "kv_compression" and msg in err["message"], err
+        r = httpx.post(s.base_url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "n": 2,
+            "kv_compression": STREAM}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_compression"
+        texts = {}
+        for name, comp in [("stream", STREAM), ("none", {"method": "none"}), ("default", None)]:
+            body = {**base, **({"kv_compression": comp} if comp is not None else {})}
+            r = httpx.post(url, json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            texts[name] = r.json()["choices"][0]["text"]
+    engine.shutdown()
+    offline = {name: llm.generate([prompt], greedy(60, comp)).__getitem__(0).outputs[0].text
+               for name, comp in [("stream", STREAM), ("none", None),
+                                  ("default", {"method": "h2o", "budget": 24, "recent": 8})]}
+    assert texts == offline
+    assert texts["default"] != texts["none"]

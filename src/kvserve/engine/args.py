@@ -240,7 +240,7 @@ class EngineArgs:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)
-        KVCompressionConfig.parse(self.kv_compression)  # (raises naming kv_compression.<field>)
+        KVCompressionConfig.parse(self.kv_compression, name("kv_compression"))  # (raises naming kv_compression.<field>)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"{name('tensor_parallel_size')} must be ≥ 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in (None, "mp", "ray"):
