@@ -108,13 +108,19 @@ def test_under_budget_equals_no_compression(tiny, comp):
 # ---------------------------------------------------------------------------- StreamingLLM
 def test_streaming_4000_tokens_bounded_blocks(tiny_model_dir):
     """sink 4 + window 256: at most ceil(260/16) + 2 blocks at every step of a 4,000-token
-    generation; the first 256 tokens are those of no compression."""
+    generation; the first 256 tokens are those of no compression; it is admitted in a pool that
+    holds a sixth of it."""
     folder = tiny_model_dir("llama_long")[0]
-    llm = LLM(model=str(folder), dtype="float32", max_model_len=4096, num_blocks=300, block_size=16)
+    # a pool of 40 blocks (640 tokens): the whole sequence could never fit, the policy's bound does
+    # (22 blocks for 260 + 15 + a 64-token chunk, + 17 for the fresh copy of the first compaction)
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=4096, num_blocks=40, block_size=16,
+              max_num_batched_tokens=64)
     eng = llm.engine
     prompt = prompt_ids(12, 3)
     ref = llm.generate([prompt], greedy(256))[0].outputs[0].token_ids
     comp = {"method": "streaming_llm", "sink_tokens": 4, "window": 256}
+    with pytest.raises(ValueError, match="needs 251 KV blocks"):
+        llm.generate([prompt], greedy(4000))
     rid = eng.add_request(prompt, greedy(4000, comp))
     bound = math.ceil(260 / 16) + 2
     most, steps, out = 0, 0, None

@@ -17,6 +17,14 @@ sequence of any length then holds at most ``ceil((W - 1 + chunk) / block_size) +
 (:meth:`KVCacheManager.blocks_to_run`). Models with some full-attention layers (Gemma 3) keep
 every block: their full layers read the whole context, and per-layer-group block tables (vLLM's
 hybrid allocator) are not implemented; their windowed layers still read only the window.
+
+KV compression (:mod:`kvserve.core.kv_compression`: StreamingLLM, SnapKV, H2O, per request):
+:meth:`KVCacheManager.compress` moves a request's kept tokens to the first slots of a table of
+``ceil(kept / block_size)`` blocks (rewritten in place where the request alone holds them, fresh
+copies where a fork or the prefix cache shares them) and frees the rest; the request's
+``num_dropped_tokens`` then separates a token's KV index (its slot) from its position, and every
+size here counts KV tokens (:attr:`Request.num_kv_tokens`). A compacted request inserts nothing
+more into the prefix cache (its blocks hold a selection, not a prefix).
 """
 
 from __future__ import annotations

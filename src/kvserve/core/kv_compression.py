@@ -155,6 +155,18 @@ class KVCompressionConfig:
         """Tokens left after a compaction."""
         return self.sink_tokens + self.window if self.method == "streaming_llm" else self.budget
 
+    def max_kv_tokens(self, num_prompt_tokens: int, max_tokens: int, max_chunk: int, block_size: int) -> int:
+        """Most tokens a request's KV holds at once under this policy (its admission bound): the
+        whole ``prompt + max_tokens`` at most; StreamingLLM / H2O: ``kept + block_size - 1`` plus
+        one step's chunk (``max_chunk`` tokens, compacted after the step); SnapKV: the prompt
+        (computed whole before the selection), then ``budget + max_tokens``."""
+        full = num_prompt_tokens + max_tokens
+        if self.method in ("streaming_llm", "h2o"):
+            return min(full, self.kept + block_size - 1 + max_chunk)
+        if self.method == "snapkv":
+            return min(full, max(num_prompt_tokens, self.budget + max_tokens))
+        return full
+
     def to_dict(self) -> dict:
         d = asdict(self)
         return {"method": self.method, **{k: d[k] for k in FIELDS[self.method]}}

@@ -421,6 +421,12 @@ class EngineCore:
                     f"allowed_token_ids: every allowed token is banned by bad_words or is a stop/EOS token, "
                     f"which min_tokens={params.min_tokens} forbids for the first {params.min_tokens} tokens")
         need = self.kv.blocks_to_run(n + max_tokens, budget)  # (a sliding window bounds it)
+        compression = params.kv_compression if params.kv_compression is not None else self.kv_compression
+        if compression is not None and compression.enabled:  # (so does a compression policy)
+            # (+ the kept tokens' blocks: a compaction of shared or cached blocks writes fresh
+            # copies before the old ones go)
+            most = compression.max_kv_tokens(n, max_tokens, budget, self.kv.block_size)
+            need = min(need, self.kv.blocks_needed(most) + self.kv.blocks_needed(compression.kept))
         if need > self.kv.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens = {n + max_tokens} tokens needs {need} KV blocks, but the whole "

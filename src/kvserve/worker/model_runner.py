@@ -12,6 +12,12 @@ Speculative decoding: a request scheduled for its last token plus its draft toke
 position ``num_computed_tokens + i``, attending to ``num_computed_tokens + i + 1`` tokens:
 all rows write their K/V before any attends, so this is the causal chunk), needs logits at
 every row, and is verified by :func:`kvserve.spec_decode.rejection_sample`.
+
+KV compression (:mod:`kvserve.core.kv_compression`): a token's position (RoPE) and its KV index
+(its slot in the block table, what attention counts) differ by the request's
+``num_dropped_tokens`` once a compaction dropped tokens; positions continue from the true
+sequence position, slots and context lengths from the KV length. Requests whose policy needs
+attention scores (SnapKV, H2O) get :class:`~kvserve.worker.attention.KVProbe` rows.
 """
 
 from __future__ import annotations
