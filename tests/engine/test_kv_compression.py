@@ -200,7 +200,7 @@ class ProbeRecorder:
             self.scale = scale
             self.calls.append([(p.request_id, q.index_select(0, p.rows).float().numpy().copy(),
                                 p.query_kv.numpy().copy(),
-                                kv_quant.gather(k_cache, p.context_slots, torch.float32).numpy().copy())
+                                kv_quant.gather(k_cache, p.context_slots, q.dtype).float().numpy().copy())
                                for p in meta.kv_probes])
             orig(q, k_cache, meta, scale)
 
@@ -465,3 +465,19 @@ def test_http_field(tiny, tiny_model_dir):
                                   ("default", {"method": "h2o", "budget": 24, "recent": 8})]}
     assert texts == offline
     assert texts["default"] != texts["none"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_bfloat16_and_8bit_cache(tiny_model_dir, kv_cache_dtype):
+    """bfloat16 (and an int8 KV cache): every policy runs, compacts and finishes with its tokens
+    (the probes read the cache in the model dtype, dequantized, and score in float32)."""
+    llm = LLM(model=str(tiny_model_dir("llama")[0]), dtype="bfloat16", max_model_len=512, num_blocks=64,
+              block_size=16, kv_cache_dtype=kv_cache_dtype)
+    prompt = prompt_ids(60, 12)
+    for comp in (STREAM, {"method": "h2o", "budget": 24, "recent": 8},
+                 {"method": "snapkv", "budget": 24, "observation_window": 8}):
+        o = llm.generate([prompt], greedy(40, comp))[0].outputs[0]
+        assert o.finish_reason == "length" and len(o.token_ids) == 40
+    assert llm.engine.core.num_kv_compactions >= 3
+    llm.engine.core.kv.check_invariants()
+    llm.engine.shutdown()

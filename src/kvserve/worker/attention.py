@@ -110,7 +110,7 @@ def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMet
     out = []
     H = q.shape[1]
     for p in meta.kv_probes:
-        ks = kv_quant.gather(k_cache, p.context_slots, torch.float32)  # [c, KVH, hd]
+        ks = kv_quant.gather(k_cache, p.context_slots, q.dtype).float()  # [c, KVH, hd]
         c, KVH, hd = ks.shape
         g = H // KVH
         sums = torch.zeros(KVH, c, dtype=torch.float32, device=q.device)
