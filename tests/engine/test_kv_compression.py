@@ -481,3 +481,34 @@ def test_bfloat16_and_8bit_cache(tiny_model_dir, kv_cache_dtype):
     assert llm.engine.core.num_kv_compactions >= 3
     llm.engine.core.kv.check_invariants()
     llm.engine.shutdown()
+
+
+@pytest.mark.slow  # (two spawned ranks: ~10-20 s on 2 shared cores)
+def test_tensor_parallel_equals_one_rank(tiny, tiny_model_dir):
+    """At tensor_parallel_size=2 each rank scores and compacts its own KV heads (the per-head
+    selections of SnapKV / H2O are local to a head): the tokens equal the one-rank engine's."""
+    llm, _ = tiny
+    prompt = prompt_ids(60, 13)
+    comps = [STREAM, {"method": "h2o", "budget": 24, "recent": 8},
+             {"method": "snapkv", "budget": 24, "observation_window": 8}]
+    want = [o.outputs[0].token_ids for o in llm.generate([prompt] * 3, [greedy(50, c) for c in comps])]
+    tp = LLM(model=str(tiny_model_dir("llama")[0]), dtype="float32", max_model_len=512, num_blocks=64,
+             block_size=16, tensor_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in tp.generate([prompt] * 3, [greedy(50, c) for c in comps])]
+        assert tp.engine.core.num_kv_compactions >= 5
+    finally:
+        tp.engine.shutdown()
+    assert got == want
+
+
+def test_mixed_batch_equals_each_alone(tiny):
+    """Uncompressed, StreamingLLM, H2O and SnapKV requests batched together (decode rows with and
+    without probes, different KV offsets in one step) give each request's solo tokens."""
+    llm, _ = tiny
+    comps = [None, STREAM, {"method": "h2o", "budget": 24, "recent": 8},
+             {"method": "snapkv", "budget": 24, "observation_window": 8}]
+    prompts = [prompt_ids(45 + 5 * i, 30 + i) for i in range(4)]
+    alone = [llm.generate([p], greedy(70, c))[0].outputs[0].token_ids for p, c in zip(prompts, comps)]
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, [greedy(70, c) for c in comps])]
+    assert batched == alone
