@@ -139,6 +139,9 @@ def test_streaming_4000_tokens_bounded_blocks(tiny_model_dir):
     assert toks[:256] == ref
     assert most == bound - 1  # (kept 260 + one block of slack, then back)
     assert eng.core.num_kv_compactions == (4000 + 12 - 276) // 16 + 1
+    st = eng.stats()
+    assert st["kv_compactions"] == eng.core.num_kv_compactions
+    assert st["kv_compression_dropped_tokens"] == 16 * st["kv_compactions"]  # (276 -> 260 each time)
     eng.core.kv.check_invariants()
     eng.shutdown()
 

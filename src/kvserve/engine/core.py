@@ -1082,6 +1082,8 @@ class EngineCore:
             "generated_tokens": self.num_generated_tokens,
             "kv_transfer_saved": self.num_kv_transfer_saved,
             "kv_transfer_saved_bytes": self.num_kv_transfer_saved_bytes,
+            "kv_compactions": self.num_kv_compactions,  # KV compression: compactions applied
+            "kv_compression_dropped_tokens": self.num_kv_dropped_tokens,  # tokens they dropped
             **self.spec_stats(),
             **self.swap_stats(),
             **self.kv.stats(),  # prefix-cache queries/hits/hit rates/evictions, blocks free/cached/in use
