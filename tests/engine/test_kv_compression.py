@@ -344,6 +344,10 @@ def test_prefix_cache_never_stores_compacted_blocks(tiny):
     full = llm.generate([prompt_ids(40, 8)], greedy(100, seed=1))[0].outputs[0].token_ids
     hit_full = llm.generate([prompt_ids(40, 8) + full[:60]], greedy(1))[0].num_cached_tokens
     assert hit_full >= 96
+    # SnapKV / H2O score every query they compute: they take no prefix-cache hit
+    snap = {"method": "snapkv", "budget": 24, "observation_window": 8}
+    assert llm.generate([prompt], greedy(1, snap))[0].num_cached_tokens == 0
+    assert llm.generate([prompt], greedy(1, STREAM))[0].num_cached_tokens == 39  # (all but the last token)
     llm.engine.core.kv.check_invariants()
 
 
@@ -395,6 +399,9 @@ def test_preemption(tiny_model_dir, mode):
         assert got == want
     else:
         assert got != want  # (recomputed K/V then compacted: not the state the first run had)
+        # ... but a deterministic restart: the same workload again gives the same tokens
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert again == got
     core.kv.check_invariants()
     # every finished request's scores were dropped on the workers (the forget ops applied next step)
     llm.generate([[5, 6]], greedy(1))
