@@ -469,7 +469,14 @@ def test_http_field(tiny, tiny_model_dir):
             r = httpx.post(url, json=body, timeout=60)
             assert r.status_code == 200, r.text
             texts[name] = r.json()["choices"][0]["text"]
+        s.wait_idle()
+        metrics = httpx.get(s.base_url + "/metrics", timeout=30).text
     engine.shutdown()
+    got = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+           if line.startswith("kvserve:kv_compactions_total") or line.startswith("kvserve:kv_compression_dropped")}
+    # 40 + 59 tokens computed: streaming compacts 52 -> 36 three times (after positions 51, 67, 83),
+    # h2o (the default) 40 -> 24 four times (after the prompt, then positions 55, 71, 87)
+    assert got == {"kvserve:kv_compactions_total": 7.0, "kvserve:kv_compression_dropped_tokens_total": 112.0}
     offline = {name: llm.generate([prompt], greedy(60, comp)).__getitem__(0).outputs[0].text
                for name, comp in [("stream", STREAM), ("none", None),
                                   ("default", {"method": "h2o", "budget": 24, "recent": 8})]}

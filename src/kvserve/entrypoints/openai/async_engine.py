@@ -502,7 +502,9 @@ class AsyncEngine:
                              ("kv_offload_written_blocks", m.offload_written_blocks),
                              ("kv_offload_read_blocks", m.offload_read_blocks),
                              ("kv_offload_hits", m.offload_hits),
-                             ("kv_offload_read_failed", m.offload_read_failures)):
+                             ("kv_offload_read_failed", m.offload_read_failures),
+                             ("kv_compactions", m.kv_compactions),
+                             ("kv_compression_dropped_tokens", m.kv_compression_dropped)):
             v = s.get(key, 0)
             if v > self._last_spec.get(key, 0):
                 counter.inc(v - self._last_spec.get(key, 0))

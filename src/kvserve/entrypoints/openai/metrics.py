@@ -29,6 +29,8 @@ Counters: prompt_tokens_total, generation_tokens_total, num_preemptions_total,
     back from the prefix cache's disk tier, --kv-offload-dir), kv_offload_hits_total (requests that
     read blocks from the disk tier), kv_offload_read_failures_total (reads refused: a missing,
     corrupt or truncated file; the request recomputed),
+    kv_compactions_total / kv_compression_dropped_tokens_total (KV compression: compactions applied,
+    cached tokens they dropped),
     request_success_total{finished_reason} (one per returned sequence: stop, length, abort, error).
 
 Besides the registry, bounded rings of the most recent finished requests (their prompt and
@@ -137,6 +139,9 @@ class ServerMetrics:
         counter("offload_hits", "kv_offload_hits", "Requests that read KV blocks from the disk tier.")
         counter("offload_read_failures", "kv_offload_read_failures",
                 "Disk-tier reads refused (missing, corrupt or truncated files); the request recomputed.")
+        counter("kv_compactions", "kv_compactions", "KV compressions applied (StreamingLLM, SnapKV, H2O).")
+        counter("kv_compression_dropped", "kv_compression_dropped_tokens",
+                "Cached tokens dropped by KV compression.")
         self._success_family = Counter("kvserve:request_success", "Finished sequences by finish reason.",
                                        lab + ["finished_reason"], registry=r)
         self.replicas = list(replicas) if replicas is not None else None
