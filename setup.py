@@ -10,6 +10,7 @@ torch nor Python.h, only a C compiler with OpenMP). One library per instruction-
   VCVTNEPS2BF16), for CPUs with AVX512_BF16;
 * ``kvserve/_C/gemv.so``: the linear kernels; each function carries its own target attribute,
   so one build serves every AVX-512 CPU and the caller picks the functions at run time.
+* ``kvserve/_C/qgemv.so``: the linear kernel on GGUF-quantized weights (AVX512-VNNI), same way.
 
 AMX is no variant of its own: its functions are compiled in both cpu_ops variants and gemv
 under ``__attribute__((target("...amx-tile,amx-bf16")))`` and only called after a run-time
@@ -79,6 +80,7 @@ setup(
         _kernel("cpu_ops_avx512", "csrc/cpu/cpu_ops.c"),
         _kernel("cpu_ops_avx512bf16", "csrc/cpu/cpu_ops_avx512bf16.c"),
         _kernel("gemv", "csrc/cpu/gemv.c"),
+        _kernel("qgemv", "csrc/cpu/qgemv.c"),
     ],
     cmdclass={"build_ext": BuildKernels},
 )

@@ -10,6 +10,7 @@ library                      picked when ``/proc/cpuinfo`` has                  
 ``cpu_ops_avx512bf16.so``    :data:`AVX512` and ``avx512_bf16``                  :mod:`kvserve.kernels.cpu_ops`
 ``cpu_ops_avx512.so``        :data:`AVX512` (bf16 rounding in software)          :mod:`kvserve.kernels.cpu_ops`
 ``gemv.so``                  :data:`AVX512` (functions picked at run time)       :mod:`kvserve.worker.layers.linear`
+``qgemv.so``                 :data:`AVX512` and ``avx512_vnni``                  :mod:`kvserve.worker.layers.quant`
 ===========================  ==================================================  ===========================
 
 AMX (Sapphire Rapids and later) is no separate library: its functions carry their own
@@ -64,6 +65,7 @@ def kernels_disabled() -> bool:
 VARIANTS: dict[str, tuple[tuple[str, frozenset[str]], ...]] = {
     "cpu_ops": (("cpu_ops_avx512bf16", AVX512 | {"avx512_bf16"}), ("cpu_ops_avx512", AVX512)),
     "gemv": (("gemv", AVX512),),
+    "qgemv": (("qgemv", AVX512 | {"avx512_vnni"}),),
 }
 
 

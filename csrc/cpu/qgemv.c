@@ -1,0 +1,271 @@
+/* kvserve linear kernels on GGUF-quantized weights kept quantized (see
+ * kvserve/worker/layers/quant.py, which packs the weights and holds the PyTorch reference).
+ *
+ * y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), with w stored per block of 32 values along k
+ * as unsigned integers u (4-bit or 8-bit) and two float32 numbers per block and row:
+ *
+ *     w[n, 32 b + t] = d[n, b] * u[n, 32 b + t] + m[n, b]
+ *
+ * Every GGUF type used here maps to that exactly: Q4_0 (u = q + 8, m = -8 d), Q4_1 (d, m as
+ * stored), Q8_0 (u = q + 128, m = -128 d), Q4_K / Q5_K (d = super-block d * 6-bit scale,
+ * m = -dmin * 6-bit min, per 32-value sub-block; Q5_K's 5-bit values stored as 8-bit).
+ *
+ * Packed layout (kv_q* "packed" arguments), rows in groups of 4 (N padded to a multiple of 4
+ * with zero rows), G = ceil(N / 4) groups, KB = K / 32 blocks:
+ *   bits 4: qs [G][KB][4 rows][16 bytes]: byte t of a row = u[t] | u[t + 16] << 4 (ggml's own
+ *           byte order for Q4_0/Q4_1), so one 64-byte load holds a block of 4 rows;
+ *   bits 8: qs [G][KB][2 halves][4 rows][16 bytes]: half h of a row = u[16 h .. 16 h + 15];
+ *   d, m:   [G][KB][4] float32.
+ * A thread's share of the groups is one contiguous stream of memory.
+ *
+ * The activations are quantized to int8 per block of 32 (as llama.cpp's q8_0 activations for
+ * ggml_vec_dot_q4_0_q8_0): s = max|x| / 127, q = round-to-nearest-even(x / s), so
+ * |x - s q| <= s / 2 = max|x| / 254 element-wise. Then per block and row (AVX512-VNNI
+ * VPDPBUSD, unsigned weight bytes times signed activation bytes, int32 sums, exact):
+ *
+ *     sum_t w x ~= s (d sum_t u q + m sum_t q),
+ *
+ * accumulated in float32 over the blocks (per 4-value lane, summed at the end). Rows are split
+ * across OpenMP threads (torch's libgomp, as gemv.c). Each group of 4 weight rows is read once
+ * per call and multiplied with every activation row (up to 8 at a time; further ones re-read
+ * the group from L1), so the weight streams once from memory for any M.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TGT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+#define TGT_F32 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define TGT_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define INLINE static inline __attribute__((always_inline))
+#define QMB 8 /* activation rows per pass over a weight group */
+#define QPF 1024 /* software prefetch distance in the packed weight, bytes */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* 16 floats of x (f32, or bf16 when bf16 != 0) starting at element k. */
+INLINE TGT_F32 __m512 load16(const void* x, int bf16, int64_t k) {
+    if (bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)x + k))), 16));
+    return _mm512_loadu_ps((const float*)x + k);
+}
+
+/* Quantize one row of K values (K % 32 == 0) per block of 32: xq int8, xs[b] = the scale,
+ * xss[b] = scale * sum of the block's int8 values. */
+INLINE TGT_F32 void quantize_row(const void* x, int bf16, int64_t K, int8_t* xq, float* xs, float* xss) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m512 v0 = load16(x, bf16, 32 * b), v1 = load16(x, bf16, 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float s = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
+        /* x * (1 / s) then round to nearest even; |result| <= 127 up to one rounding of the
+         * reciprocal, clamped to be sure */
+        const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, inv), lo), hi));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, inv), lo), hi));
+        _mm_storeu_si128((__m128i*)(xq + 32 * b), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(xq + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+        xs[b] = s;
+        xss[b] = s * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+/* Public: quantize M rows of x [M, K] (row stride ldx elements) as the kernel does; for tests
+ * and the PyTorch reference. xq [M, K], xs and xss [M, K / 32]. */
+TGT_F32 void kv_q_quantize_act(const void* x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int8_t* xq, float* xs,
+                               float* xss) {
+    for (int64_t i = 0; i < M; i++)
+        quantize_row(x_bf16 ? (const void*)((const uint16_t*)x + i * ldx) : (const void*)((const float*)x + i * ldx),
+                     x_bf16, K, xq + i * K, xs + i * (K / 32), xss + i * (K / 32));
+}
+
+/* acc[i] (16 lanes: 4 per weight row) += s_i * d_row * dot(u, q_i) per lane; accm[i] (4 rows)
+ * += m_row * s_i * sum(q_i), over every block of one group, for nm activation rows. */
+#define QBLOCK(NM, BITS)                                                                                          \
+    INLINE TGT_VNNI void qblock_##BITS##_##NM(const uint8_t* qs, const float* d, const float* m, int64_t KB,   \
+                                              const int8_t* xq, int64_t K, const float* xs, const float* xss,   \
+                                              float out[QMB][4]) {                                              \
+        __m512 acc[NM];                                                                                         \
+        __m128 accm[NM];                                                                                        \
+        for (int i = 0; i < NM; i++) acc[i] = _mm512_setzero_ps(), accm[i] = _mm_setzero_ps();                  \
+        const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);                   \
+        const __m512i low = _mm512_set1_epi8(0x0f);                                                             \
+        const int64_t step = (BITS) == 4 ? 64 : 128;                                                            \
+        for (int64_t b = 0; b < KB; b++) {                                                                      \
+            const uint8_t* p = qs + b * step;                                                                   \
+            _mm_prefetch((const char*)p + QPF, _MM_HINT_T0);                                                    \
+            __m512i wl, wh;                                                                                     \
+            if ((BITS) == 4) {                                                                                  \
+                const __m512i w = _mm512_loadu_si512(p);                                                        \
+                wl = _mm512_and_si512(w, low);                                                                  \
+                wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);                                            \
+            } else {                                                                                            \
+                _mm_prefetch((const char*)p + QPF + 64, _MM_HINT_T0);                                           \
+                wl = _mm512_loadu_si512(p);                                                                     \
+                wh = _mm512_loadu_si512(p + 64);                                                                \
+            }                                                                                                   \
+            const __m512 d16 = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(d + 4 * b)));    \
+            const __m128 m4 = _mm_loadu_ps(m + 4 * b);                                                          \
+            for (int i = 0; i < NM; i++) {                                                                      \
+                const int8_t* xb = xq + i * K + 32 * b;                                                         \
+                const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xb));                 \
+                const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xb + 16)));          \
+                __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, xl);                                \
+                s = _mm512_dpbusd_epi32(s, wh, xh);                                                             \
+                const float sc = xs[i * KB + b];                                                                \
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d16, _mm512_set1_ps(sc)), acc[i]); \
+                accm[i] = _mm_fmadd_ps(m4, _mm_set1_ps(xss[i * KB + b]), accm[i]);                              \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int i = 0; i < NM; i++) {                                                                          \
+            /* lanes 4r..4r+3 belong to row r: sum them */                                                      \
+            __m512 t = _mm512_add_ps(acc[i], _mm512_permute_ps(acc[i], 0x4e));                                  \
+            t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1));                                                   \
+            const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);             \
+            const __m128 r4 = _mm_add_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(pick, t)), accm[i]);      \
+            _mm_storeu_ps(out[i], r4);                                                                          \
+        }                                                                                                       \
+    }
+
+QBLOCK(1, 4) QBLOCK(2, 4) QBLOCK(3, 4) QBLOCK(4, 4) QBLOCK(5, 4) QBLOCK(6, 4) QBLOCK(7, 4) QBLOCK(8, 4)
+QBLOCK(1, 8) QBLOCK(2, 8) QBLOCK(3, 8) QBLOCK(4, 8) QBLOCK(5, 8) QBLOCK(6, 8) QBLOCK(7, 8) QBLOCK(8, 8)
+
+#define QDISPATCH(BITS, QS, D, MM, XQ, XS, XSS)                                      \
+    switch (nm) {                                                                         \
+        case 1: qblock_##BITS##_1(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
+        case 2: qblock_##BITS##_2(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
+        case 3: qblock_##BITS##_3(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
+        case 4: qblock_##BITS##_4(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
+        case 5: qblock_##BITS##_5(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
+        case 6: qblock_##BITS##_6(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
+        case 7: qblock_##BITS##_7(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
+        default: qblock_##BITS##_8(QS, D, MM, KB, XQ, K, XS, XSS, s); break;              \
+    }
+
+/* y [M, N] (row stride ldy; float32, or bf16 rounded to nearest even when y_bf16) =
+ * x [M, K] (row stride ldx; f32, or bf16 when x_bf16) times the packed weight (see the top),
+ * + bias [N] float32 (or NULL). K % 32 == 0. Returns 0, or -1 when the scratch buffer for the
+ * quantized activations cannot be allocated (y untouched). */
+TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t* qs,
+                         const float* d, const float* m, int bits, int64_t N, const float* bias, void* y,
+                         int64_t ldy, int y_bf16, int nthreads) {
+    const int64_t KB = K / 32, G = (N + 3) / 4;
+    if (M <= 0 || N <= 0) return 0;
+    int8_t* xq = (int8_t*)malloc((size_t)(M * K + 2 * M * KB * 4) + 64);
+    if (!xq) return -1;
+    float* xs = (float*)(((uintptr_t)(xq + M * K) + 63) & ~(uintptr_t)63);
+    float* xss = xs + M * KB;
+    if (M * K >= 4096 && nthreads > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t i = 0; i < M; i++)
+            quantize_row(x_bf16 ? (const void*)((const uint16_t*)x + i * ldx) : (const void*)((const float*)x + i * ldx),
+                         x_bf16, K, xq + i * K, xs + i * KB, xss + i * KB);
+    } else {
+        kv_q_quantize_act(x, ldx, x_bf16, M, K, xq, xs, xss);
+    }
+    const int64_t gbytes = KB * (bits == 4 ? 64 : 128);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t* gq = qs + g * gbytes;
+        const float* gd = d + g * KB * 4;
+        const float* gm = m + g * KB * 4;
+        const int64_t nr = N - 4 * g < 4 ? N - 4 * g : 4;
+        for (int64_t m0 = 0; m0 < M; m0 += QMB) {
+            const int64_t nm = M - m0 < QMB ? M - m0 : QMB;
+            float s[QMB][4];
+            const int8_t* xqm = xq + m0 * K;
+            const float* xsm = xs + m0 * KB;
+            const float* xssm = xss + m0 * KB;
+            if (bits == 4) {
+                QDISPATCH(4, gq, gd, gm, xqm, xsm, xssm)
+            } else {
+                QDISPATCH(8, gq, gd, gm, xqm, xsm, xssm)
+            }
+            for (int64_t i = 0; i < nm; i++)
+                for (int64_t r = 0; r < nr; r++) {
+                    const int64_t row = m0 + i, col = 4 * g + r;
+                    const float v = s[i][r] + (bias ? bias[col] : 0.0f);
+                    if (y_bf16)
+                        ((uint16_t*)y)[row * ldy + col] = f32_to_bf16(v);
+                    else
+                        ((float*)y)[row * ldy + col] = v;
+                }
+        }
+    }
+    free(xq);
+    return 0;
+}
+
+TGT_F32 static void deq_row_f32(const uint8_t* qs, const float* d, const float* m, int bits, int64_t KB, int64_t row,
+                                float* out) {
+    const int64_t g = row / 4, r = row % 4;
+    const int64_t gbytes = KB * (bits == 4 ? 64 : 128);
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    for (int64_t b = 0; b < KB; b++) {
+        const __m512 dv = _mm512_set1_ps(d[(g * KB + b) * 4 + r]), mv = _mm512_set1_ps(m[(g * KB + b) * 4 + r]);
+        __m512i ul, uh;
+        if (bits == 4) {
+            const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qs + g * gbytes + b * 64 + 16 * r)));
+            ul = _mm512_and_si512(w, low);
+            uh = _mm512_srli_epi32(w, 4);
+        } else {
+            const uint8_t* p = qs + g * gbytes + b * 128 + 16 * r;
+            ul = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+            uh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 64)));
+        }
+        _mm512_storeu_ps(out + 32 * b, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(ul), mv));
+        _mm512_storeu_ps(out + 32 * b + 16, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(uh), mv));
+    }
+}
+
+TGT_BF16 static void f32_to_bf16_row(const float* in, uint16_t* out, int64_t K) {
+    for (int64_t k = 0; k < K; k += 16)
+        _mm256_storeu_si256((__m256i*)(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + k)));
+}
+
+/* Rows [r0, r1) of the packed weight as float32 (out_bf16 = 0) or bf16 (1; needs AVX512_BF16),
+ * out [(r1 - r0), K] row-major: d * u + m with one rounding (FMA; equal to ggml's dequantization
+ * for Q4_0/Q4_1/Q8_0, whose d * u is exact in float32). Returns 0, or -1 when a row buffer
+ * cannot be allocated (out then incomplete). */
+TGT_F32 int kv_q_dequant(const uint8_t* qs, const float* d, const float* m, int bits, int64_t K, int64_t r0,
+                         int64_t r1, void* out, int out_bf16, int nthreads) {
+    const int64_t KB = K / 32;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* tmp = out_bf16 ? (float*)aligned_alloc(64, (size_t)K * 4) : NULL;
+        if (out_bf16 && !tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t row = r0; row < r1; row++) {
+            if (out_bf16) {
+                if (tmp) {
+                    deq_row_f32(qs, d, m, bits, KB, row, tmp);
+                    f32_to_bf16_row(tmp, (uint16_t*)out + (row - r0) * K, K);
+                }
+            } else {
+                deq_row_f32(qs, d, m, bits, KB, row, (float*)out + (row - r0) * K);
+            }
+        }
+        free(tmp);
+    }
+    return failed ? -1 : 0;
+}
