@@ -95,7 +95,11 @@ class EngineArgs:
             share of slots between users.
         enable_prefix_caching: reuse cached prompt KV (off for models whose every layer has a
             sliding window, whose blocks before the window are freed instead).
-        quantization: None, or "int8" for weight-only int8 linears.
+        quantization: ``"gguf"`` (default): a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K tensors
+            stay quantized (linear layers, embedding, LM head; int8 activations on the CPU
+            kernel, see :mod:`kvserve.worker.layers.quant`; no effect on other files, on other
+            tensor types or off the CPU); None (``"none"`` on the command line): dequantize to
+            the model dtype at load; ``"int8"``: weight-only int8 linears.
         seed: seed for the random seeds of unseeded requests.
         speculative_config: None, or speculative decoding as a dict (or its JSON text):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
@@ -154,7 +158,7 @@ class EngineArgs:
     max_waiting: int = 0
     max_num_seqs_per_user: Optional[int] = None
     enable_prefix_caching: bool = True
-    quantization: Optional[str] = None
+    quantization: Optional[str] = "gguf"
     seed: Optional[int] = None
     speculative_config: Optional[Union[dict, str, SpeculativeConfig]] = None
     swap_space: float = 0.0
@@ -237,6 +241,8 @@ class EngineArgs:
         if self.max_waiting < 0:
             raise ValueError(f"{name('max_waiting')} must be ≥ 0 (0: unbounded), got {self.max_waiting}")
         kv_quant.check_kv_cache_dtype(self.kv_cache_dtype, name("kv_cache_dtype"))
+        if self.quantization == "none":
+            self.quantization = None
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)

@@ -36,8 +36,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="weight-only quantization of the linear layers (default: none)")
+    p.add_argument("--quantization", default="gguf", choices=["gguf", "none", "int8"],
+                   help="weights: gguf keeps a GGUF file's quantized tensors quantized (Q4_0, Q4_1, Q5_0, Q8_0, "
+                        "Q4_K, Q5_K; int8 activations), none dequantizes them to --dtype at load, int8 is "
+                        "weight-only int8 (default: gguf)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as JSON (vLLM\'s form), e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')

@@ -159,16 +159,22 @@ def _progress_bar(items, total: int, desc: str, progress: Optional[bool]):
                 mininterval=0.1 if sys.stderr.isatty() else 2.0)
 
 
-def load_weights(path: Path, progress: Optional[bool] = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(path: Path, progress: Optional[bool] = None,
+                 keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a model's config and float32 weights.
 
     Args:
         path: a ``.gguf`` file or a folder with ``config.json`` and ``*.safetensors``.
         progress: draw a progress bar of the tensors read (None: :func:`show_progress`'s
             default, on a terminal or with ``--verbose``).
+        keep_quantized: leave a GGUF file's 2-D tensors of the types in
+            :data:`kvserve.worker.layers.quant.KEPT_TYPES` quantized, as
+            :class:`~kvserve.worker.layers.quant.GGUFWeight` (their raw blocks; q/k rows
+            reordered as for float32), for ``quantization="gguf"``; no effect on other files.
 
     Returns:
-        (config, state dict in Hugging Face names, every tensor float32 on CPU).
+        (config, state dict in Hugging Face names, every tensor float32 on CPU, or a
+        ``GGUFWeight`` where kept quantized).
 
     Raises:
         ModelLoadError: corrupt or unreadable file, missing tensors.
@@ -177,7 +183,7 @@ def load_weights(path: Path, progress: Optional[bool] = None) -> tuple[ModelConf
     if path.is_dir():
         return _load_hf_folder(path, progress)
     if path.suffix == ".gguf":
-        return _load_gguf(path, progress)
+        return _load_gguf(path, progress, keep_quantized)
     raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a folder with config.json")
 
 
@@ -538,18 +544,25 @@ def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
     return fast(blocks).numpy().reshape(-1)
 
 
-def _load_gguf(path: Path, progress: Optional[bool] = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, progress: Optional[bool] = False,
+               keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from kvserve.worker.layers.quant import KEPT_TYPES, gguf_weight_from_numpy
+
     reader = _gguf_reader(path)
     cfg = gguf_model_config(reader, path)
     gemma = cfg.architecture == "Gemma3ForCausalLM"
     layer_names = _GGUF_GEMMA3_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES
     state: dict[str, torch.Tensor] = {}
     for t in _progress_bar(reader.tensors, len(reader.tensors), f"Loading {path.name}", progress):
+        quantized = keep_quantized and t.tensor_type.name in KEPT_TYPES and len(t.shape) == 2
         try:
-            arr = _dequantize(t.data, t.tensor_type)
+            if quantized:
+                arr = gguf_weight_from_numpy(t.tensor_type.name, t.data, (int(t.shape[1]), int(t.shape[0])))
+            else:
+                arr = _dequantize(t.data, t.tensor_type)
+                arr = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
         except Exception as e:
             raise ModelLoadError(f"cannot dequantize tensor {t.name!r} of {str(path)!r}: {e}") from e
-        arr = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
         name = t.name
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
@@ -563,12 +576,17 @@ def _load_gguf(path: Path, progress: Optional[bool] = False) -> tuple[ModelConfi
                 logger.warning("ignoring unknown GGUF tensor %s", name)
                 continue
             hf = f"model.layers.{idx}.{layer_names[rest]}"
-            if cfg.architecture == "LlamaForCausalLM" and rest in ("attn_q.weight", "attn_q.bias"):
-                arr = _unpermute_rope(arr, cfg.num_heads)
-            elif cfg.architecture == "LlamaForCausalLM" and rest in ("attn_k.weight", "attn_k.bias"):
-                arr = _unpermute_rope(arr, cfg.num_kv_heads)
+            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(rest.split(".")[0])
+            if cfg.architecture == "LlamaForCausalLM" and heads is not None:
+                if quantized:  # (whole rows move: the same permutation of the row indices)
+                    arr = arr.rows(torch.from_numpy(_unpermute_rope(np.arange(arr.shape[0]), heads)))
+                else:
+                    arr = _unpermute_rope(arr, heads)
         else:
             logger.warning("ignoring unknown GGUF tensor %s", name)
+            continue
+        if quantized:
+            state[hf] = arr
             continue
         if gemma and "norm.weight" in name:
             # llama.cpp stores Gemma's RMSNorm weights as 1 + w; transformers' GGUF loader

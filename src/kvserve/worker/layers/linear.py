@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import cpu_flags, load_library
+from kvserve.worker.layers.quant import GGUFWeight, PackedWeight, dequantize_rows, pack_gguf, q_kernels, qlinear
 
 #: Largest number of tokens (rows of ``x``) sent to the bf16 gemv kernel; above it oneDNN's
 #: AMX/AVX-512 GEMM wins (measured crossover: gemv faster at M <= 4 on every model shape,
@@ -63,9 +64,15 @@ GEMV_MAX_M_F32 = 8
 AMX_MAX_M_BF16 = 64
 #: Same for weight-only int8 (above it the weight is dequantized per call and GEMM runs).
 GEMV_MAX_M_INT8 = 16
+#: Largest M sent to the int8-activation kernel on GGUF-quantized weights (:func:`quant.qlinear`);
+#: above it the weight is dequantized in chunks of rows and the float matmul runs on each
+#: (see ``benchmarks/gguf_quant.py`` for the crossover measured).
+QGEMV_MAX_M = 16
+#: Bytes of one dequantized chunk of a GGUF-quantized weight (the scratch buffer, shared by all layers).
+QCHUNK_BYTES = 1 << 21
 
 BACKENDS = ("auto", "eager", "gemv", "onednn")
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "gguf")
 
 
 # --------------------------------------------------------------------------------------
@@ -258,6 +265,42 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+_scratch: dict[torch.dtype, torch.Tensor] = {}
+
+
+def chunked_linear(x: torch.Tensor, p: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ w^T + bias`` for many tokens on a GGUF-quantized weight: the weight is dequantized
+    ``QCHUNK_BYTES`` at a time (rows) into one scratch buffer shared by all layers (never a
+    whole dequantized copy), and each chunk goes through ``F.linear`` in ``x.dtype``.
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16 (other dtypes compute in float32).
+        p: the packed weight ``[N, K]``.
+        bias: optional ``[N]`` float32.
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    """
+    n, k = p.shape
+    dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    xc = x.to(dt)
+    rows = max(16, QCHUNK_BYTES // (k * torch.finfo(dt).bits // 8) // 16 * 16)
+    y = torch.empty((x.shape[0], n), dtype=dt)
+    buf = _scratch.get(dt)
+    if buf is None or buf.numel() < min(rows, n) * k:
+        buf = _scratch[dt] = torch.empty(min(rows, n) * k, dtype=dt)
+    for r0 in range(0, n, rows):
+        cnt = min(rows, n - r0)
+        w = dequantize_rows(p, r0, cnt, dt, out=buf)
+        if cnt == n:
+            torch.matmul(xc, w.t(), out=y)
+        else:
+            y[:, r0:r0 + cnt] = F.linear(xc, w)
+    if bias is not None:
+        y += bias.to(dt)
+    return y.to(x.dtype)
+
+
 # --------------------------------------------------------------------------------------
 # torch.compile support: the kernels as custom ops (the ctypes call itself is opaque to Dynamo)
 # --------------------------------------------------------------------------------------
@@ -299,7 +342,13 @@ class Linear(nn.Module):
         quantization: ``None`` (default: the weight is used as given and results match
             ``F.linear``) or ``"int8"``: weight-only symmetric per-output-channel int8
             (a quarter of the fp32 bytes, half of bf16; activations stay in the model dtype).
-            It changes the model's outputs, so it is only used on request.
+            It changes the model's outputs, so it is only used on request. ``"gguf"``: a
+            GGUF-quantized weight (:class:`~kvserve.worker.layers.quant.GGUFWeight`, or a list
+            of them: the row blocks of a fused layer) is kept quantized in the kernel layout
+            (:func:`~kvserve.worker.layers.quant.pack_gguf`) and run on
+            :func:`~kvserve.worker.layers.quant.qlinear` for up to ``QGEMV_MAX_M`` tokens (int8
+            activations), else dequantized ``QCHUNK_BYTES`` at a time into a scratch buffer for
+            the float matmul; a float weight given to such a layer is used as with ``None``.
         backend: where the fast paths apply (CPU, float32/bfloat16, no autograd):
 
             * ``"auto"`` (default): gemv kernel for ``M <= GEMV_MAX_M_*`` tokens; in bf16 on
@@ -334,6 +383,7 @@ class Linear(nn.Module):
         self.out_features = self.in_features = 0
         self.weight = self.bias = None
         self._packed = self._amx = None
+        self.qpacked = None  # quant.PackedWeight of a GGUF-quantized weight
         self._gemv_max_m = 0
         self.backend = "eager"
         if weight is not None:
@@ -350,6 +400,10 @@ class Linear(nn.Module):
         Raises:
             ValueError: a weight that is not 2-D, a bias of the wrong shape.
         """
+        if isinstance(weight, (GGUFWeight, list, tuple)):
+            self.set_gguf_weight(list(weight) if isinstance(weight, (list, tuple)) else [weight], bias)
+            return
+        self.qpacked = None
         if weight.dim() != 2:
             raise ValueError(f"weight must be [out_features, in_features], got shape {tuple(weight.shape)}")
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
@@ -380,6 +434,42 @@ class Linear(nn.Module):
                  + (["onednn"] if self._packed is not None else []))
         self.backend = "+".join(parts) or "eager"
 
+    def set_gguf_weight(self, parts: list, bias: Optional[torch.Tensor] = None,
+                        packed: Optional[PackedWeight] = None) -> None:
+        """Keep GGUF-quantized ``parts`` (:class:`GGUFWeight` ``[n_i, K]`` each, concatenated by
+        rows) quantized in the kernel layout, or share an already ``packed`` weight (a tied LM
+        head); ``bias [sum n_i]`` (or None) is kept as float32.
+
+        Raises:
+            ValueError: parts with different ``K``, a bias of the wrong shape.
+        """
+        p = packed if packed is not None else pack_gguf(parts)
+        n, k = p.shape
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise ValueError(f"bias must be [{n}], got shape {tuple(bias.shape)}")
+        self.out_features, self.in_features = n, k
+        self.qpacked = p
+        self.weight = None
+        self._packed = self._amx = None
+        self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
+        self.bias_f32 = None if bias is None else bias.float().contiguous()
+        self._gemv_max_m = QGEMV_MAX_M if q_kernels() is not None and self.requested_backend != "eager" else 0
+        self.backend = "qgemv+chunked" if self._gemv_max_m else "chunked"
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the weight is held quantized (``"int8"``, or a GGUF-quantized weight)."""
+        return self.quantization == "int8" or self.qpacked is not None
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of the weight as held (packed copies for oneDNN/AMX not counted)."""
+        if self.qpacked is not None:
+            return self.qpacked.nbytes
+        if self.quantization == "int8":
+            return self.qweight.numel() + self.scale.numel() * 4
+        return 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
+
     @staticmethod
     def _gemv_limit(backend: str, weight: torch.Tensor) -> int:
         """Largest M for the gemv kernel (0: never)."""
@@ -399,6 +489,8 @@ class Linear(nn.Module):
                 f"backend={self.backend}, quantization={self.quantization}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qpacked is not None:
+            return self._forward_gguf(x)
         if self.quantization == "int8":
             return self._forward_int8(x)
         if (self._gemv_max_m or self._packed is not None or self._amx is not None) and x.is_cpu and x.dtype == self.weight.dtype \
@@ -423,6 +515,15 @@ class Linear(nn.Module):
                 return F.linear(x, self.weight, self.bias)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+    def _forward_gguf(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        M = x2.shape[0]
+        if 0 < M <= self._gemv_max_m and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
+            y = qlinear(x2, self.qpacked, self.bias_f32)
+        else:
+            y = chunked_linear(x2, self.qpacked, self.bias_f32)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

@@ -22,6 +22,12 @@ has the scales of its own columns (each rank's partial sum is dequantized with t
 the all-reduce: still exact arithmetic on each shard, slightly different numbers from int8
 at ``tp_size == 1``).
 
+GGUF-quantized weights (``quantization="gguf"``, :class:`~kvserve.worker.layers.quant.GGUFWeight`
+checkpoint tensors) are sharded as they are stored: a column-parallel shard is whole rows (any
+split works); a row-parallel shard must cut whole quantization blocks (``input_size / tp_size``
+a multiple of 32, or 256 for the K-quants), else that layer is dequantized at load (logged).
+Off the CPU, or without the quantized kernel, every such layer is dequantized at load.
+
 The ranks: ``tp_rank``/``tp_size`` given to a layer, or those of
 :mod:`kvserve.distributed.parallel_state`. A layer with ``tp_size > 1`` runs its collectives
 on that module's group, which must then have the same size.
@@ -29,6 +35,7 @@ on that module's group, which must then have the same size.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import torch
@@ -36,6 +43,9 @@ import torch
 from kvserve.distributed.communication_op import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from kvserve.distributed.parallel_state import divide, get_tp_rank, get_tp_world_size, tp_head_counts
 from kvserve.worker.layers.linear import Linear
+from kvserve.worker.layers.quant import GGUFWeight, q_kernels
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_tp(tp_rank: Optional[int], tp_size: Optional[int]) -> tuple[int, int]:
@@ -73,7 +83,16 @@ def own(t: torch.Tensor) -> torch.Tensor:
 
 
 def _convert(t: torch.Tensor, dtype: Optional[torch.dtype], device) -> torch.Tensor:
+    if isinstance(t, GGUFWeight):
+        t = t.dequantize()
     return t.to(device=t.device if device is None else device, dtype=t.dtype if dtype is None else dtype)
+
+
+def keep_gguf(layer: Linear, weights: Sequence) -> bool:
+    """Whether ``layer`` keeps ``weights`` GGUF-quantized: it asked for ``"gguf"``, every part is a
+    :class:`GGUFWeight`, its device is the CPU and the quantized kernel runs here."""
+    return (layer.quantization == "gguf" and all(isinstance(w, GGUFWeight) for w in weights)
+            and torch.device(layer.params_device or "cpu").type == "cpu" and q_kernels() is not None)
 
 
 class ColumnParallelLinear(Linear):
@@ -143,10 +162,17 @@ class ColumnParallelLinear(Linear):
             if biases is not None and tuple(biases[i].shape) != (n,):
                 raise ValueError(f"{type(self).__name__}: bias {i} must be [{n}], got {tuple(biases[i].shape)}")
 
-        def shard(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-            rows = [t.narrow(0, self.part_offset(i), self.local_output_sizes[i]) for i, t in enumerate(parts)]
-            return own(_convert(rows[0] if len(rows) == 1 else torch.cat(rows), self.params_dtype, self.params_device))
+        def rows(parts: Sequence) -> list:
+            return [t.narrow_rows(self.part_offset(i), self.local_output_sizes[i]) if isinstance(t, GGUFWeight)
+                    else t.narrow(0, self.part_offset(i), self.local_output_sizes[i]) for i, t in enumerate(parts)]
 
+        def shard(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+            r = [_convert(t, self.params_dtype, self.params_device) for t in rows(parts)]
+            return own(r[0] if len(r) == 1 else torch.cat(r))
+
+        if keep_gguf(self, weights):
+            self.set_gguf_weight(rows(weights), None if biases is None else shard(biases))
+            return
         self.set_weight(shard(weights), None if biases is None else shard(biases))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,8 +314,16 @@ class RowParallelLinear(Linear):
         if bias is not None and tuple(bias.shape) != (self.output_size,):
             raise ValueError(f"RowParallelLinear: bias must be [{self.output_size}], got {tuple(bias.shape)}")
         k = self.input_size_per_partition
-        w = own(_convert(weight.narrow(1, self.tp_rank * k, k), self.params_dtype, self.params_device))
         b = None if bias is None or self.tp_rank > 0 else own(_convert(bias, self.params_dtype, self.params_device))
+        if keep_gguf(self, [weight]):
+            if k % weight.block_size == 0:
+                self.set_gguf_weight([weight.narrow_cols(self.tp_rank * k, k)], b)
+                return
+            logger.info("RowParallelLinear: a shard of %d columns cuts %s's blocks of %d values: this layer is "
+                        "dequantized", k, weight.qtype, weight.block_size)
+        if isinstance(weight, GGUFWeight):
+            weight = weight.dequantize()
+        w = own(_convert(weight.narrow(1, self.tp_rank * k, k), self.params_dtype, self.params_device))
         self.set_weight(w, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,11 @@ exactly one rank, so the sum is exact. The LM head computes the logits of its ra
 ranks' slices are gathered (to every rank, or to one) and the padding columns dropped. A tied
 LM head shares the embedding's shard (the two split the vocabulary alike).
 
+A GGUF-quantized table (:class:`~kvserve.worker.layers.quant.GGUFWeight`, the loader's under
+``quantization="gguf"``) is kept quantized at ``tp_size == 1`` on the CPU: the embedding
+dequantizes only the rows it looks up, and the head (tied: the same packed table, no copy) runs
+on the quantized kernel like any GGUF linear; otherwise it is dequantized at load.
+
 At ``tp_size == 1`` there is no padding, the embedding is ``F.embedding`` and the head a plain
 :class:`~kvserve.worker.layers.linear.Linear`: no collective runs.
 """
@@ -26,6 +31,12 @@ from kvserve.distributed.communication_op import (tensor_model_parallel_all_gath
                                                   tensor_model_parallel_gather)
 from kvserve.worker.layers.linear import Linear
 from kvserve.worker.layers.parallel_linear import _convert, check_group, own, resolve_tp
+from kvserve.worker.layers.quant import GGUFWeight, PackedWeight, gather_rows, pack_gguf, q_kernels
+
+
+def _keep_quantized(weight, tp_size: int, device) -> bool:
+    return (isinstance(weight, GGUFWeight) and tp_size == 1 and torch.device(device or "cpu").type == "cpu"
+            and q_kernels() is not None)
 
 
 class VocabRange(NamedTuple):
@@ -77,6 +88,8 @@ class VocabParallelEmbedding(nn.Module):
         # (left uninitialized: the loader always fills it, so a random init of vocab x hidden values is wasted)
         self.weight = nn.Parameter(torch.empty(self.vocab.per_partition, self.embedding_dim, dtype=dtype,
                                                device=device), requires_grad=False)
+        self.params_dtype, self.params_device = dtype, device
+        self.qpacked: Optional[PackedWeight] = None  # a GGUF-quantized table kept quantized
 
     @torch.no_grad()
     def weight_loader(self, weight: torch.Tensor) -> None:
@@ -89,12 +102,20 @@ class VocabParallelEmbedding(nn.Module):
         if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"VocabParallelEmbedding: weight must be [{self.num_embeddings}, {self.embedding_dim}] "
                              f"(the full table), got {tuple(weight.shape)}")
+        if _keep_quantized(weight, self.tp_size, self.params_device):
+            self.qpacked = pack_gguf([weight])
+            self.weight = None  # (the uninitialized table was never written: no memory)
+            return
+        if isinstance(weight, GGUFWeight):
+            weight = weight.dequantize()
         r = self.vocab
         n = r.end - r.start
         self.weight[:n].copy_(weight[r.start:r.end])
         self.weight[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.qpacked is not None:
+            return gather_rows(self.qpacked, input_ids).to(self.params_dtype or torch.float32)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         check_group(self.tp_size)
@@ -146,6 +167,11 @@ class ParallelLMHead(Linear):
         if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"ParallelLMHead: weight must be [{self.num_embeddings}, {self.embedding_dim}] (the "
                              f"full head), got {tuple(weight.shape)}")
+        if _keep_quantized(weight, self.tp_size, self.params_device):
+            self.set_gguf_weight([weight])
+            return
+        if isinstance(weight, GGUFWeight):
+            weight = weight.dequantize()
         r = self.vocab
         w = _convert(weight[r.start:r.end], self.params_dtype, self.params_device)
         pad = r.per_partition - (r.end - r.start)
@@ -162,6 +188,9 @@ class ParallelLMHead(Linear):
         if (embedding.num_embeddings, embedding.embedding_dim, embedding.tp_rank, embedding.tp_size) != (
                 self.num_embeddings, self.embedding_dim, self.tp_rank, self.tp_size):
             raise ValueError("ParallelLMHead.tie_weights: the embedding is split differently from the head")
+        if embedding.qpacked is not None:
+            self.set_gguf_weight([], packed=embedding.qpacked)
+            return
         self.set_weight(embedding.weight.detach())
 
     def forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:

@@ -33,6 +33,7 @@ from kvserve.worker.layers.linear import cpu_kernels
 from kvserve.worker.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                                    resolve_tp)
 from kvserve.worker.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from kvserve.worker.layers.quant import GGUFWeight
 
 
 class RMSNorm(nn.Module):
@@ -354,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             k = cpu_kernels()
             gemv_max = min(lin._gemv_max_m for lin in lins)
-            if k is None or gemv_max == 0 or any(lin.quantization is not None for lin in lins):
+            if k is None or gemv_max == 0 or any(lin.is_quantized for lin in lins):
                 return None
             # Above the gemv limit the linears run on AMX (when every one of them has it), as
             # Linear.forward would for up to AMX_MAX_M_BF16 tokens.
@@ -420,7 +421,8 @@ def load_decoder_weights(model: nn.Module, state: dict[str, torch.Tensor], quant
         return t
 
     def put(param: torch.Tensor, name: str):
-        param.copy_(check(name, param.shape))
+        t = check(name, param.shape)
+        param.copy_(t.dequantize() if isinstance(t, GGUFWeight) else t)
 
     beyond = sorted(n for n in state if n.startswith("model.layers.")
                     and n.split(".")[2].isdigit() and int(n.split(".")[2]) >= cfg.num_layers)
@@ -432,7 +434,8 @@ def load_decoder_weights(model: nn.Module, state: dict[str, torch.Tensor], quant
 
     model.embed_tokens.weight_loader(check("model.embed_tokens.weight", (V, H)))
     put(model.norm.weight, "model.norm.weight")
-    head = ParallelLMHead(V, H, gather_dst=model.logits_dst, **tp)  # the LM head is never quantized
+    # the LM head is int8-quantized never, GGUF-quantized when its (or the tied embedding's) tensor is
+    head = ParallelLMHead(V, H, gather_dst=model.logits_dst, **tp)
     if cfg.tie_word_embeddings:
         head.tie_weights(model.embed_tokens)  # the same values: one copy (vocab x hidden) for both
     else:
