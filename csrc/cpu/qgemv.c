@@ -167,8 +167,25 @@ TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int6
                          int64_t ldy, int y_bf16, int nthreads) {
     const int64_t KB = K / 32, G = (N + 3) / 4;
     if (M <= 0 || N <= 0) return 0;
-    int8_t* xq = (int8_t*)malloc((size_t)(M * K + 2 * M * KB * 4) + 64);
-    if (!xq) return -1;
+    /* the quantized activations: a per-thread buffer kept between calls for small batches
+     * (decode: no malloc per call), a fresh one for large */
+    static __thread int8_t* keep = NULL;
+    static __thread size_t keep_cap = 0;
+    const size_t need = (size_t)(M * K + 2 * M * KB * 4) + 64;
+    int8_t* xq;
+    int own = 0;
+    if (need <= keep_cap) {
+        xq = keep;
+    } else if (need <= (1u << 20)) {
+        int8_t* nb = (int8_t*)realloc(keep, need);
+        if (!nb) return -1;
+        keep = xq = nb;
+        keep_cap = need;
+    } else {
+        xq = (int8_t*)malloc(need);
+        if (!xq) return -1;
+        own = 1;
+    }
     float* xs = (float*)(((uintptr_t)(xq + M * K) + 63) & ~(uintptr_t)63);
     float* xss = xs + M * KB;
     if (M * K >= 4096 && nthreads > 1) {
@@ -208,8 +225,35 @@ TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int6
                 }
         }
     }
-    free(xq);
+    if (own) free(xq);
     return 0;
+}
+
+/* kv_q_linear behind the gemv kernels' signature (gemv.c: x, ldx, w, bias, y, ldy, M, N, K,
+ * nthreads), so that the one-call decode step (cpu_ops.c kv_decode_step) runs it: `w` points
+ * to a kv_qweight_t describing the packed weight (its bias there; `bias` is ignored), x and y
+ * in the dtype it names. If the activation buffer cannot be allocated, y is filled with NaN. */
+typedef struct {
+    const uint8_t* qs;
+    const float* d;
+    const float* m;
+    const float* bias;
+    int64_t bits;
+    int64_t bf16;
+} kv_qweight_t;
+
+TGT_VNNI void kv_q_gemv(const void* x, int64_t ldx, const void* w, const void* bias, void* y, int64_t ldy, int64_t M,
+                        int64_t N, int64_t K, int nthreads) {
+    (void)bias;
+    const kv_qweight_t* q = (const kv_qweight_t*)w;
+    if (kv_q_linear(x, ldx, (int)q->bf16, M, K, q->qs, q->d, q->m, (int)q->bits, N, q->bias, y, ldy, (int)q->bf16,
+                    nthreads)) {
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t n = 0; n < N; n++) {
+                if (q->bf16) ((uint16_t*)y)[i * ldy + n] = 0x7fc0;
+                else ((float*)y)[i * ldy + n] = __builtin_nanf("");
+            }
+    }
 }
 
 TGT_F32 static void deq_row_f32(const uint8_t* qs, const float* d, const float* m, int bits, int64_t KB, int64_t row,

@@ -628,18 +628,22 @@ class DecodeStep:
         amx: optional AMX linear function; lm_head_packed: the packed LM head for it.
         window: every layer's sliding window in tokens (Mistral), or None: attention as in
             :func:`paged_attention_decode` with that ``window``.
+        shapes: ``(dtype, vocab_size, intermediate_size)`` when the weights are not plain
+            tensors: GGUF-quantized linears pass ``kvserve.worker.layers.quant.gemv_descriptor``
+            tensors as weights and ``kv_q_gemv`` as ``gemv`` (biases in the descriptors).
     """
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, gemv, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  max_tokens: int, gemv_max_tokens: Optional[int] = None, amx=None,
-                 lm_head_packed: Optional[torch.Tensor] = None, window: Optional[int] = None) -> None:
+                 lm_head_packed: Optional[torch.Tensor] = None, window: Optional[int] = None,
+                 shapes: Optional[tuple[torch.dtype, int, int]] = None) -> None:
         self._keep = (layers, final_norm, lm_head, cos, sin, lm_head_packed)  # the C side holds raw pointers
         self.window = window
-        self.dtype = lm_head.dtype
-        self.E, self.V = final_norm.shape[0], lm_head.shape[0]
+        self.dtype = lm_head.dtype if shapes is None else shapes[0]
+        self.E, self.V = final_norm.shape[0], lm_head.shape[0] if shapes is None else shapes[1]
         self.H, self.KVH, self.hd = num_heads, num_kv_heads, head_dim
-        self.I = layers[0]["down_w"].shape[1]
+        self.I = layers[0]["down_w"].shape[1] if shapes is None else shapes[2]
         self.eps, self.max_tokens = float(eps), max_tokens
         self.gemv_max_tokens = max_tokens if gemv_max_tokens is None else gemv_max_tokens
         if self.gemv_max_tokens < max_tokens and (amx is None or lm_head_packed is None

@@ -283,9 +283,28 @@ def gather_rows(p: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- the kernels
 
+class _QWeightDesc(ctypes.Structure):
+    """``kv_qweight_t`` of ``csrc/cpu/qgemv.c``."""
+
+    _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("bits", ctypes.c_int64), ("bf16", ctypes.c_int64)]
+
+
+def gemv_descriptor(p: PackedWeight, bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The packed weight as the ``w`` argument of ``kv_q_gemv`` (the gemv signature the C decode
+    step calls): a uint8 tensor holding a ``kv_qweight_t`` (raw pointers: the caller keeps ``p``
+    and ``bias`` (float32 ``[N]`` or None) alive); x and y in ``dtype`` (float32 or bfloat16)."""
+    desc = _QWeightDesc(p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), None if bias is None else bias.data_ptr(),
+                        p.bits, int(dtype == torch.bfloat16))
+    return torch.frombuffer(bytearray(bytes(desc)), dtype=torch.uint8)
+
+
 class _QKernels:
     def __init__(self, lib: ctypes.CDLL, flags: frozenset[str]) -> None:
         i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self.gemv = lib.kv_q_gemv
+        self.gemv.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i64, c_int]
+        self.gemv.restype = None
         self.linear = lib.kv_q_linear
         self.linear.argtypes = [vp, i64, c_int, i64, i64, vp, vp, vp, c_int, i64, vp, vp, i64, c_int, c_int]
         self.linear.restype = c_int

@@ -33,7 +33,7 @@ from kvserve.worker.layers.linear import cpu_kernels
 from kvserve.worker.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                                    resolve_tp)
 from kvserve.worker.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from kvserve.worker.layers.quant import GGUFWeight
+from kvserve.worker.layers.quant import GGUFWeight, gemv_descriptor, q_kernels
 
 
 class RMSNorm(nn.Module):
@@ -355,6 +355,9 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             k = cpu_kernels()
             gemv_max = min(lin._gemv_max_m for lin in lins)
+            if all(lin.qpacked is not None for lin in lins) and gemv_max:
+                self._decode_step = self._gguf_decode_step(lins, kv_caches, gemv_max)
+                return self._decode_step if num_tokens <= gemv_max else None
             if k is None or gemv_max == 0 or any(lin.is_quantized for lin in lins):
                 return None
             # Above the gemv limit the linears run on AMX (when every one of them has it), as
@@ -379,6 +382,27 @@ class LlamaForCausalLM(nn.Module):
                 window=self.cfg.uniform_window)
         step = self._decode_step
         return step if step is not None and num_tokens <= step.max_tokens else None
+
+    def _gguf_decode_step(self, lins, kv_caches, gemv_max: int) -> cpu_ops.DecodeStep:
+        """The C decode step over GGUF-quantized linears: each weight is a ``kv_qweight_t``
+        descriptor and ``kv_q_gemv`` the gemv (the kernel ``Linear`` calls for these batches)."""
+        desc = {id(lin): gemv_descriptor(lin.qpacked, lin.bias_f32, self.dtype) for lin in lins}
+        layers = []
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            a, m = layer.self_attn, layer.mlp
+            layers.append(dict(
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                qkv_w=desc[id(a.qkv_proj)], qkv_b=None, o_w=desc[id(a.o_proj)],
+                q_norm=None if a.q_norm is None else a.q_norm.weight,
+                k_norm=None if a.k_norm is None else a.k_norm.weight,
+                gu_w=desc[id(m.gate_up_proj)], down_w=desc[id(m.down_proj)], k_cache=kc, v_cache=vc))
+        step = cpu_ops.DecodeStep(
+            layers, self.norm.weight, desc[id(self.lm_head)], self.rotary_emb.cos_table, self.rotary_emb.sin_table,
+            q_kernels().gemv, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps,
+            max_tokens=gemv_max, window=self.cfg.uniform_window,
+            shapes=(self.dtype, self.lm_head.out_features, self.cfg.intermediate_size // self.tp_size))
+        step._keep_desc = (desc, lins)  # (the descriptors point into the layers' packed weights)
+        return step
 
 
 @torch.inference_mode()
