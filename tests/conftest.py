@@ -26,7 +26,7 @@ def _cache_weights():
 
     cached = functools.lru_cache(maxsize=4)(loader.load_weights)
     orig = worker_mod.load_weights
-    worker_mod.load_weights = lambda path, progress=None: _copy(cached(path))
+    worker_mod.load_weights = lambda path, progress=None, keep_quantized=False: _copy(cached(path, keep_quantized=keep_quantized))
     yield
     worker_mod.load_weights = orig
 
@@ -57,7 +57,7 @@ def smollm2_path():
 def llm_fp32(smollm2_path):
     from kvserve import LLM
 
-    return LLM(dtype="float32", max_model_len=1024)
+    return LLM(dtype="float32", max_model_len=1024, quantization="none")  # (dequantized: the reference's numbers)
 
 
 @pytest.fixture(scope="session")

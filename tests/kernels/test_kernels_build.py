@@ -64,7 +64,7 @@ def test_the_install_built_every_variant_here():
     next to the package (src/kvserve/_C in an editable install; a build that failed silently
     would otherwise only show as skipped kernel tests) and the loader picked the CPU's best one."""
     d = kernels.lib_dir()
-    assert {p.name for p in d.glob("*.so")} >= {"cpu_ops_avx512.so", "cpu_ops_avx512bf16.so", "gemv.so"}
+    assert {p.name for p in d.glob("*.so")} >= {"cpu_ops_avx512.so", "cpu_ops_avx512bf16.so", "gemv.so", "qgemv.so"}
     want = "cpu_ops_avx512bf16" if "avx512_bf16" in kernels.cpu_flags() else "cpu_ops_avx512"
     assert kernels.pick_variant("cpu_ops") == want
     assert Path(K._raw_lib()._name) == kernels.library_path(want)
@@ -156,7 +156,8 @@ def test_no_built_library_falls_back_with_one_log_line(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("WARNING kvserve.kernels: kvserve: no CPU kernel library for cpu_ops or gemv in "
+    names = "cpu_ops or gemv" + (" or qgemv" if "avx512_vnni" in kernels.cpu_flags() else "")
+    assert lines[0].startswith(f"WARNING kvserve.kernels: kvserve: no CPU kernel library for {names} in "
                                f"{tmp_path}") and "PyTorch ops" in lines[0]
     assert r.stdout.startswith("raised kvserve CPU kernels are not available here")
 

@@ -108,7 +108,8 @@ def _log_missing() -> None:
     if _missing_logged:
         return
     _missing_logged = True
-    missing = [n for n in VARIANTS if pick_variant(n) is None]
+    flags = cpu_flags()  # (a library this CPU could not run anyway is not "missing")
+    missing = [n for n in VARIANTS if pick_variant(n) is None and any(needs <= flags for _, needs in VARIANTS[n])]
     logger.warning("kvserve: no CPU kernel library for %s in %s (not built at install, see setup.py); "
                    "running on PyTorch ops", " or ".join(missing), lib_dir())
 

@@ -1,0 +1,227 @@
+"""GGUF-quantized weights kept quantized (issue #22): the formats, the packed layout, the
+AVX512-VNNI kernel (``csrc/cpu/qgemv.c``) against its PyTorch reference, the chunked path for
+many tokens, and the layers (``Linear``, tensor-parallel shards, embedding and LM head).
+Tiny random tensors only; ~3 s."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.worker.layers import linear as L
+from kvserve.worker.layers import quant as Q
+from kvserve.worker.layers.linear import Linear
+from kvserve.worker.layers.parallel_linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                                   QKVParallelLinear, RowParallelLinear)
+from kvserve.worker.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+HAS_KERNEL = Q.q_kernels() is not None
+needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="needs the qgemv kernel (AVX512-VNNI, built at install)")
+TYPES = list(Q.KEPT_TYPES)
+
+
+def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> Q.GGUFWeight:
+    """Random blocks of ``qtype`` (every bit pattern of the values and 6-bit scales) with sane
+    fp16 scales (no inf/NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    bs, bb = Q.BLOCK[qtype]
+    raw = torch.randint(0, 256, (n, k // bs, bb), dtype=torch.uint8, generator=g)
+    half = lambda lo, hi: (torch.rand(n, k // bs, generator=g) * (hi - lo) + lo).half().view(torch.uint8).view(  # noqa: E731
+        n, k // bs, 2)
+    raw[..., 0:2] = half(0.001, 0.02)
+    if qtype == "Q4_1":
+        raw[..., 2:4] = half(-0.1, 0.1)
+    elif qtype in ("Q4_K", "Q5_K"):
+        raw[..., 2:4] = half(0.0, 0.01)
+    return Q.GGUFWeight(qtype, raw.reshape(n, -1), (n, k))
+
+
+def k_for(qtype: str) -> int:
+    return 512 if Q.BLOCK[qtype][0] == 256 else 96
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_unpack_is_bit_exact_with_gguf(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    w = random_weight(qtype, 6, k_for(qtype))
+    ref = torch.from_numpy(np.asarray(dequantize(w.data.numpy(), GGMLQuantizationType[qtype]), dtype=np.float32))
+    assert torch.equal(w.dequantize(), ref.reshape(w.shape))
+    u, d, m = Q.unpack(w)
+    assert int(u.max()) < (16 if Q.BITS[qtype] == 4 else 256)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_packed_layout_round_trips(qtype):
+    n, k = 10, k_for(qtype)  # (10 rows: not a multiple of the 4-row groups)
+    w = random_weight(qtype, n, k)
+    p = Q.pack_gguf([w])
+    full = w.dequantize()
+    assert p.shape == (n, k) and p.qs.shape[0] == 3
+    assert torch.equal(Q.dequantize_packed(p), full)
+    assert torch.equal(Q.dequantize_rows(p, 3, 6, torch.float32), full[3:9])
+    assert torch.equal(Q.dequantize_rows(p, 0, n, torch.bfloat16), full.bfloat16())
+    ids = torch.tensor([[9, 0, 4], [3, 3, 7]])
+    assert torch.equal(Q.gather_rows(p, ids), full[ids])
+    # Q4_1's file holds 0.625 bytes a value; the packed form 0.75 (fp32 d and m per 32 values)
+    assert p.nbytes == 12 * k * (Q.BITS[qtype] / 8 + 0.25)
+
+
+def test_fused_parts_of_mixed_types_pack_as_8_bit():
+    parts = [random_weight("Q4_0", 8, 64, 1), random_weight("Q8_0", 4, 64, 2), random_weight("Q5_0", 4, 64, 3)]
+    p = Q.pack_gguf(parts)
+    assert p.bits == 8 and p.qtype == "Q4_0+Q8_0+Q5_0"
+    assert torch.equal(Q.dequantize_packed(p), torch.cat([w.dequantize() for w in parts]))
+
+
+@needs_kernel
+def test_activation_quantization_matches_the_reference_and_its_bound():
+    x = torch.randn(5, 128) * torch.logspace(-3, 2, 128)
+    x[2, :32] = 0  # an all-zero block: scale 0, values 0
+    q, s = Q.quantize_activations(x)
+    cq = torch.empty(5, 128, dtype=torch.int8)
+    cs, css = torch.empty(5, 4), torch.empty(5, 4)
+    Q.q_kernels().quantize_act(x.data_ptr(), 128, 0, 5, 128, cq.data_ptr(), cs.data_ptr(), css.data_ptr())
+    assert torch.equal(cq, q) and torch.equal(cs, s)
+    torch.testing.assert_close(css, s * q.view(5, 4, 32).sum(-1).float())
+    err = (x.view(5, 4, 32) - s.unsqueeze(-1) * q.view(5, 4, 32).float()).abs()
+    assert bool((err <= x.view(5, 4, 32).abs().amax(-1, keepdim=True) / 254 * (1 + 1e-6)).all())
+    assert bool((q[2, :32] == 0).all()) and float(s[2, 0]) == 0.0
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("M", [1, 3, 8, 13, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_within_the_stated_bound_of_the_reference(qtype, M, dtype):
+    """qlinear vs dequantize-then-matmul in float32: within the int8-activation bound (plus float32
+    rounding: 1e-5 of the absolute sum; bf16 output: half a bf16 ulp of the result)."""
+    n, k = 10, k_for(qtype)
+    w = random_weight(qtype, n, k, seed=M)
+    p = Q.pack_gguf([w])
+    g = torch.Generator().manual_seed(100 + M)
+    x = (torch.randn(M, k, generator=g) * 2).to(dtype)
+    bias = torch.randn(n, generator=g)
+    y = Q.qlinear(x, p, bias)
+    assert y.dtype == dtype and y.shape == (M, n)
+    ref = Q.qlinear_reference(x, p, bias)
+    bound = Q.activation_error_bound(x, p) + 1e-5 * (x.float().abs() @ w.dequantize().abs().T + 1)
+    if dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2.0 ** -8
+    err = (y.float() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+    assert float(err.max()) > 0  # (the int8 activations do change the numbers)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, L.QGEMV_MAX_M, L.QGEMV_MAX_M + 1, 70])
+def test_linear_gguf_picks_the_kernel_then_chunks(M, monkeypatch):
+    """Up to QGEMV_MAX_M tokens the layer runs qlinear (bit for bit); above, dequantized chunks
+    of rows (several here: a 4 KiB chunk size, with N not a multiple of the chunk) through
+    F.linear: float32 within 1e-5 of the reference, never a full dequantized weight kept."""
+    monkeypatch.setattr(L, "QCHUNK_BYTES", 4096)
+    monkeypatch.setattr(L, "_scratch", {})
+    n, k = 37, 64
+    w = random_weight("Q4_1", n, k)
+    b = torch.randn(n)
+    layer = Linear([w], b, quantization="gguf")
+    assert layer.weight is None and layer.is_quantized and layer.backend == "qgemv+chunked"
+    assert layer.weight_nbytes == Q.pack_gguf([w]).nbytes
+    x = torch.randn(2, M // 2 + 1, k)[:, : M // 2 + M % 2] if M > 1 else torch.randn(1, k)
+    y = layer(x)
+    assert y.shape == (*x.shape[:-1], n)
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] <= L.QGEMV_MAX_M:
+        assert torch.equal(y.reshape(-1, n), Q.qlinear(x2, layer.qpacked, layer.bias_f32))
+    else:
+        torch.testing.assert_close(y.reshape(-1, n), F.linear(x2, w.dequantize(), b), rtol=1e-5, atol=1e-5)
+        yb = layer(x.bfloat16())
+        torch.testing.assert_close(yb.float().reshape(-1, n), F.linear(x2.bfloat16().float(), w.dequantize(), b),
+                                   rtol=2e-2, atol=2e-2)
+    assert all(t.numel() * t.element_size() <= 4096 for t in L._scratch.values())
+
+
+def test_linear_gguf_with_a_float_weight_is_plain():
+    w = torch.randn(8, 32)
+    layer = Linear(w, quantization="gguf")
+    assert layer.qpacked is None and not layer.is_quantized
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, w))
+
+
+@needs_kernel
+def test_column_parallel_shards_keep_whole_rows():
+    H, hd, heads, kv = 64, 8, 4, 2
+    q, k, v = (random_weight("Q4_0", r, H, s) for s, r in enumerate([heads * hd, kv * hd, kv * hd]))
+    for rank in (0, 1):
+        layer = QKVParallelLinear(H, hd, heads, kv, quantization="gguf", tp_rank=rank, tp_size=2)
+        layer.weight_loader([q, k, v])
+        want = torch.cat([t.dequantize()[rank * n:(rank + 1) * n] for t, n in zip((q, k, v), (16, 8, 8))])
+        assert layer.qpacked is not None and torch.equal(Q.dequantize_packed(layer.qpacked), want)
+        gu = [random_weight("Q8_0", 24, H, 5), random_weight("Q8_0", 24, H, 6)]
+        m = MergedColumnParallelLinear(H, [24, 24], quantization="gguf", tp_rank=rank, tp_size=2)
+        m.weight_loader(gu)
+        want = torch.cat([t.dequantize()[rank * 12:(rank + 1) * 12] for t in gu])
+        assert torch.equal(Q.dequantize_packed(m.qpacked), want)
+        x = torch.randn(2, H)
+        torch.testing.assert_close(m(x), Q.qlinear(x, m.qpacked))  # (no collective: this rank's slice)
+
+
+@needs_kernel
+def test_row_parallel_shards_cut_whole_blocks_else_dequantize(caplog):
+    w = random_weight("Q4_1", 16, 128)
+    for rank in (0, 1):
+        layer = RowParallelLinear(128, 16, quantization="gguf", tp_rank=rank, tp_size=2)  # 64 columns: 2 blocks
+        layer.weight_loader(w)
+        assert torch.equal(Q.dequantize_packed(layer.qpacked), w.dequantize()[:, rank * 64:(rank + 1) * 64])
+    wk = random_weight("Q4_K", 16, 512)
+    with caplog.at_level("INFO", logger="kvserve.worker.layers.parallel_linear"):
+        layer = RowParallelLinear(512, 16, quantization="gguf", tp_rank=1, tp_size=4)  # 128 columns: half a block
+        layer.weight_loader(wk)
+    assert layer.qpacked is None and torch.equal(layer.weight, wk.dequantize()[:, 128:256])
+    assert "cuts Q4_K's blocks of 256 values: this layer is dequantized" in caplog.text
+    plain = ColumnParallelLinear(64, 16, quantization=None, tp_rank=0, tp_size=1)  # not asked: dequantized
+    plain.weight_loader(random_weight("Q8_0", 16, 64))
+    assert plain.qpacked is None and plain.weight.dtype == torch.float32
+
+
+@needs_kernel
+def test_quantized_embedding_and_tied_head_share_one_table():
+    V, H = 50, 64
+    w = random_weight("Q8_0", V, H)
+    emb = VocabParallelEmbedding(V, H, dtype=torch.bfloat16, tp_rank=0, tp_size=1)
+    emb.weight_loader(w)
+    assert emb.weight is None and emb.qpacked is not None
+    ids = torch.tensor([3, 49, 0, 3])
+    assert torch.equal(emb(ids), w.dequantize()[ids].bfloat16())
+    head = ParallelLMHead(V, H, dtype=torch.bfloat16, tp_rank=0, tp_size=1)
+    head.tie_weights(emb)
+    assert head.qpacked is emb.qpacked
+    h = torch.randn(2, H)
+    assert torch.equal(head(h), Q.qlinear(h, emb.qpacked))
+    emb2 = VocabParallelEmbedding(V, H, dtype=torch.float32, tp_rank=0, tp_size=2)  # TP: dequantized shard
+    emb2.weight_loader(w)
+    assert emb2.qpacked is None and torch.equal(emb2.weight, w.dequantize()[:25])
+
+
+def test_bad_input_names_the_field():
+    with pytest.raises(ValueError, match=r"qtype must be one of .*'Q4_0'.*got 'Q6_K'"):
+        Q.GGUFWeight("Q6_K", torch.zeros(1, 210, dtype=torch.uint8), (1, 256))
+    with pytest.raises(ValueError, match="K=48 is not a multiple of Q4_0's block of 32"):
+        Q.GGUFWeight("Q4_0", torch.zeros(1, 27, dtype=torch.uint8), (1, 48))
+    with pytest.raises(ValueError, match=r"data must be uint8 \[2, 36\]"):
+        Q.GGUFWeight("Q4_0", torch.zeros(2, 18, dtype=torch.uint8), (2, 64))
+    with pytest.raises(ValueError, match=r"columns \[16, 48\) cut Q4_1's blocks of 32"):
+        random_weight("Q4_1", 2, 64).narrow_cols(16, 32)
+    with pytest.raises(ValueError, match="bits must be 4 or 8, got 5"):
+        Q.pack(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1), torch.zeros(4, 1), 5)
+    with pytest.raises(ValueError, match="4-bit values must be < 16"):
+        Q.pack(torch.full((4, 32), 16, dtype=torch.uint8), torch.zeros(4, 1), torch.zeros(4, 1), 4)
+    with pytest.raises(ValueError, match="parts have different K"):
+        Q.pack_gguf([random_weight("Q4_0", 4, 32), random_weight("Q4_0", 4, 64)])
+    with pytest.raises(ValueError, match=r"rows \[8, 12\) outside \[0, 10\)"):
+        Q.dequantize_rows(Q.pack_gguf([random_weight("Q8_0", 10, 32)]), 8, 4, torch.float32)
+    if HAS_KERNEL:
+        with pytest.raises(ValueError, match=r"x must be \[M, 64\] float32 or bfloat16, got \(2, 32\)"):
+            Q.qlinear(torch.randn(2, 32), Q.pack_gguf([random_weight("Q8_0", 4, 64)]))
