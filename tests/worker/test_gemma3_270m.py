@@ -50,7 +50,7 @@ def shared_tokenizer():
 
 @pytest.fixture(scope="module")
 def gemma_fp32(gemma_path, shared_tokenizer):
-    return LLM(model=str(gemma_path), dtype="float32", max_model_len=1024, device="cpu")
+    return LLM(model=str(gemma_path), dtype="float32", max_model_len=1024, device="cpu", quantization="none")
 
 
 def _params(n: int, **kw) -> SamplingParams:
@@ -87,16 +87,27 @@ def test_greedy_matches_with_chunked_prefill(gemma_path, shared_tokenizer, refer
     """The long prompt in 128-token chunks: chunks attend across the 512-token window boundary."""
     case = reference["cases"][-1]
     llm = LLM(model=str(gemma_path), dtype="float32", max_model_len=1024, device="cpu",
-              max_num_batched_tokens=128, enable_prefix_caching=False)
+              max_num_batched_tokens=128, enable_prefix_caching=False, quantization="none")
     out = llm.generate([case["prompt_ids"]], _params(8))[0]
     assert out.outputs[0].token_ids == case["greedy_ids"][:8]
     assert llm.engine.scheduler.num_chunked_prefills > 0
 
 
-def test_bfloat16_agrees_with_float32(gemma_path, shared_tokenizer, reference):
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_bfloat16_agrees_with_float32(gemma_path, shared_tokenizer, reference, quantization):
     """bf16 greedy starts like fp32, and scored on fp32's continuations (teacher-forced) it
-    ranks fp32's token first almost everywhere."""
-    llm = LLM(model=str(gemma_path), dtype="bfloat16", max_model_len=1024, device="cpu")
+    ranks fp32's token first almost everywhere; also with the GGUF weights kept quantized
+    (Q5_0, Q4_K, Q8_0 and the Q8_0 embedding/head; the Q6_K ffn_down layers dequantized)."""
+    llm = LLM(model=str(gemma_path), dtype="bfloat16", max_model_len=1024, device="cpu", quantization=quantization)
+    if quantization == "gguf":
+        from kvserve.worker.layers.linear import Linear
+        from kvserve.worker.layers.quant import q_kernels
+
+        if q_kernels() is None:
+            pytest.skip("needs the qgemv kernel (AVX512-VNNI)")
+        lins = [m for m in llm.engine.core.executor.driver_worker.model.modules() if isinstance(m, Linear)]
+        kept = sorted({m.qpacked.qtype for m in lins if m.qpacked is not None})
+        assert kept == ["Q4_K", "Q5_0", "Q5_0+Q8_0", "Q8_0"] and sum(m.qpacked is None for m in lins) == 9
     cases = reference["cases"]
     outs = llm.generate([c["prompt_ids"] for c in cases], _params(16))
     for c, o in zip(cases, outs):

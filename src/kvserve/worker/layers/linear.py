@@ -67,7 +67,7 @@ GEMV_MAX_M_INT8 = 16
 #: Largest M sent to the int8-activation kernel on GGUF-quantized weights (:func:`quant.qlinear`);
 #: above it the weight is dequantized in chunks of rows and the float matmul runs on each
 #: (see ``benchmarks/gguf_quant.py`` for the crossover measured).
-QGEMV_MAX_M = 16
+QGEMV_MAX_M = 64
 #: Bytes of one dequantized chunk of a GGUF-quantized weight (the scratch buffer, shared by all layers).
 QCHUNK_BYTES = 1 << 21
 
