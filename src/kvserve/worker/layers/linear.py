@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import cpu_flags, load_library
-from kvserve.worker.layers.quant import GGUFWeight, PackedWeight, dequantize_rows, pack_gguf, q_kernels, qlinear
+from kvserve.worker.layers.quant import (GGUFWeight, PackedWeight, dequantize_rows, pack_gguf, q_kernels, qlinear,
+                                        quantize_activations)
 
 #: Largest number of tokens (rows of ``x``) sent to the bf16 gemv kernel; above it oneDNN's
 #: AMX/AVX-512 GEMM wins (measured crossover: gemv faster at M <= 4 on every model shape,
@@ -269,12 +270,17 @@ _scratch: dict[torch.dtype, torch.Tensor] = {}
 
 
 def chunked_linear(x: torch.Tensor, p: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ w^T + bias`` for many tokens on a GGUF-quantized weight: the weight is dequantized
+    """``x @ w^T + bias`` for many tokens on a GGUF-quantized weight, with the numbers of
+    :func:`~kvserve.worker.layers.quant.qlinear`: ``x`` is quantized to int8 per block of 32
+    exactly as the kernel does and dequantized (``s · q``, float32), the weight is dequantized
     ``QCHUNK_BYTES`` at a time (rows) into one scratch buffer shared by all layers (never a
-    whole dequantized copy), and each chunk goes through ``F.linear`` in ``x.dtype``.
+    whole dequantized copy), and each chunk goes through float32 ``F.linear``. Both paths then
+    compute the same sums in float32, in a different order, and round once to ``x.dtype``: a
+    token's result does not depend on how many tokens share its batch beyond that rounding
+    order (as gemv against oneDNN for bf16 weights).
 
     Args:
-        x: ``[M, K]`` float32 or bfloat16 (other dtypes compute in float32).
+        x: ``[M, K]`` float32 or bfloat16.
         p: the packed weight ``[N, K]``.
         bias: optional ``[N]`` float32.
 
@@ -282,22 +288,22 @@ def chunked_linear(x: torch.Tensor, p: PackedWeight, bias: Optional[torch.Tensor
         ``[M, N]`` in ``x.dtype``.
     """
     n, k = p.shape
-    dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    xc = x.to(dt)
-    rows = max(16, QCHUNK_BYTES // (k * torch.finfo(dt).bits // 8) // 16 * 16)
-    y = torch.empty((x.shape[0], n), dtype=dt)
-    buf = _scratch.get(dt)
+    q, s = quantize_activations(x)
+    xq = (q.view(-1, k // 32, 32).float() * s.unsqueeze(-1)).view(-1, k)
+    rows = max(16, QCHUNK_BYTES // (k * 4) // 16 * 16)
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    buf = _scratch.get(torch.float32)
     if buf is None or buf.numel() < min(rows, n) * k:
-        buf = _scratch[dt] = torch.empty(min(rows, n) * k, dtype=dt)
+        buf = _scratch[torch.float32] = torch.empty(min(rows, n) * k, dtype=torch.float32)
     for r0 in range(0, n, rows):
         cnt = min(rows, n - r0)
-        w = dequantize_rows(p, r0, cnt, dt, out=buf)
+        w = dequantize_rows(p, r0, cnt, torch.float32, out=buf)
         if cnt == n:
-            torch.matmul(xc, w.t(), out=y)
+            torch.matmul(xq, w.t(), out=y)
         else:
-            y[:, r0:r0 + cnt] = F.linear(xc, w)
+            y[:, r0:r0 + cnt] = F.linear(xq, w)
     if bias is not None:
-        y += bias.to(dt)
+        y += bias
     return y.to(x.dtype)
 
 
@@ -348,7 +354,8 @@ class Linear(nn.Module):
             (:func:`~kvserve.worker.layers.quant.pack_gguf`) and run on
             :func:`~kvserve.worker.layers.quant.qlinear` for up to ``QGEMV_MAX_M`` tokens (int8
             activations), else dequantized ``QCHUNK_BYTES`` at a time into a scratch buffer for
-            the float matmul; a float weight given to such a layer is used as with ``None``.
+            a float32 matmul on the same int8-rounded activations (:func:`chunked_linear`); a
+            float weight given to such a layer is used as with ``None``.
         backend: where the fast paths apply (CPU, float32/bfloat16, no autograd):
 
             * ``"auto"`` (default): gemv kernel for ``M <= GEMV_MAX_M_*`` tokens; in bf16 on

@@ -1,0 +1,132 @@
+"""GGUF weights kept quantized (``--quantization gguf``) against dequantized bf16 (``none``),
+in one run: single-stream decode tokens/s, the bandwidth roofline of each, resident weight
+bytes, and the kernel crossover that sets ``linear.QGEMV_MAX_M`` (issue #22).
+
+Decode: a 128-token random prompt, 128 output tokens (EOS ignored), greedy, after a warm-up
+(``benchmarks/throughput.py``'s single-stream measurement). Roofline: the weight bytes one
+decode step reads (the linear layers and the LM head: for ``gguf`` the packed quantized bytes,
+:attr:`Linear.weight_nbytes`; for ``none`` the bf16 bytes; norms and embedding rows are
+negligible) at the memory bandwidth measured here (:func:`kvserve.roofline.measure_memory_bandwidth`).
+The Q4_1 file roofline uses the file's own tensor bytes instead (what llama.cpp streams).
+
+Crossover: for each shape of SmolLM2's linears and M tokens, :func:`quant.qlinear` (int8
+activations) against :func:`linear.chunked_linear` (dequantized chunks + bf16 F.linear).
+
+Usage:
+    python benchmarks/gguf_quant.py [--model PATH.gguf] [--n-out 128] [--json out.json] [--skip-crossover]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvserve import LLM  # noqa: E402
+from kvserve.roofline import measure_memory_bandwidth  # noqa: E402
+from kvserve.worker.default_model import default_model_path  # noqa: E402
+from kvserve.worker.layers import linear as L  # noqa: E402
+from kvserve.worker.layers import quant as Q  # noqa: E402
+from throughput import single_stream_kvserve  # noqa: E402
+
+
+def decode_weight_bytes(llm: LLM) -> int:
+    """Bytes of the weights one decode step reads: every Linear (LM head included)."""
+    model = llm.engine.core.executor.driver_worker.model if hasattr(llm.engine.core.executor, "driver_worker") \
+        else llm.engine.core.executor.worker.model
+    return sum(m.weight_nbytes for m in model.modules() if isinstance(m, L.Linear))
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def best(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    t = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        t = min(t, time.perf_counter() - t0)
+    return t
+
+
+def crossover(ms=(1, 2, 4, 8, 16, 24, 32, 64, 128)) -> list[dict]:
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((3072, 576), (576, 1536), (49152, 576)):
+        raw = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=g)
+        raw[..., 0:2] = (torch.rand(n, k // 32, generator=g) * 0.02).half().view(torch.uint8).view(n, k // 32, 2)
+        raw[..., 2:4] = 0
+        p = Q.pack_gguf([Q.GGUFWeight("Q4_1", raw.reshape(n, -1), (n, k))])
+        for M in ms:
+            x = torch.randn(M, k, generator=g).bfloat16()
+            tq = best(lambda: Q.qlinear(x, p))
+            tc = best(lambda: L.chunked_linear(x, p))
+            rows.append({"N": n, "K": k, "M": M, "qlinear_ms": tq * 1e3, "chunked_ms": tc * 1e3})
+            print(f"  N={n} K={k} M={M}: qlinear {tq * 1e3:.3f} ms, chunked {tc * 1e3:.3f} ms", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--n-out", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3, help="decode runs per mode (best and median reported)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-crossover", action="store_true")
+    a = ap.parse_args(argv)
+    path = Path(a.model) if a.model else default_model_path()
+    file_bytes = path.stat().st_size
+    bw = measure_memory_bandwidth()
+    print(f"bandwidth {bw / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.2f}", flush=True)
+    res = {"bandwidth_GBps": bw / 1e9, "file_bytes": file_bytes, "load_avg_start": os.getloadavg()[0], "modes": {}}
+    for mode in ("gguf", "none"):
+        llm = LLM(model=str(path), dtype="bfloat16", quantization=mode, max_model_len=1024, kv_cache_memory=0.5,
+                  enable_prefix_caching=False)
+        vocab = llm.engine.model_config.vocab_size
+        wb = decode_weight_bytes(llm)
+        runs = sorted(single_stream_kvserve(llm, vocab, a.n_out)["decode_tok_s"] for _ in range(a.runs))
+        r = {"decode_tok_s_best": runs[-1], "decode_tok_s_median": runs[len(runs) // 2], "runs": runs,
+             "weight_bytes": wb, "roofline_tok_s": bw / wb, "rss_mb": rss_mb()}
+        res["modes"][mode] = r
+        print(f"{mode}: decode {runs} tok/s, weights read per token {wb / 1e6:.1f} MB, roofline "
+              f"{bw / wb:.1f} tok/s", flush=True)
+        del llm
+        gc.collect()
+    g, n = res["modes"]["gguf"], res["modes"]["none"]
+    file_roofline = bw / file_bytes
+    res["speedup_median"] = g["decode_tok_s_median"] / n["decode_tok_s_median"]
+    res["file_roofline_tok_s"] = file_roofline
+    print()
+    print("| mode | decode tok/s (median of runs) | best | weight bytes / token (MB) | roofline tok/s | share of roofline |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for mode, r in res["modes"].items():
+        print(f"| {mode} | {r['decode_tok_s_median']:.1f} | {r['decode_tok_s_best']:.1f} | {r['weight_bytes'] / 1e6:.1f} | "
+              f"{r['roofline_tok_s']:.1f} | {r['decode_tok_s_median'] / r['roofline_tok_s']:.0%} |")
+    print(f"\ngguf / none (bf16): {res['speedup_median']:.2f}x; Q4_1 file roofline ({file_bytes / 1e6:.1f} MB at "
+          f"{bw / 1e9:.1f} GB/s): {file_roofline:.1f} tok/s, gguf at {g['decode_tok_s_median'] / file_roofline:.0%} "
+          f"of it; load average at the end {os.getloadavg()[0]:.2f}")
+    if not a.skip_crossover:
+        print("\nqlinear vs chunked dequantization + bf16 F.linear (Q4_1, best of 20):")
+        res["crossover"] = crossover()
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
