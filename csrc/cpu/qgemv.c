@@ -229,6 +229,102 @@ TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int6
     return 0;
 }
 
+/* ---- Weight-only: float activations ---------------------------------------------------------
+ * The same packed weight, dequantized in registers to exactly the float32 values the loader's
+ * dequantization gives (d * u + m, one rounding; bf16 models: then rounded to bf16, RNE, as the
+ * dequantized bf16 model holds them) and multiplied with the activations as the float kernels
+ * do (float32 FMA; bf16: VDPBF16PS on bf16 pairs, float32 accumulation). The numbers are those
+ * of the dequantized model up to the order of the float32 additions (as gemv against oneDNN),
+ * so prefill (dequantized chunks + F.linear) and decode agree to that order. */
+#define WMB 4
+
+/* one block (32 values) of row r of a group as 2 x 16 float32 */
+INLINE TGT_BF16 void wo_deq(const uint8_t* p, int bits, int r, const float* d, const float* m, __m512* lo, __m512* hi) {
+    __m512i ul, uh;
+    if (bits == 4) {
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * r)));
+        ul = _mm512_and_si512(w, _mm512_set1_epi32(0x0f));
+        uh = _mm512_srli_epi32(w, 4);
+    } else {
+        ul = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * r)));
+        uh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 64 + 16 * r)));
+    }
+    const __m512 dv = _mm512_set1_ps(d[r]), mv = _mm512_set1_ps(m[r]);
+    *lo = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(ul), mv);
+    *hi = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(uh), mv);
+}
+
+#define WO_BLOCK(NM)                                                                                               \
+    INLINE TGT_BF16 void wo_block_##NM(const uint8_t* qs, const float* d, const float* m, int bits, int64_t KB,    \
+                                       const void* x, int64_t ldx, int bf, float out[WMB][4]) {                   \
+        __m512 acc[NM][4];                                                                                         \
+        for (int i = 0; i < NM; i++)                                                                               \
+            for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();                                           \
+        const int64_t step = bits == 4 ? 64 : 128;                                                                 \
+        for (int64_t b = 0; b < KB; b++) {                                                                         \
+            const uint8_t* p = qs + b * step;                                                                      \
+            _mm_prefetch((const char*)p + QPF, _MM_HINT_T0);                                                       \
+            if (bits == 8) _mm_prefetch((const char*)p + QPF + 64, _MM_HINT_T0);                                   \
+            if (bf) {                                                                                              \
+                __m512bh w[4];                                                                                     \
+                for (int r = 0; r < 4; r++) {                                                                      \
+                    __m512 lo, hi;                                                                                 \
+                    wo_deq(p, bits, r, d + 4 * b, m + 4 * b, &lo, &hi);                                            \
+                    w[r] = _mm512_cvtne2ps_pbh(hi, lo);                                                            \
+                }                                                                                                  \
+                for (int i = 0; i < NM; i++) {                                                                     \
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t*)x + i * ldx + 32 * b);       \
+                    for (int r = 0; r < 4; r++) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], w[r], xv);                 \
+                }                                                                                                  \
+            } else {                                                                                               \
+                __m512 wl[4], wh[4];                                                                               \
+                for (int r = 0; r < 4; r++) wo_deq(p, bits, r, d + 4 * b, m + 4 * b, &wl[r], &wh[r]);              \
+                for (int i = 0; i < NM; i++) {                                                                     \
+                    const float* xr = (const float*)x + i * ldx + 32 * b;                                          \
+                    const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);                          \
+                    for (int r = 0; r < 4; r++)                                                                    \
+                        acc[i][r] = _mm512_fmadd_ps(x1, wh[r], _mm512_fmadd_ps(x0, wl[r], acc[i][r]));             \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int i = 0; i < NM; i++)                                                                               \
+            for (int r = 0; r < 4; r++) out[i][r] = _mm512_reduce_add_ps(acc[i][r]);                               \
+    }
+WO_BLOCK(1) WO_BLOCK(2) WO_BLOCK(3) WO_BLOCK(4)
+
+/* y [M, N] = x [M, K] times the packed weight (see above), + bias [N] float32 or NULL; x and y
+ * both float32 (bf = 0) or both bf16 (bf = 1; needs AVX512_BF16). K % 32 == 0. */
+TGT_BF16 void kv_q_linear_wo(const void* x, int64_t ldx, int bf, int64_t M, int64_t K, const uint8_t* qs,
+                             const float* d, const float* m, int bits, int64_t N, const float* bias, void* y,
+                             int64_t ldy, int nthreads) {
+    const int64_t KB = K / 32, G = (N + 3) / 4, gbytes = KB * (bits == 4 ? 64 : 128);
+    if (M <= 0 || N <= 0) return;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t nr = N - 4 * g < 4 ? N - 4 * g : 4;
+        for (int64_t m0 = 0; m0 < M; m0 += WMB) {
+            const int64_t nm = M - m0 < WMB ? M - m0 : WMB;
+            const void* xm = bf ? (const void*)((const uint16_t*)x + m0 * ldx) : (const void*)((const float*)x + m0 * ldx);
+            float s[WMB][4];
+            const uint8_t* gq = qs + g * gbytes;
+            const float *gd = d + g * KB * 4, *gm = m + g * KB * 4;
+            switch (nm) {
+                case 1: wo_block_1(gq, gd, gm, bits, KB, xm, ldx, bf, s); break;
+                case 2: wo_block_2(gq, gd, gm, bits, KB, xm, ldx, bf, s); break;
+                case 3: wo_block_3(gq, gd, gm, bits, KB, xm, ldx, bf, s); break;
+                default: wo_block_4(gq, gd, gm, bits, KB, xm, ldx, bf, s); break;
+            }
+            for (int64_t i = 0; i < nm; i++)
+                for (int64_t r = 0; r < nr; r++) {
+                    const int64_t row = m0 + i, col = 4 * g + r;
+                    const float v = s[i][r] + (bias ? bias[col] : 0.0f);
+                    if (bf) ((uint16_t*)y)[row * ldy + col] = f32_to_bf16(v);
+                    else ((float*)y)[row * ldy + col] = v;
+                }
+        }
+    }
+}
+
 /* kv_q_linear behind the gemv kernels' signature (gemv.c: x, ldx, w, bias, y, ldy, M, N, K,
  * nthreads), so that the one-call decode step (cpu_ops.c kv_decode_step) runs it: `w` points
  * to a kv_qweight_t describing the packed weight (its bias there; `bias` is ignored), x and y
@@ -240,12 +336,17 @@ typedef struct {
     const float* bias;
     int64_t bits;
     int64_t bf16;
+    int64_t int8_act; /* 1: kv_q_linear (int8 activations), 0: kv_q_linear_wo */
 } kv_qweight_t;
 
-TGT_VNNI void kv_q_gemv(const void* x, int64_t ldx, const void* w, const void* bias, void* y, int64_t ldy, int64_t M,
+TGT_BF16 void kv_q_gemv(const void* x, int64_t ldx, const void* w, const void* bias, void* y, int64_t ldy, int64_t M,
                         int64_t N, int64_t K, int nthreads) {
     (void)bias;
     const kv_qweight_t* q = (const kv_qweight_t*)w;
+    if (!q->int8_act) {
+        kv_q_linear_wo(x, ldx, (int)q->bf16, M, K, q->qs, q->d, q->m, (int)q->bits, N, q->bias, y, ldy, nthreads);
+        return;
+    }
     if (kv_q_linear(x, ldx, (int)q->bf16, M, K, q->qs, q->d, q->m, (int)q->bits, N, q->bias, y, ldy, (int)q->bf16,
                     nthreads)) {
         for (int64_t i = 0; i < M; i++)

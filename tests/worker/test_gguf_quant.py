@@ -94,18 +94,18 @@ def test_activation_quantization_matches_the_reference_and_its_bound():
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("M", [1, 3, 8, 13, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_within_the_stated_bound_of_the_reference(qtype, M, dtype):
-    """qlinear vs dequantize-then-matmul in float32: within the int8-activation bound (plus float32
-    rounding: 1e-5 of the absolute sum; bf16 output: half a bf16 ulp of the result)."""
+def test_int8_kernel_within_the_stated_bound_of_the_reference(qtype, M, dtype):
+    """qlinear(int8=True) vs dequantize-then-matmul in float32: within the int8-activation bound
+    (plus float32 rounding: 1e-5 of the absolute sum; bf16 output: half a bf16 ulp of the result)."""
     n, k = 10, k_for(qtype)
     w = random_weight(qtype, n, k, seed=M)
     p = Q.pack_gguf([w])
     g = torch.Generator().manual_seed(100 + M)
     x = (torch.randn(M, k, generator=g) * 2).to(dtype)
     bias = torch.randn(n, generator=g)
-    y = Q.qlinear(x, p, bias)
+    y = Q.qlinear(x, p, bias, int8=True)
     assert y.dtype == dtype and y.shape == (M, n)
-    ref = Q.qlinear_reference(x, p, bias)
+    ref = F.linear(x.float(), w.dequantize(), bias)
     bound = Q.activation_error_bound(x, p) + 1e-5 * (x.float().abs() @ w.dequantize().abs().T + 1)
     if dtype == torch.bfloat16:
         bound = bound + ref.abs() * 2.0 ** -8
@@ -114,37 +114,64 @@ def test_kernel_within_the_stated_bound_of_the_reference(qtype, M, dtype):
     assert float(err.max()) > 0  # (the int8 activations do change the numbers)
 
 
+@pytest.mark.skipif(not Q.weight_only_available(), reason="needs the qgemv kernel and AVX512_BF16")
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("M", [1, 3, 5, 13])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_only_kernel_gives_the_dequantized_models_numbers(qtype, M, dtype):
+    """qlinear(int8=False): the weight as the dequantized model holds it (float32, or rounded to
+    bf16 for bf16 activations) times x, float32 sums: within float32 rounding (1e-6 of the
+    absolute sum) of the reference, plus half a bf16 ulp for a bf16 output."""
+    n, k = 10, k_for(qtype)
+    w = random_weight(qtype, n, k, seed=M)
+    p = Q.pack_gguf([w])
+    g = torch.Generator().manual_seed(200 + M)
+    x = (torch.randn(M, k, generator=g) * 2).to(dtype)
+    bias = torch.randn(n, generator=g)
+    y = Q.qlinear(x, p, bias, int8=False)
+    assert y.dtype == dtype and y.shape == (M, n)
+    ref = Q.qlinear_reference(x, p, bias)
+    wr = w.dequantize() if dtype == torch.float32 else w.dequantize().bfloat16().float()
+    tol = 1e-6 * (x.float().abs() @ wr.abs().T + bias.abs()) + 1e-30
+    if dtype == torch.bfloat16:
+        tol = tol + ref.abs() * 2.0 ** -8
+    err = (y.float() - ref).abs()
+    assert bool((err <= tol).all()), float((err / tol).max())
+
+
 @needs_kernel
-@pytest.mark.parametrize("M", [1, L.QGEMV_MAX_M, L.QGEMV_MAX_M + 1, 70])
-def test_linear_gguf_picks_the_kernel_then_chunks(M, monkeypatch):
-    """Up to QGEMV_MAX_M tokens the layer runs qlinear (bit for bit); above, dequantized chunks
-    of rows (several here: a 4 KiB chunk size, with N not a multiple of the chunk) through a
-    float32 F.linear on the int8-rounded activations: within 1e-5 of the kernel's numbers,
-    never a full dequantized weight kept."""
+@pytest.mark.parametrize("quantization", ["gguf", "gguf_int8"])
+@pytest.mark.parametrize("M", [1, 16, 17, 64, 65, 90])
+def test_linear_gguf_picks_the_kernel_then_chunks(M, quantization, monkeypatch):
+    """Up to QGEMV_WO_MAX_M (gguf) / QGEMV_MAX_M (gguf_int8) tokens the layer runs qlinear (bit
+    for bit); above, dequantized chunks of rows (several here: a 4 KiB chunk size, with N not a
+    multiple of the chunk) through F.linear with the kernel's numbers (int8: on the int8-rounded
+    activations) up to float32 order; never a full dequantized weight kept."""
+    int8 = quantization == "gguf_int8"
+    if not int8 and not Q.weight_only_available():
+        pytest.skip("needs AVX512_BF16")
     monkeypatch.setattr(L, "QCHUNK_BYTES", 4096)
     monkeypatch.setattr(L, "_scratch", {})
     n, k = 37, 64
     w = random_weight("Q4_1", n, k)
     b = torch.randn(n)
-    layer = Linear([w], b, quantization="gguf")
+    layer = Linear([w], b, quantization=quantization)
     assert layer.weight is None and layer.is_quantized and layer.backend == "qgemv+chunked"
+    assert layer.int8_activations == int8 and layer._gemv_max_m == (L.QGEMV_MAX_M if int8 else L.QGEMV_WO_MAX_M)
     assert layer.weight_nbytes == Q.pack_gguf([w]).nbytes
     x = torch.randn(2, M // 2 + 1, k)[:, : M // 2 + M % 2] if M > 1 else torch.randn(1, k)
     y = layer(x)
     assert y.shape == (*x.shape[:-1], n)
     x2 = x.reshape(-1, k)
-    if x2.shape[0] <= L.QGEMV_MAX_M:
-        assert torch.equal(y.reshape(-1, n), Q.qlinear(x2, layer.qpacked, layer.bias_f32))
-    else:  # the same sums as the kernel (int8-rounded activations), another order
-        q, sc = Q.quantize_activations(x2)
-        xq = (q.view(-1, 2, 32).float() * sc.unsqueeze(-1)).view(-1, k)
-        torch.testing.assert_close(y.reshape(-1, n), F.linear(xq, w.dequantize(), b), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(y.reshape(-1, n), Q.qlinear(x2, layer.qpacked, layer.bias_f32), rtol=1e-5,
-                                   atol=1e-5)
+    kernel = Q.qlinear(x2, layer.qpacked, layer.bias_f32, int8=int8)
+    if x2.shape[0] <= layer._gemv_max_m:
+        assert torch.equal(y.reshape(-1, n), kernel)
+    else:
+        torch.testing.assert_close(y.reshape(-1, n), kernel, rtol=1e-5, atol=1e-5)
         yb = layer(x.bfloat16())
         assert yb.dtype == torch.bfloat16
-        torch.testing.assert_close(yb.float().reshape(-1, n), Q.qlinear(x2.bfloat16(), layer.qpacked,
-                                                                        layer.bias_f32).float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(yb, Q.qlinear(x2.bfloat16(), layer.qpacked, layer.bias_f32, int8=int8).view(
+            yb.shape), rtol=1e-2, atol=1e-2)
     assert all(t.numel() * t.element_size() <= 4096 for t in L._scratch.values())
 
 
@@ -171,7 +198,7 @@ def test_column_parallel_shards_keep_whole_rows():
         want = torch.cat([t.dequantize()[rank * 12:(rank + 1) * 12] for t in gu])
         assert torch.equal(Q.dequantize_packed(m.qpacked), want)
         x = torch.randn(2, H)
-        torch.testing.assert_close(m(x), Q.qlinear(x, m.qpacked))  # (no collective: this rank's slice)
+        torch.testing.assert_close(m(x), Q.qlinear(x, m.qpacked, int8=False))  # (no collective: its slice)
 
 
 @needs_kernel
@@ -205,7 +232,7 @@ def test_quantized_embedding_and_tied_head_share_one_table():
     head.tie_weights(emb)
     assert head.qpacked is emb.qpacked
     h = torch.randn(2, H)
-    assert torch.equal(head(h), Q.qlinear(h, emb.qpacked))
+    assert torch.equal(head(h), Q.qlinear(h, emb.qpacked, int8=False))
     emb2 = VocabParallelEmbedding(V, H, dtype=torch.float32, tp_rank=0, tp_size=2)  # TP: dequantized shard
     emb2.weight_loader(w)
     assert emb2.qpacked is None and torch.equal(emb2.weight, w.dequantize()[:25])

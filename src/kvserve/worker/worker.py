@@ -105,7 +105,7 @@ class Worker:
         """
         with torch_threads(1):  # (on a busy 2-core machine two OpenMP threads made loading 4x slower)
             cfg, state = load_weights(path, progress=None if self.rank == 0 else False,  # (one bar: rank 0's)
-                                      keep_quantized=quantization == "gguf" and self.device.type == "cpu")
+                                      keep_quantized=quantization in ("gguf", "gguf_int8") and self.device.type == "cpu")
         cfg.check_tensor_parallel(self.world_size)
         num_heads, num_kv_heads = cfg.heads_per_rank(self.world_size)  # this rank's
         backend = default_backend(self.device, self.dtype, num_heads, num_kv_heads, cfg.head_dim)

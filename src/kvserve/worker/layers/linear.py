@@ -50,7 +50,7 @@ from torch import nn
 
 from kvserve.kernels import cpu_flags, load_library
 from kvserve.worker.layers.quant import (GGUFWeight, PackedWeight, dequantize_rows, pack_gguf, q_kernels, qlinear,
-                                        quantize_activations)
+                                        quantize_activations, weight_only_available)
 
 #: Largest number of tokens (rows of ``x``) sent to the bf16 gemv kernel; above it oneDNN's
 #: AMX/AVX-512 GEMM wins (measured crossover: gemv faster at M <= 4 on every model shape,
@@ -65,15 +65,19 @@ GEMV_MAX_M_F32 = 8
 AMX_MAX_M_BF16 = 64
 #: Same for weight-only int8 (above it the weight is dequantized per call and GEMM runs).
 GEMV_MAX_M_INT8 = 16
-#: Largest M sent to the int8-activation kernel on GGUF-quantized weights (:func:`quant.qlinear`);
-#: above it the weight is dequantized in chunks of rows and the float matmul runs on each
-#: (see ``benchmarks/gguf_quant.py`` for the crossover measured).
+#: Largest M sent to the int8-activation kernel on GGUF-quantized weights (``gguf_int8``,
+#: :func:`quant.qlinear`); above it the weight is dequantized in chunks of rows and the float
+#: matmul runs on each (``benchmarks/gguf_quant.py`` measures the crossover).
 QGEMV_MAX_M = 64
+#: Same for the weight-only kernel (``gguf``, float activations).
+QGEMV_WO_MAX_M = 16
 #: Bytes of one dequantized chunk of a GGUF-quantized weight (the scratch buffer, shared by all layers).
 QCHUNK_BYTES = 1 << 21
 
 BACKENDS = ("auto", "eager", "gemv", "onednn")
-QUANTIZATIONS = (None, "int8", "gguf")
+QUANTIZATIONS = (None, "int8", "gguf", "gguf_int8")
+#: The quantizations that keep GGUF-quantized weights quantized.
+GGUF_QUANTIZATIONS = ("gguf", "gguf_int8")
 
 
 # --------------------------------------------------------------------------------------
@@ -269,18 +273,20 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _scratch: dict[torch.dtype, torch.Tensor] = {}
 
 
-def chunked_linear(x: torch.Tensor, p: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def chunked_linear(x: torch.Tensor, p: PackedWeight, bias: Optional[torch.Tensor] = None,
+                   int8: bool = False) -> torch.Tensor:
     """``x @ w^T + bias`` for many tokens on a GGUF-quantized weight, with the numbers of
-    :func:`~kvserve.worker.layers.quant.qlinear`: ``x`` is quantized to int8 per block of 32
-    exactly as the kernel does and dequantized (``s · q``, float32), the weight is dequantized
-    ``QCHUNK_BYTES`` at a time (rows) into one scratch buffer shared by all layers (never a
-    whole dequantized copy), and each chunk goes through float32 ``F.linear``. Both paths then
-    compute the same sums in float32, in a different order, and round once to ``x.dtype``: a
-    token's result does not depend on how many tokens share its batch beyond that rounding
-    order (as gemv against oneDNN for bf16 weights).
+    :func:`~kvserve.worker.layers.quant.qlinear`: the weight is dequantized ``QCHUNK_BYTES`` at
+    a time (rows) into one scratch buffer shared by all layers (never a whole dequantized
+    copy), and each chunk goes through ``F.linear``. Weight-only (``int8=False``): chunks in
+    ``x.dtype`` (float32, or bf16 rounded as the kernel rounds them), so both paths multiply
+    the same values with float32 sums (oneDNN/MKL here). ``int8``: ``x`` is first quantized to
+    int8 per block of 32 exactly as the kernel does and dequantized (``s · q``), and the chunks
+    are float32. Either way prefill and decode differ only in the order of float32 additions
+    (as gemv against oneDNN for bf16 weights).
 
     Args:
-        x: ``[M, K]`` float32 or bfloat16.
+        x: ``[M, K]`` float32 or bfloat16 (other dtypes compute in float32).
         p: the packed weight ``[N, K]``.
         bias: optional ``[N]`` float32.
 
@@ -288,22 +294,26 @@ def chunked_linear(x: torch.Tensor, p: PackedWeight, bias: Optional[torch.Tensor
         ``[M, N]`` in ``x.dtype``.
     """
     n, k = p.shape
-    q, s = quantize_activations(x)
-    xq = (q.view(-1, k // 32, 32).float() * s.unsqueeze(-1)).view(-1, k)
-    rows = max(16, QCHUNK_BYTES // (k * 4) // 16 * 16)
-    y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    buf = _scratch.get(torch.float32)
+    if int8:
+        q, s = quantize_activations(x)
+        xc, dt = (q.view(-1, k // 32, 32).float() * s.unsqueeze(-1)).view(-1, k), torch.float32
+    else:
+        dt = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        xc = x.to(dt)
+    rows = max(16, QCHUNK_BYTES // (k * torch.finfo(dt).bits // 8) // 16 * 16)
+    y = torch.empty((x.shape[0], n), dtype=dt)
+    buf = _scratch.get(dt)
     if buf is None or buf.numel() < min(rows, n) * k:
-        buf = _scratch[torch.float32] = torch.empty(min(rows, n) * k, dtype=torch.float32)
+        buf = _scratch[dt] = torch.empty(min(rows, n) * k, dtype=dt)
     for r0 in range(0, n, rows):
         cnt = min(rows, n - r0)
-        w = dequantize_rows(p, r0, cnt, torch.float32, out=buf)
+        w = dequantize_rows(p, r0, cnt, dt, out=buf)
         if cnt == n:
-            torch.matmul(xq, w.t(), out=y)
+            torch.matmul(xc, w.t(), out=y)
         else:
-            y[:, r0:r0 + cnt] = F.linear(xq, w)
+            y[:, r0:r0 + cnt] = F.linear(xc, w)
     if bias is not None:
-        y += bias
+        y += bias.to(dt)
     return y.to(x.dtype)
 
 
@@ -351,11 +361,13 @@ class Linear(nn.Module):
             It changes the model's outputs, so it is only used on request. ``"gguf"``: a
             GGUF-quantized weight (:class:`~kvserve.worker.layers.quant.GGUFWeight`, or a list
             of them: the row blocks of a fused layer) is kept quantized in the kernel layout
-            (:func:`~kvserve.worker.layers.quant.pack_gguf`) and run on
-            :func:`~kvserve.worker.layers.quant.qlinear` for up to ``QGEMV_MAX_M`` tokens (int8
-            activations), else dequantized ``QCHUNK_BYTES`` at a time into a scratch buffer for
-            a float32 matmul on the same int8-rounded activations (:func:`chunked_linear`); a
-            float weight given to such a layer is used as with ``None``.
+            (:func:`~kvserve.worker.layers.quant.pack_gguf`) and run on the weight-only
+            :func:`~kvserve.worker.layers.quant.qlinear` for up to ``QGEMV_WO_MAX_M`` tokens
+            (the dequantized model's numbers), else dequantized ``QCHUNK_BYTES`` at a time into
+            a scratch buffer for ``F.linear`` (:func:`chunked_linear`); a float weight given to
+            such a layer is used as with ``None``. ``"gguf_int8"``: the same with int8
+            activations (llama.cpp's arithmetic, AVX512-VNNI; up to ``QGEMV_MAX_M`` tokens;
+            numbers within :func:`~kvserve.worker.layers.quant.activation_error_bound`).
         backend: where the fast paths apply (CPU, float32/bfloat16, no autograd):
 
             * ``"auto"`` (default): gemv kernel for ``M <= GEMV_MAX_M_*`` tokens; in bf16 on
@@ -460,7 +472,10 @@ class Linear(nn.Module):
         self._packed = self._amx = None
         self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
         self.bias_f32 = None if bias is None else bias.float().contiguous()
-        self._gemv_max_m = QGEMV_MAX_M if q_kernels() is not None and self.requested_backend != "eager" else 0
+        self.int8_activations = self.quantization == "gguf_int8"
+        ok = q_kernels() is not None if self.int8_activations else weight_only_available()
+        limit = QGEMV_MAX_M if self.int8_activations else QGEMV_WO_MAX_M
+        self._gemv_max_m = limit if ok and self.requested_backend != "eager" else 0
         self.backend = "qgemv+chunked" if self._gemv_max_m else "chunked"
 
     @property
@@ -527,9 +542,9 @@ class Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         M = x2.shape[0]
         if 0 < M <= self._gemv_max_m and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16):
-            y = qlinear(x2, self.qpacked, self.bias_f32)
+            y = qlinear(x2, self.qpacked, self.bias_f32, int8=self.int8_activations)
         else:
-            y = chunked_linear(x2, self.qpacked, self.bias_f32)
+            y = chunked_linear(x2, self.qpacked, self.bias_f32, int8=self.int8_activations)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,7 @@ def _convert(t: torch.Tensor, dtype: Optional[torch.dtype], device) -> torch.Ten
 def keep_gguf(layer: Linear, weights: Sequence) -> bool:
     """Whether ``layer`` keeps ``weights`` GGUF-quantized: it asked for ``"gguf"``, every part is a
     :class:`GGUFWeight`, its device is the CPU and the quantized kernel runs here."""
-    return (layer.quantization == "gguf" and all(isinstance(w, GGUFWeight) for w in weights)
+    return (layer.quantization in ("gguf", "gguf_int8") and all(isinstance(w, GGUFWeight) for w in weights)
             and torch.device(layer.params_device or "cpu").type == "cpu" and q_kernels() is not None)
 
 

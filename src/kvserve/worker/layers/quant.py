@@ -287,15 +287,16 @@ class _QWeightDesc(ctypes.Structure):
     """``kv_qweight_t`` of ``csrc/cpu/qgemv.c``."""
 
     _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("bits", ctypes.c_int64), ("bf16", ctypes.c_int64)]
+                ("bits", ctypes.c_int64), ("bf16", ctypes.c_int64), ("int8_act", ctypes.c_int64)]
 
 
-def gemv_descriptor(p: PackedWeight, bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def gemv_descriptor(p: PackedWeight, bias: Optional[torch.Tensor], dtype: torch.dtype, int8: bool) -> torch.Tensor:
     """The packed weight as the ``w`` argument of ``kv_q_gemv`` (the gemv signature the C decode
     step calls): a uint8 tensor holding a ``kv_qweight_t`` (raw pointers: the caller keeps ``p``
-    and ``bias`` (float32 ``[N]`` or None) alive); x and y in ``dtype`` (float32 or bfloat16)."""
+    and ``bias`` (float32 ``[N]`` or None) alive); x and y in ``dtype`` (float32 or bfloat16);
+    ``int8``: :func:`qlinear`'s int8-activation kernel, else its weight-only one."""
     desc = _QWeightDesc(p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), None if bias is None else bias.data_ptr(),
-                        p.bits, int(dtype == torch.bfloat16))
+                        p.bits, int(dtype == torch.bfloat16), int(int8))
     return torch.frombuffer(bytearray(bytes(desc)), dtype=torch.uint8)
 
 
@@ -308,6 +309,9 @@ class _QKernels:
         self.linear = lib.kv_q_linear
         self.linear.argtypes = [vp, i64, c_int, i64, i64, vp, vp, vp, c_int, i64, vp, vp, i64, c_int, c_int]
         self.linear.restype = c_int
+        self.linear_wo = lib.kv_q_linear_wo
+        self.linear_wo.argtypes = [vp, i64, c_int, i64, i64, vp, vp, vp, c_int, i64, vp, vp, i64, c_int]
+        self.linear_wo.restype = None
         self.dequant = lib.kv_q_dequant
         self.dequant.argtypes = [vp, vp, vp, c_int, i64, i64, i64, vp, c_int, c_int]
         self.dequant.restype = c_int
@@ -329,26 +333,37 @@ def q_kernels() -> Optional[_QKernels]:
 _PARALLEL_MIN_ELEMENTS = 1 << 15
 
 
+def weight_only_available() -> bool:
+    """Whether :func:`qlinear`'s weight-only kernel runs here (it needs AVX512_BF16 too)."""
+    k = q_kernels()
+    return k is not None and k.has_bf16
+
+
 def qlinear(x: torch.Tensor, p: PackedWeight, bias: Optional[torch.Tensor] = None,
-            num_threads: Optional[int] = None) -> torch.Tensor:
-    """``x @ w^T + bias`` on the packed weight with int8 activations (C kernel, AVX512-VNNI).
+            num_threads: Optional[int] = None, int8: bool = True) -> torch.Tensor:
+    """``x @ w^T + bias`` on the packed weight (C kernels, ``csrc/cpu/qgemv.c``).
 
     Args:
         x: ``[M, K]`` float32 or bfloat16 on the CPU, unit stride in the last dimension.
         p: the packed weight ``[N, K]``.
         bias: optional ``[N]`` float32, contiguous.
+        int8: True: activations quantized to int8 per block of 32, AVX512-VNNI (error within
+            :func:`activation_error_bound` plus float32 rounding). False: weight-only, the
+            weight dequantized in registers to the dequantized model's values (float32; bf16 for
+            bf16 ``x``) and multiplied in float32 (the dequantized model's numbers up to the
+            order of the additions; needs :func:`weight_only_available`).
 
     Returns:
-        ``[M, N]`` in ``x.dtype``; error within :func:`activation_error_bound` (+ float32 rounding).
+        ``[M, N]`` in ``x.dtype``.
 
     Raises:
-        RuntimeError: no kernel on this machine (:func:`q_kernels` is None), or no memory for
-            the quantized activations.
+        RuntimeError: no such kernel on this machine, or no memory for the quantized activations.
         ValueError: ``x`` of the wrong shape or dtype.
     """
     kern = q_kernels()
-    if kern is None:
-        raise RuntimeError("no quantized-weight CPU kernel on this machine (needs AVX512-VNNI and the built qgemv library)")
+    if kern is None or (not int8 and not kern.has_bf16):
+        raise RuntimeError("no quantized-weight CPU kernel on this machine (needs AVX512-VNNI, AVX512_BF16 for "
+                           "the weight-only one, and the built qgemv library)")
     n, k = p.shape
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"qlinear: x must be [M, {k}] float32 or bfloat16, got {tuple(x.shape)} {x.dtype}")
@@ -358,8 +373,12 @@ def qlinear(x: torch.Tensor, p: PackedWeight, bias: Optional[torch.Tensor] = Non
     y = x.new_empty((M, n))
     bf16 = int(x.dtype == torch.bfloat16)
     nt = num_threads or (torch.get_num_threads() if n * k >= _PARALLEL_MIN_ELEMENTS else 1)
-    if kern.linear(x.data_ptr(), x.stride(0), bf16, M, k, p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), p.bits, n,
-                   None if bias is None else bias.data_ptr(), y.data_ptr(), n, bf16, nt):
+    b = None if bias is None else bias.data_ptr()
+    if not int8:
+        kern.linear_wo(x.data_ptr(), x.stride(0), bf16, M, k, p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), p.bits,
+                       n, b, y.data_ptr(), n, nt)
+    elif kern.linear(x.data_ptr(), x.stride(0), bf16, M, k, p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), p.bits,
+                     n, b, y.data_ptr(), n, bf16, nt):
         raise RuntimeError("qlinear: could not allocate the quantized activations")
     return y
 
@@ -399,13 +418,17 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def qlinear_reference(x: torch.Tensor, p: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float32 reference: ``F.linear(x, dequantized w, bias)`` in float32 (no activation
-    quantization); ``[M, N]`` float32."""
-    return F.linear(x.float(), dequantize_packed(p), None if bias is None else bias.float())
+    quantization; for bf16 ``x`` the weight rounded to bf16 first, as the dequantized bf16
+    model holds it); ``[M, N]`` float32."""
+    w = dequantize_packed(p)
+    if x.dtype == torch.bfloat16:
+        w = w.bfloat16().float()
+    return F.linear(x.float(), w, None if bias is None else bias.float())
 
 
 def activation_error_bound(x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
-    """``[M, N]`` float32: the bound on ``|qlinear(x) - qlinear_reference(x)|`` from the int8
-    activations, ``Σ_b (max_t |x[m, b, t]| / 254) · Σ_t |w[n, b, t]|`` (rounding to nearest
+    """``[M, N]`` float32: the bound on ``|qlinear(x, int8=True) - F.linear(x, dequantized w)|``
+    from the int8 activations, ``Σ_b (max_t |x[m, b, t]| / 254) · Σ_t |w[n, b, t]|`` (rounding to nearest
     moves each value by at most half a step ``s / 2``)."""
     M, k = x.shape
     n = p.shape[0]

@@ -386,7 +386,7 @@ class LlamaForCausalLM(nn.Module):
     def _gguf_decode_step(self, lins, kv_caches, gemv_max: int) -> cpu_ops.DecodeStep:
         """The C decode step over GGUF-quantized linears: each weight is a ``kv_qweight_t``
         descriptor and ``kv_q_gemv`` the gemv (the kernel ``Linear`` calls for these batches)."""
-        desc = {id(lin): gemv_descriptor(lin.qpacked, lin.bias_f32, self.dtype) for lin in lins}
+        desc = {id(lin): gemv_descriptor(lin.qpacked, lin.bias_f32, self.dtype, lin.int8_activations) for lin in lins}
         layers = []
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
@@ -460,6 +460,8 @@ def load_decoder_weights(model: nn.Module, state: dict[str, torch.Tensor], quant
     put(model.norm.weight, "model.norm.weight")
     # the LM head is int8-quantized never, GGUF-quantized when its (or the tied embedding's) tensor is
     head = ParallelLMHead(V, H, gather_dst=model.logits_dst, **tp)
+    if quantization in ("gguf", "gguf_int8"):
+        head.quantization = quantization  # (which GGUF kernel, for a head kept quantized)
     if cfg.tie_word_embeddings:
         head.tie_weights(model.embed_tokens)  # the same values: one copy (vocab x hidden) for both
     else:
