@@ -1,5 +1,5 @@
-"""GGUF weights kept quantized (``--quantization gguf``) against dequantized bf16 (``none``),
-in one run: single-stream decode tokens/s, the bandwidth roofline of each, resident weight
+"""GGUF weights kept quantized (``--quantization gguf``: weight-only, and ``gguf_int8``: int8
+activations) against dequantized bf16 (``none``), in one run: single-stream decode tokens/s, the bandwidth roofline of each, resident weight
 bytes, and the kernel crossover that sets ``linear.QGEMV_MAX_M`` (issue #22).
 
 Decode: a 128-token random prompt, 128 output tokens (EOS ignored), greedy, after a warm-up
@@ -9,8 +9,9 @@ decode step reads (the linear layers and the LM head: for ``gguf`` the packed qu
 negligible) at the memory bandwidth measured here (:func:`kvserve.roofline.measure_memory_bandwidth`).
 The Q4_1 file roofline uses the file's own tensor bytes instead (what llama.cpp streams).
 
-Crossover: for each shape of SmolLM2's linears and M tokens, :func:`quant.qlinear` (int8
-activations) against :func:`linear.chunked_linear` (dequantized chunks + bf16 F.linear).
+Crossover: for each shape of SmolLM2's linears and M tokens (bf16 activations), each kernel of
+:func:`quant.qlinear` against :func:`linear.chunked_linear` (dequantized chunks + F.linear)
+in the same mode; this sets ``linear.QGEMV_WO_MAX_M`` and ``linear.QGEMV_MAX_M``.
 
 Usage:
     python benchmarks/gguf_quant.py [--model PATH.gguf] [--n-out 128] [--json out.json] [--skip-crossover]
@@ -64,7 +65,7 @@ def best(fn, reps: int = 20) -> float:
     return t
 
 
-def crossover(ms=(1, 2, 4, 8, 16, 24, 32, 64, 128)) -> list[dict]:
+def crossover(ms=(1, 2, 4, 8, 16, 32, 64, 128)) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(0)
     for n, k in ((3072, 576), (576, 1536), (49152, 576)):
@@ -74,10 +75,15 @@ def crossover(ms=(1, 2, 4, 8, 16, 24, 32, 64, 128)) -> list[dict]:
         p = Q.pack_gguf([Q.GGUFWeight("Q4_1", raw.reshape(n, -1), (n, k))])
         for M in ms:
             x = torch.randn(M, k, generator=g).bfloat16()
-            tq = best(lambda: Q.qlinear(x, p))
-            tc = best(lambda: L.chunked_linear(x, p))
-            rows.append({"N": n, "K": k, "M": M, "qlinear_ms": tq * 1e3, "chunked_ms": tc * 1e3})
-            print(f"  N={n} K={k} M={M}: qlinear {tq * 1e3:.3f} ms, chunked {tc * 1e3:.3f} ms", flush=True)
+            r = {"N": n, "K": k, "M": M}
+            for int8 in (False, True):
+                tq = best(lambda: Q.qlinear(x, p, int8=int8))
+                tc = best(lambda: L.chunked_linear(x, p, int8=int8))
+                r["int8" if int8 else "weight_only"] = {"qlinear_ms": tq * 1e3, "chunked_ms": tc * 1e3}
+            rows.append(r)
+            print(f"  N={n} K={k} M={M}: weight-only qlinear {r['weight_only']['qlinear_ms']:.3f} ms, chunked "
+                  f"{r['weight_only']['chunked_ms']:.3f} ms; int8 qlinear {r['int8']['qlinear_ms']:.3f} ms, chunked "
+                  f"{r['int8']['chunked_ms']:.3f} ms", flush=True)
     return rows
 
 
@@ -94,7 +100,7 @@ def main(argv=None) -> int:
     bw = measure_memory_bandwidth()
     print(f"bandwidth {bw / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.2f}", flush=True)
     res = {"bandwidth_GBps": bw / 1e9, "file_bytes": file_bytes, "load_avg_start": os.getloadavg()[0], "modes": {}}
-    for mode in ("gguf", "none"):
+    for mode in ("gguf", "gguf_int8", "none"):
         llm = LLM(model=str(path), dtype="bfloat16", quantization=mode, max_model_len=1024, kv_cache_memory=0.5,
                   enable_prefix_caching=False)
         vocab = llm.engine.model_config.vocab_size
@@ -107,9 +113,10 @@ def main(argv=None) -> int:
               f"{bw / wb:.1f} tok/s", flush=True)
         del llm
         gc.collect()
-    g, n = res["modes"]["gguf"], res["modes"]["none"]
+    g, gi, n = res["modes"]["gguf"], res["modes"]["gguf_int8"], res["modes"]["none"]
     file_roofline = bw / file_bytes
     res["speedup_median"] = g["decode_tok_s_median"] / n["decode_tok_s_median"]
+    res["speedup_int8_median"] = gi["decode_tok_s_median"] / n["decode_tok_s_median"]
     res["file_roofline_tok_s"] = file_roofline
     print()
     print("| mode | decode tok/s (median of runs) | best | weight bytes / token (MB) | roofline tok/s | share of roofline |")
@@ -117,11 +124,12 @@ def main(argv=None) -> int:
     for mode, r in res["modes"].items():
         print(f"| {mode} | {r['decode_tok_s_median']:.1f} | {r['decode_tok_s_best']:.1f} | {r['weight_bytes'] / 1e6:.1f} | "
               f"{r['roofline_tok_s']:.1f} | {r['decode_tok_s_median'] / r['roofline_tok_s']:.0%} |")
-    print(f"\ngguf / none (bf16): {res['speedup_median']:.2f}x; Q4_1 file roofline ({file_bytes / 1e6:.1f} MB at "
-          f"{bw / 1e9:.1f} GB/s): {file_roofline:.1f} tok/s, gguf at {g['decode_tok_s_median'] / file_roofline:.0%} "
-          f"of it; load average at the end {os.getloadavg()[0]:.2f}")
+    print(f"\ngguf / none (bf16): {res['speedup_median']:.2f}x, gguf_int8 / none: {res['speedup_int8_median']:.2f}x; "
+          f"Q4_1 file roofline ({file_bytes / 1e6:.1f} MB at {bw / 1e9:.1f} GB/s): {file_roofline:.1f} tok/s, gguf at "
+          f"{g['decode_tok_s_median'] / file_roofline:.0%} of it, gguf_int8 at "
+          f"{gi['decode_tok_s_median'] / file_roofline:.0%}; load average at the end {os.getloadavg()[0]:.2f}")
     if not a.skip_crossover:
-        print("\nqlinear vs chunked dequantization + bf16 F.linear (Q4_1, best of 20):")
+        print("\nqlinear vs chunked dequantization + F.linear (Q4_1, bf16 activations, best of 20):")
         res["crossover"] = crossover()
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
