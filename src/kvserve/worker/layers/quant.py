@@ -30,14 +30,27 @@ of 4 rows (llama.cpp's repacked ``block_q4_0x4`` idea): see ``csrc/cpu/qgemv.c``
 size per weight value: 4-bit types 0.75 bytes (0.5 for the nibbles + 8 bytes of ``d``, ``m``
 per 32), 8-bit types 1.25 bytes; Q4_1 in the file is 0.625.
 
-The kernel (:func:`qlinear`) quantizes the activations per block of 32 to int8
-(``s = max|x| / 127``, round to nearest even: llama.cpp's ``q8_0`` activations) and sums
-``s · (d · Σ u·q + m · Σ q)`` over the blocks with AVX512-VNNI ``VPDPBUSD`` (exact int32 block
-sums, float32 accumulation). Error bound against the float32 product with the dequantized
-weight (:func:`activation_error_bound`): per output ``|y - y_ref| <= Σ_b (max_t |x_bt| / 254) ·
-Σ_t |w_bt|`` plus float32 rounding (a few ulp of ``Σ |w·x|``). For many tokens (prefill), the
-layer instead dequantizes the weight in chunks of rows into a small scratch buffer and runs
-the float matmul on each (:meth:`QuantLinear` in :mod:`kvserve.worker.layers.linear`).
+Two kernels run on it (:func:`qlinear`, ``csrc/cpu/qgemv.c``, OpenMP over groups of rows):
+
+* weight-only (``quantization="gguf"``, the default): each block is dequantized in registers to
+  the float32 values the loader's dequantization gives (bf16-rounded for bf16 activations, as
+  the dequantized bf16 model holds them) and multiplied in float32 (FMA; ``VDPBF16PS``): the
+  dequantized model's numbers up to the order of the float32 additions.
+* int8 activations (``"gguf_int8"``): the activations are quantized per block of 32 to int8
+  (``s = max|x| / 127``, round to nearest even: llama.cpp's ``q8_0`` activations) and
+  ``s · (d · Σ u·q + m · Σ q)`` is summed over the blocks with AVX512-VNNI ``VPDPBUSD`` (exact
+  int32 block sums, float32 accumulation). Error bound against the float32 product with the
+  dequantized weight (:func:`activation_error_bound`): per output ``|y - y_ref| <= Σ_b
+  (max_t |x_bt| / 254) · Σ_t |w_bt|`` plus float32 rounding (a few ulp of ``Σ |w·x|``). It
+  does ~3x less work per weight than the weight-only kernel, but its rounding makes a token's
+  result jump when an upstream value moves by one float32 ulp across a rounding boundary, so
+  two runs that compute the same token through different kernels (a prefill chunk against a
+  decode step, after a preemption, a prefix-cache hit or a speculative verification) may
+  sample differently.
+
+For many tokens (prefill), the layer instead dequantizes the weight in chunks of rows into a
+small scratch buffer and runs ``F.linear`` on each, with the same numbers as its kernel
+(:func:`kvserve.worker.layers.linear.chunked_linear`).
 """
 
 from __future__ import annotations
