@@ -21,6 +21,13 @@ kernel computes that best depends on how many tokens ``M`` share one pass over `
   faster than ``F.linear`` at M = 32-1024 (AMX); float32 stays on ``F.linear`` (MKL), which
   prepacking does not beat.
 
+* **GGUF-quantized weights** (``quantization="gguf"``, the default for GGUF files, and
+  ``"gguf_int8"``): the weight stays in its file's quantization, repacked at load
+  (:mod:`kvserve.worker.layers.quant`, ``csrc/cpu/qgemv.c``), ~3.5x fewer bytes per decode step
+  than bf16 for Q4_1; small M on the quantized kernels (weight-only up to ``QGEMV_WO_MAX_M``,
+  int8 activations up to ``QGEMV_MAX_M``), larger M on ``F.linear`` over row chunks dequantized
+  into a scratch buffer (:func:`chunked_linear`).
+
 Numerics: all paths accumulate in float32 and round once, like oneDNN and MKL; only the order
 of the additions differs, so bf16 results match ``F.linear`` to within one bf16 ulp (in
 practice bit for bit) and float32 results to ~1e-6 relative. Weight-only int8
