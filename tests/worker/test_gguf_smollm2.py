@@ -23,9 +23,9 @@ def _model(llm: LLM):
 
 @pytest.fixture(scope="module")
 def llm_gguf(smollm2_path):
-    # the defaults (bf16, quantization="gguf"); no prefix caching: a cached prompt's last token
+    # the default quantization="gguf" in float32; no prefix caching: a cached prompt's last token
     # would run through other attention kernels than the first time (float order differences)
-    return LLM(max_model_len=1024, kv_cache_memory=0.25, enable_prefix_caching=False)
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory=0.25, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -66,20 +66,20 @@ def test_every_linear_and_the_head_are_quantized_and_small(llm_gguf, smollm2_pat
     assert total >= 1.0 * file_bytes  # (fp32 scales: the packed form is a little larger than the file)
 
 
-def test_greedy_agreement_with_transformers_fp32(llm_gguf, reference):
-    """The default (bf16, weights kept quantized, the dequantized bf16 model's numbers): bf16
-    drifts from transformers' fp32 late, as the dequantized bf16 model does. Teacher-forced
-    top-1 agreement >= 97%."""
+def test_greedy_matches_transformers_fp32(llm_gguf, reference):
+    """Weights kept quantized, float32, the weight-only kernels: the dequantized model's numbers
+    up to float32 order, so every reference case matches transformers' fp32 greedy tokens
+    exactly, as the dequantized float32 model does (tests/worker/test_reference.py); and the
+    teacher-forced top-1 agrees on >= 99% of the continuations (measured: 180 / 181, the one miss
+    a near tie that fp32 transformers resolves the other way in its own scoring). bf16 (the
+    CLI's default) measured the same day: 4 of 7 cases fully, the others first differ at tokens
+    5, 12 and 26, 180 / 181 teacher-forced, as the dequantized bf16 model drifts."""
     cases = reference["cases"]
     outs = llm_gguf.generate([c["prompt_ids"] for c in cases], [reference_params(c) for c in cases])
-    firsts = []
     for c, o in zip(cases, outs):
-        ref, got = c["greedy_ids"], o.token_ids
-        firsts.append(next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref)))
-    assert sum(f == len(c["greedy_ids"]) for f, c in zip(firsts, cases)) >= 2, firsts
-    assert all(f >= 2 for f in firsts), firsts
+        assert o.token_ids == c["greedy_ids"], c.get("prompt", c.get("messages"))
     agree, total = _teacher_forced_top1(llm_gguf, cases)
-    assert agree >= 0.97 * total, (agree, total)
+    assert agree >= 0.99 * total, (agree, total)
 
 
 def test_int8_activations_everywhere_keep_the_top1(llm_int8_everywhere, reference):
