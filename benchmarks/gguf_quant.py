@@ -3,7 +3,8 @@ activations) against dequantized bf16 (``none``), in one run: single-stream deco
 bytes, and the kernel crossover that sets ``linear.QGEMV_MAX_M`` (issue #22).
 
 Decode: a 128-token random prompt, 128 output tokens (EOS ignored), greedy, after a warm-up
-(``benchmarks/throughput.py``'s single-stream measurement). Roofline: the weight bytes one
+(``benchmarks/throughput.py``'s single-stream measurement); the three engines are loaded at
+once and their runs interleaved (a shared machine's load moves single runs 2-5x); medians. Roofline: the weight bytes one
 decode step reads (the linear layers and the LM head: for ``gguf`` the packed quantized bytes,
 :attr:`Linear.weight_nbytes`; for ``none`` the bf16 bytes; norms and embedding rows are
 negligible) at the memory bandwidth measured here (:func:`kvserve.roofline.measure_memory_bandwidth`).
@@ -46,14 +47,6 @@ def decode_weight_bytes(llm: LLM) -> int:
     return sum(m.weight_nbytes for m in model.modules() if isinstance(m, L.Linear))
 
 
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def best(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
@@ -91,7 +84,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--n-out", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=3, help="decode runs per mode (best and median reported)")
+    ap.add_argument("--runs", type=int, default=5, help="decode runs per mode, interleaved (best and median reported)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-crossover", action="store_true")
     a = ap.parse_args(argv)
@@ -100,19 +93,25 @@ def main(argv=None) -> int:
     bw = measure_memory_bandwidth()
     print(f"bandwidth {bw / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.2f}", flush=True)
     res = {"bandwidth_GBps": bw / 1e9, "file_bytes": file_bytes, "load_avg_start": os.getloadavg()[0], "modes": {}}
-    for mode in ("gguf", "gguf_int8", "none"):
-        llm = LLM(model=str(path), dtype="bfloat16", quantization=mode, max_model_len=1024, kv_cache_memory=0.5,
-                  enable_prefix_caching=False)
-        vocab = llm.engine.model_config.vocab_size
-        wb = decode_weight_bytes(llm)
-        runs = sorted(single_stream_kvserve(llm, vocab, a.n_out)["decode_tok_s"] for _ in range(a.runs))
-        r = {"decode_tok_s_best": runs[-1], "decode_tok_s_median": runs[len(runs) // 2], "runs": runs,
-             "weight_bytes": wb, "roofline_tok_s": bw / wb, "rss_mb": rss_mb()}
-        res["modes"][mode] = r
-        print(f"{mode}: decode {runs} tok/s, weights read per token {wb / 1e6:.1f} MB, roofline "
-              f"{bw / wb:.1f} tok/s", flush=True)
-        del llm
-        gc.collect()
+    # all three engines loaded at once and their runs interleaved, so that a shared machine's
+    # load changes (which move single runs 2-5x here) hit every mode alike
+    modes = ("gguf", "gguf_int8", "none")
+    llms = {m: LLM(model=str(path), dtype="bfloat16", quantization=m, max_model_len=1024, kv_cache_memory=0.25,
+                   enable_prefix_caching=False) for m in modes}
+    vocab = llms["gguf"].engine.model_config.vocab_size
+    runs: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(a.runs):
+        for mode in modes:
+            runs[mode].append(single_stream_kvserve(llms[mode], vocab, a.n_out)["decode_tok_s"])
+    for mode in modes:
+        wb = decode_weight_bytes(llms[mode])
+        rs = sorted(runs[mode])
+        res["modes"][mode] = {"decode_tok_s_best": rs[-1], "decode_tok_s_median": rs[len(rs) // 2], "runs": runs[mode],
+                              "weight_bytes": wb, "roofline_tok_s": bw / wb}
+        print(f"{mode}: decode {[round(r, 1) for r in runs[mode]]} tok/s (in run order), weights read per token "
+              f"{wb / 1e6:.1f} MB, roofline {bw / wb:.1f} tok/s", flush=True)
+    del llms
+    gc.collect()
     g, gi, n = res["modes"]["gguf"], res["modes"]["gguf_int8"], res["modes"]["none"]
     file_roofline = bw / file_bytes
     res["speedup_median"] = g["decode_tok_s_median"] / n["decode_tok_s_median"]
