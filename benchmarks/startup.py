@@ -15,7 +15,7 @@ Usage::
 
     python benchmarks/startup.py [--llama-server PATH] [--model GGUF] [--runs 3] [--requests 4]
 
-``llama-server`` is built outside the repository (``benchmarks/serve_vs_llamacpp.sh build``, or
+``llama-server`` is built outside the repository (``benchmarks/serve_vs_peers.sh build``, or
 ``cmake -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF`` on the llama-cpp-python sdist's vendored
 llama.cpp); without ``--llama-server`` its rows say "skipped". Run it on a quiet machine: one
 process at a time is started, and every one is stopped before the next.

