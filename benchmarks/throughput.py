@@ -132,8 +132,11 @@ def run_vllm(venv: Path, model: Path, dtype: str, prompts, outs, vocab: int, enf
         raise FileNotFoundError(f"--vllm-venv: no {py}; run benchmarks/peers/install_vllm_cpu.sh")
     if not (model / "config.json").is_file():
         raise FileNotFoundError(f"--vllm-model: no {model}/config.json; run benchmarks/peers/install_vllm_cpu.sh")
-    env_lines = subprocess.run(["bash", str(here / "peers" / "vllm_env.sh")], check=True, capture_output=True,
-                               text=True, env={**os.environ, "VLLM_VENV": str(venv)}).stdout
+    ev = subprocess.run(["bash", str(here / "peers" / "vllm_env.sh")], capture_output=True, text=True,
+                        env={**os.environ, "VLLM_VENV": str(venv)})
+    if ev.returncode != 0:
+        raise RuntimeError(f"benchmarks/peers/vllm_env.sh failed (exit {ev.returncode}): {ev.stderr.strip()}")
+    env_lines = ev.stdout
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # nothing of kvserve's tree in vLLM's interpreter
     for line in env_lines.splitlines():

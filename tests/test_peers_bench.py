@@ -142,3 +142,30 @@ def test_install_vllm_refuses_a_venv_inside_the_repo():
     assert p.returncode == 2
     assert "VLLM_VENV must lie outside the repository" in p.stderr
     assert not (REPO / "vllm-venv").exists()
+
+
+def test_vllm_env_lines(tmp_path):
+    """vllm_env.sh: the venv's libiomp5.so and tcmalloc preloaded, threads on every core, no core
+    reserved, 1 GiB of KV cache; a venv without libiomp5.so is named."""
+    script = str(BENCH / "peers" / "vllm_env.sh")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    p = subprocess.run(["bash", script], capture_output=True, text=True, timeout=60,
+                       env={**env, "VLLM_VENV": str(tmp_path / "none")})
+    assert p.returncode == 1
+    assert "not found: run benchmarks/peers/install_vllm_cpu.sh" in p.stderr
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    (tmp_path / "venv" / "lib" / "libiomp5.so").write_bytes(b"")
+    for _ in range(5):  # ldconfig | awk once exited 141 (SIGPIPE under pipefail) now and then
+        p = subprocess.run(["bash", script], capture_output=True, text=True, timeout=60,
+                           env={**env, "VLLM_VENV": str(tmp_path / "venv")})
+        tcmalloc = subprocess.run("ldconfig -p | grep -c 'libtcmalloc_minimal.so.4 '", shell=True,
+                                  capture_output=True, text=True).stdout.strip()
+        if tcmalloc in ("", "0"):
+            assert p.returncode == 1 and "tcmalloc not found" in p.stderr
+            continue
+        assert p.returncode == 0, p.stderr
+        lines = p.stdout.splitlines()
+        assert lines[0].startswith("export LD_PRELOAD=/") and "libtcmalloc_minimal.so.4:" in lines[0]
+        assert lines[0].endswith(f":{tmp_path}/venv/lib/libiomp5.so")
+        assert lines[1:] == [f"export VLLM_CPU_OMP_THREADS_BIND=0-{len(os.sched_getaffinity(0)) - 1}",
+                             "export VLLM_CPU_NUM_OF_RESERVED_CPU=0", "export VLLM_CPU_KVCACHE_SPACE=1"]

@@ -109,14 +109,14 @@ else
 fi
 
 # 5. tcmalloc
-TCMALLOC="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')"
+TCMALLOC="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 / && !f {print $NF; f = 1}')"
 if [ -n "$TCMALLOC" ]; then
   say "tcmalloc present: $TCMALLOC"
 else
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get install -y -q libgoogle-perftools4 >/dev/null 2>&1 \
     || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q libgoogle-perftools4 >/dev/null; }
-  TCMALLOC="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')"
+  TCMALLOC="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 / && !f {print $NF; f = 1}')"
   say "installed libgoogle-perftools4: $TCMALLOC"
 fi
 IOMP="$VLLM_VENV/lib/libiomp5.so"

@@ -10,7 +10,7 @@
 #      VLLM_CPU_NUM_OF_RESERVED_CPU (default 0) override the values above.
 set -euo pipefail
 VLLM_VENV="${VLLM_VENV:-/work/vllm-venv}"
-TCMALLOC="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')"
+TCMALLOC="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 / && !f {print $NF; f = 1}')"
 IOMP="$VLLM_VENV/lib/libiomp5.so"
 [ -n "$TCMALLOC" ] || { echo "tcmalloc not found: run benchmarks/peers/install_vllm_cpu.sh" >&2; exit 1; }
 [ -f "$IOMP" ] || { echo "$IOMP not found: run benchmarks/peers/install_vllm_cpu.sh" >&2; exit 1; }
