@@ -38,7 +38,7 @@ LDFLAGS = ["-shared", "-fopenmp"]
 
 
 def _kernel(name: str, source: str) -> Extension:
-    depends = ["csrc/cpu/amx.h"] + (["csrc/cpu/cpu_ops.c"] if name.startswith("cpu_ops") else [])
+    depends = ["csrc/cpu/amx.h", "csrc/cpu/bf16.h"] + (["csrc/cpu/cpu_ops.c"] if name.startswith("cpu_ops") else [])
     return Extension(f"kvserve._C.{name}", sources=[source], depends=depends, libraries=["m"], optional=True)
 
 

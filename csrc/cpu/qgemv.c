@@ -43,20 +43,7 @@
 #define QMB 8 /* activation rows per pass over a weight group */
 #define QPF 1024 /* software prefetch distance in the packed weight, bytes */
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 /* 16 floats of x (f32, or bf16 when bf16 != 0) starting at element k. */
 INLINE TGT_F32 __m512 load16(const void* x, int bf16, int64_t k) {

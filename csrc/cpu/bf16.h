@@ -1,0 +1,20 @@
+/* Scalar bf16 <-> float32 conversions shared by the C kernels (gemv.c, qgemv.c).
+ * f32_to_bf16 rounds to nearest even, as torch's .to(torch.bfloat16) does; a NaN stays a quiet NaN. */
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
