@@ -737,7 +737,10 @@ def test_smollm2_api_process_holds_no_weights(smollm2_path):
     from server_helpers import free_port
 
     port = free_port()
-    p = _serve(["--dtype", "float32", "--kv-cache-memory", "0.5", "--port", str(port), "--no-access-log"])
+    # (dequantized float32 weights, 0.54 GB: kept quantized they would be 0.12 GB, too close to
+    # the API process's own size to tell where they live)
+    p = _serve(["--dtype", "float32", "--quantization", "none", "--kv-cache-memory", "0.5", "--port", str(port),
+                "--no-access-log"])
     try:
         core_pid = None
         deadline = time.monotonic() + 300
