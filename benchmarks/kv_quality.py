@@ -233,10 +233,14 @@ def kvpress_worker(spec_path: str) -> None:
         ctx = torch.tensor([case["context"]])
         q = case["question"]
         ratio = 1.0 - max(1, case["budget"] - len(q)) / len(case["context"])  # kept = budget, question included
-        press = {"snapkv": SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7),
-                 "streaming_llm": StreamingLLMPress(compression_ratio=ratio, n_sink=4)}[case["method"]]
-        with torch.no_grad(), press(model):
-            outp = model(ctx, use_cache=True)
+        if case["method"] == "none":
+            with torch.no_grad():
+                outp = model(ctx, use_cache=True)
+        else:
+            press = {"snapkv": SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7),
+                     "streaming_llm": StreamingLLMPress(compression_ratio=ratio, n_sink=4)}[case["method"]]
+            with torch.no_grad(), press(model):
+                outp = model(ctx, use_cache=True)
         cache = outp.past_key_values
         toks, nxt = [], torch.tensor([q])
         pos = len(case["context"])
@@ -303,9 +307,11 @@ def main() -> None:
     kvserve_answers: dict = {}
     for kvd in a.kv_cache_dtypes:
         try:
-            llm = LLM(dtype=a.dtype, kv_cache_dtype=kvd, max_model_len=a.max_model_len + 64,
+            llm = LLM(dtype=a.dtype, kv_cache_dtype=kvd, max_model_len=a.max_model_len,
                       kv_cache_memory=a.kv_cache_memory, enable_prefix_caching=False)
-        except (ValueError, NotImplementedError, TypeError) as e:
+        except (ValueError, NotImplementedError) as e:
+            if "kv_cache_dtype" not in str(e):
+                raise
             print(f"# kv dtype {kvd}: skipped, the engine refuses it: {e}", flush=True)
             continue
         eng = llm.engine
@@ -315,7 +321,8 @@ def main() -> None:
             if len(tok_text) < max(a.ppl_lengths):
                 raise SystemExit("natural text too short for --ppl-lengths")
             texts = {L: tok_text[:L] for L in a.ppl_lengths}
-        prompts = [passkey_prompt(eng.encode, L, d, key) for L, d, key in cases]
+        # an L-token case is L tokens with its answer (the longest fits the model's context)
+        prompts = [passkey_prompt(eng.encode, min(L, a.max_model_len - a.answer_tokens), d, key) for L, d, key in cases]
         from kvserve import SamplingParams
         llm.generate([prompts[0][0][:32]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
         for method in a.methods:
@@ -384,7 +391,11 @@ def compare_kvpress(a, cases, depths, kvserve_answers) -> None:
     """kvpress (its SnapKVPress / StreamingLLMPress on transformers' SmolLM2 from the same GGUF,
     float32) on the first ``--kvpress-cases`` passkey prompts of the shortest length: the context
     (everything before the question) is compressed at prefill to the same kept-token count as
-    kvserve's budget, then the question and answer are decoded on the compressed cache."""
+    kvserve's budget (kvserve compresses the whole prompt, question included, so SnapKV's
+    observation window differs: kvserve's last 32 prompt tokens are the question's, kvpress's are
+    the context's last), then the question and answer are decoded on the compressed cache. The
+    "none" rows (no press) show how far transformers-float32 and kvserve's own dtype already
+    differ without compression."""
     import tempfile
 
     from transformers import AutoTokenizer
@@ -399,12 +410,12 @@ def compare_kvpress(a, cases, depths, kvserve_answers) -> None:
     chosen = [c for c in cases if c[0] == L][: a.kvpress_cases]
     spec = {"model_dir": str(path.parent), "gguf": path.name, "answer_tokens": a.answer_tokens, "cases": []}
     meta = []
-    for method in ("snapkv", "streaming_llm"):
+    for method in ("none", "snapkv", "streaming_llm"):
         if method not in a.methods:
             continue
-        for frac in a.budgets:
+        for frac in ([1.0] if method == "none" else a.budgets):
             for (L_, d, key) in chosen:
-                ids, _, _ = passkey_prompt(enc, L_, d, key)
+                ids, _, _ = passkey_prompt(enc, min(L_, a.max_model_len - a.answer_tokens), d, key)
                 spec["cases"].append({"method": method, "budget": max(64, int(frac * L_)),
                                       "context": ids[:-qlen], "question": ids[-qlen:]})
                 meta.append((method, frac, L_, d, key))
