@@ -127,7 +127,7 @@ def natural_text(min_chars: int, site_packages: Optional[str] = None) -> str:
         for path in group:
             if n >= min_chars:
                 break
-            if not os.path.isfile(path) or os.path.islink(path) and not os.path.exists(path):
+            if not os.path.isfile(path):
                 continue
             try:
                 with open(path, encoding="utf-8") as f:
@@ -242,6 +242,7 @@ def kvpress_worker(spec_path: str) -> None:
             with torch.no_grad(), press(model):
                 outp = model(ctx, use_cache=True)
         cache = outp.past_key_values
+        kept = int(cache.get_seq_length())  # context tokens kept after the press
         toks, nxt = [], torch.tensor([q])
         pos = len(case["context"])
         with torch.no_grad():
@@ -252,7 +253,7 @@ def kvpress_worker(spec_path: str) -> None:
                 t = int(o.logits[0, -1].argmax())
                 toks.append(t)
                 nxt = torch.tensor([[t]])
-        res.append({"tokens": toks, "kept": int(cache.get_seq_length())})
+        res.append({"tokens": toks, "kept": kept})
     print("KVPRESS_JSON " + json.dumps(res))
 
 
@@ -429,7 +430,7 @@ def compare_kvpress(a, cases, depths, kvserve_answers) -> None:
         return
     res = json.loads(line[len("KVPRESS_JSON "):])
     print("\nkvpress vs kvserve, passkey answers (kvserve auto KV dtype):")
-    print("| method | budget | length | depth | key | kvpress answer | kvpress hit | kvpress kept | kvserve answer | kvserve hit |")
+    print("| method | budget | length | depth | key | kvpress answer | kvpress hit | kvpress context kept | kvserve answer | kvserve hit |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for (method, frac, L_, d, key), r in zip(meta, res):
         ans = tok.decode(r["tokens"])
