@@ -15,6 +15,25 @@ import httpx
 import uvicorn
 
 
+#: A plain chat template for the tiny random-weight models (their tokenizers have none).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def tiny_chat_engine(folder, **kw):
+    """An ``LLMEngine`` (float32, block size 4) on the tiny model in ``folder`` with
+    :data:`CHAT_TEMPLATE`; ``kw`` are more ``EngineArgs`` (or override those)."""
+    from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+
+    args = dict(model=str(folder), dtype="float32", block_size=4)
+    args.update(kw)
+    engine = LLMEngine(EngineArgs(**args))
+    engine.tokenizer.chat_template = CHAT_TEMPLATE
+    return engine
+
+
 def pid_gone(pid: int, timeout: float = 10.0) -> bool:
     """Whether process ``pid`` is gone (or a zombie) within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

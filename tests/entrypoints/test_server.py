@@ -16,24 +16,16 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import ServerThread
+from server_helpers import CHAT_TEMPLATE, ServerThread, tiny_chat_engine
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.llm_engine import LLMEngine
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
 PROMPT = "The quick brown fox"
 
 
 def _engine(folder, **kw) -> LLMEngine:
-    args = dict(model=str(folder), dtype="float32", num_blocks=512, block_size=4, max_model_len=512)
-    args.update(kw)
-    engine = LLMEngine(EngineArgs(**args))
-    engine.tokenizer.chat_template = CHAT_TEMPLATE
-    return engine
+    return tiny_chat_engine(folder, **{"num_blocks": 512, "max_model_len": 512, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -9,23 +9,14 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import ServerThread
+from server_helpers import ServerThread, tiny_chat_engine
 
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 from kvserve.entrypoints.openai.guards import CAPS
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
-
 
 def _engine(folder, **kw) -> LLMEngine:
-    args = dict(model=str(folder), dtype="float32", num_blocks=256, block_size=4, max_model_len=256)
-    args.update(kw)
-    engine = LLMEngine(EngineArgs(**args))
-    engine.tokenizer.chat_template = CHAT_TEMPLATE
-    return engine
+    return tiny_chat_engine(folder, **{"num_blocks": 256, "max_model_len": 256, **kw})
 
 
 @pytest.fixture(scope="module")
