@@ -173,15 +173,12 @@ class Scheduler:
     # ------------------------------------------------------------ fair share
     def _fair_share(self) -> tuple[Counter, int]:
         """``(running sequences per user, fair share in slots)``; a share of 0 when fewer than two
-        users have requests (fairness does not apply). With ``max_num_seqs_per_user`` the share
-        is at most that cap."""
+        users have requests (fairness does not apply)."""
         running = Counter(r.user for r in self.running)
         users = set(running) | set(self._waiting_users)
         if len(users) < 2:
             return running, 0
-        share = max(1, self.config.max_num_seqs // len(users))
-        cap = self.config.max_num_seqs_per_user
-        return running, share if cap is None else min(share, cap)
+        return running, max(1, self.config.max_num_seqs // len(users))
 
     def _next_waiting(self) -> int | None:
         """Index in ``waiting`` of the request to admit next: the first of the best priority
