@@ -7,6 +7,8 @@ only it.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,6 +29,27 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: ``layer_types`` entries (Hugging Face names).
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def json_object(value: Any, field: str, example: str) -> Mapping:
+    """``value`` as a mapping: a dict (any ``Mapping``) as it is, a string parsed as JSON.
+
+    Args:
+        value: the option as given (CLI text, Python dict, HTTP field).
+        field: the option's name for the messages (``"speculative_config"``).
+        example: a valid value to show in the message (``'{"method": "ngram", ...}'``).
+
+    Raises:
+        ValueError: naming ``field``: invalid JSON text, or not an object.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field} must be a JSON object, got invalid JSON {value!r} ({e})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{field} must be an object (a dict or its JSON text) like {example}, got {value!r}")
+    return value
 
 
 class UnsupportedModelError(ValueError):

@@ -100,7 +100,7 @@ def _check_cached_kv(engine, scratch):
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, r"unknown field\(s\) \['model'\]"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config\.model must be the draft model"),
     ('{"method": "ngram", ', r"speculative_config must be a JSON object"),
-    ([1, 2], r"speculative_config must be a dict"),
+    ([1, 2], r"speculative_config must be an object"),
 ])
 def test_bad_config_is_refused_naming_the_field(cfg, msg):
     with pytest.raises(ValueError, match=msg):

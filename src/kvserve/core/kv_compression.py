@@ -35,13 +35,14 @@ workers call them on their own KV heads' scores (:mod:`kvserve.worker.kv_compres
 
 from __future__ import annotations
 
-import json
 import numbers
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.config import json_object
 
 METHODS = ("streaming_llm", "snapkv", "h2o", "none")
 #: the fields each method takes (besides ``method``), with their defaults (None: required)
@@ -85,14 +86,7 @@ class KVCompressionConfig:
         """
         if value is None or isinstance(value, KVCompressionConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{field} must be a JSON object, got {value!r} ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{field} must be an object like {{\"method\": \"streaming_llm\", \"window\": 256}}, "
-                             f"got {value!r}")
+        value = json_object(value, field, '{"method": "streaming_llm", "window": 256}')
         method = value.get("method")
         if method not in METHODS:
             raise ValueError(f"{field}.method must be one of {list(METHODS)}, got {method!r}")

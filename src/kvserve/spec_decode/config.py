@@ -8,12 +8,13 @@ Accepted forms (a dict, or its JSON text on the command line)::
 
 from __future__ import annotations
 
-import json
 import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
+
+from kvserve.config import json_object
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # drafts per verification: [1, 16]
@@ -55,13 +56,7 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be a JSON object, got invalid JSON ({e})") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"speculative_config must be a dict (or its JSON text), got {type(value).__name__}")
+        value = json_object(value, "speculative_config", '{"method": "ngram", "num_speculative_tokens": 4}')
         method = value.get("method")
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {method!r}")
