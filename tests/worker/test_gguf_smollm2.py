@@ -10,7 +10,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.worker.layers import linear as L
 from kvserve.worker.layers import quant as Q
 from kvserve.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from kvserve.worker.models.llama import LlamaForCausalLM
+from decode_step_check import assert_c_decode_step_equals_modules
 from reference_cases import reference_params
 
 pytestmark = [pytest.mark.slow,
@@ -102,16 +102,4 @@ def test_the_c_decode_step_equals_the_modules(llm_gguf, monkeypatch):
         return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].token_logprobs])
                 for o in llm_gguf.generate(prompts, params)]
 
-    calls = []
-    orig = LlamaForCausalLM._get_decode_step
-
-    def spy(self, kv_caches, n):
-        step = orig(self, kv_caches, n)
-        calls.append(step is not None)
-        return step
-
-    monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", spy)
-    fast = run()
-    assert calls and all(calls)
-    monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", lambda self, kv, n: None)
-    assert run() == fast
+    assert_c_decode_step_equals_modules(monkeypatch, run)

@@ -6,6 +6,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.worker.attention import AttentionMetadata, CPUPagedAttentionBackend, PrefillSegment, TorchSDPABackend
 from kvserve.kernels import cpu_ops
+from decode_step_check import assert_c_decode_step_equals_modules
 from tiny_models import ARCHS, prefill_logits
 
 
@@ -77,7 +78,6 @@ def test_c_decode_step_is_bit_identical_to_the_module_path(tiny_model_dir, arch,
     if not cpu_ops.available():
         pytest.skip("needs the CPU kernels")
     from kvserve.worker.layers import linear
-    from kvserve.worker.models.llama import LlamaForCausalLM
 
     folder, _ = tiny_model_dir(arch)
     prompts = [[5, 17, 99, 3, 250, 40, 41], [300, 301], [77] * 9]
@@ -95,19 +95,7 @@ def test_c_decode_step_is_bit_identical_to_the_module_path(tiny_model_dir, arch,
         return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].token_logprobs])
                 for o in llm.generate(prompts, params)]
 
-    calls = []
-    orig = LlamaForCausalLM._get_decode_step
-
-    def spy(self, kv_caches, n):
-        step = orig(self, kv_caches, n)
-        calls.append(step is not None)
-        return step
-
-    monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", spy)
-    fast = run()
-    assert calls and all(calls)  # every decode-only step ran in C
-    monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", lambda self, kv, n: None)
-    assert run() == fast
+    assert_c_decode_step_equals_modules(monkeypatch, run)
 
 
 def test_amx_prefill_attention_close_to_sdpa(tiny_model_dir, monkeypatch):
