@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from disaggregation import Server, scrape  # noqa: E402
+from server_process import Server, scrape  # noqa: E402
 
 
 def ttft(base_url: str, prompt: list[int]) -> float:

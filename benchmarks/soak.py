@@ -3,7 +3,7 @@ and killed clients; reports what was served, the errors by kind, the server's re
 over time and its KV blocks at the start and the end.
 
 The script starts a ``kvserve serve`` process (default model, a 0.5 GiB KV pool, a 2,048-token
-context; ``--server-arg`` adds options) on a free port (:class:`disaggregation.Server`: stopped
+context; ``--server-arg`` adds options) on a free port (:class:`server_process.Server`: stopped
 with SIGINT at the end, checked for processes left behind and for tracebacks in its log), then
 runs ``--concurrency`` clients for ``--duration`` seconds. Each client loops over requests drawn
 (seeded) from this mix:
@@ -60,7 +60,7 @@ from typing import Optional
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from disaggregation import Server, _descendants, msum, scrape  # noqa: E402
+from server_process import Server, descendants, msum, scrape  # noqa: E402
 
 PREFIXES = [
     "You are a helpful assistant. Answer the question in one short paragraph.",
@@ -76,7 +76,7 @@ USERS = ["alice", "bob", "carol", "dave"]
 def rss_bytes(pid: int) -> int:
     """Resident memory of ``pid`` and its live descendants, summed (bytes; VmRSS)."""
     total = 0
-    for p in [pid, *_descendants(pid)]:
+    for p in [pid, *descendants(pid)]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
