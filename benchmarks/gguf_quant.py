@@ -37,14 +37,7 @@ from kvserve.roofline import measure_memory_bandwidth  # noqa: E402
 from kvserve.worker.default_model import default_model_path  # noqa: E402
 from kvserve.worker.layers import linear as L  # noqa: E402
 from kvserve.worker.layers import quant as Q  # noqa: E402
-from throughput import single_stream_kvserve  # noqa: E402
-
-
-def decode_weight_bytes(llm: LLM) -> int:
-    """Bytes of the weights one decode step reads: every Linear (LM head included)."""
-    model = llm.engine.core.executor.driver_worker.model if hasattr(llm.engine.core.executor, "driver_worker") \
-        else llm.engine.core.executor.worker.model
-    return sum(m.weight_nbytes for m in model.modules() if isinstance(m, L.Linear))
+from throughput import decode_weight_bytes, single_stream_kvserve  # noqa: E402
 
 
 def best(fn, reps: int = 20) -> float:

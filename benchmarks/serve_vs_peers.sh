@@ -10,8 +10,10 @@
 #     PyPI and builds the vendored llama.cpp's llama-server and llama-quantize (cmake, CPU,
 #     -DGGML_NATIVE=ON, -j2); `$0 convert` turns the Q4_1 GGUF into a BF16 GGUF with
 #     `llama-quantize --allow-requantize IN OUT BF16`. `bench` measures llama-server only where built.
-# Same weights everywhere: SmolLM2-135M-Instruct's Q4_1 values in bf16 (kvserve dequantizes the
-# GGUF on load; vLLM's folder and llama.cpp's BF16 GGUF hold the same values).
+# Same weights everywhere: SmolLM2-135M-Instruct's Q4_1 values in bf16 (`kvserve`: the GGUF
+# dequantized on load, --quantization none; vLLM's folder and llama.cpp's BF16 GGUF hold the same
+# values). `kvserve-q4` is kvserve with the Q4_1 weights kept quantized (--quantization gguf, its
+# default for GGUF files): the quantized path, reported beside the bf16 comparison.
 #
 # bench: ONE server at a time (memory: vLLM and kvserve never run together): start it on
 # 127.0.0.1, wait for /health, then for each concurrency (1, 8, 32) run `kvserve bench serve` and
@@ -23,7 +25,7 @@
 #
 # Usage: benchmarks/serve_vs_peers.sh [install-vllm|build|convert|bench|all]   (default: all)
 # Env:   PY (kvserve's python; default: the repo's .venv/bin/python, else python),
-#        SYSTEMS (default "kvserve vllm llama-server"; a missing peer is skipped with a note),
+#        SYSTEMS (default "kvserve kvserve-q4 vllm llama-server"; a missing peer is skipped with a note),
 #        CONCURRENCIES ("1 8 32"), INPUT_LEN (256), OUTPUT_LEN (128), MIN_PROMPTS (8), NUM_PROMPTS
 #        (a fixed count per level instead), OUT (default $PEERS/results-serve), KV_GIB (each
 #        server's KV cache in GiB: kvserve --kv-cache-memory, VLLM_CPU_KVCACHE_SPACE; default 1),
@@ -38,7 +40,7 @@ if [ -z "${PY:-}" ]; then
   if [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"; else PY=python; fi
 fi
 OUT="${OUT:-$PEERS/results-serve}"
-SYSTEMS="${SYSTEMS:-kvserve vllm llama-server}"
+SYSTEMS="${SYSTEMS:-kvserve kvserve-q4 vllm llama-server}"
 CONCURRENCIES="${CONCURRENCIES:-1 8 32}"
 INPUT_LEN="${INPUT_LEN:-256}"
 OUTPUT_LEN="${OUTPUT_LEN:-128}"
@@ -68,7 +70,7 @@ for c in $CONCURRENCIES; do
   [[ "$c" =~ ^[1-9][0-9]*$ ]] || { echo "CONCURRENCIES must be integers >= 1, got '$c'" >&2; exit 2; }
 done
 for s in $SYSTEMS; do
-  case "$s" in kvserve|vllm|llama-server) ;; *) echo "SYSTEMS: unknown system '$s' (kvserve, vllm, llama-server)" >&2; exit 2 ;; esac
+  case "$s" in kvserve|kvserve-q4|vllm|llama-server) ;; *) echo "SYSTEMS: unknown system '$s' (kvserve, kvserve-q4, vllm, llama-server)" >&2; exit 2 ;; esac
 done
 
 install_vllm() {
@@ -123,9 +125,12 @@ trap stop_server EXIT
 start_server() {  # system -> starts it in its own process group, waits for /health
   local log="$OUT/$1.log"
   case "$1" in
-    kvserve)
-      # the Q4_1 GGUF dequantized to bf16 on load
+    kvserve|kvserve-q4)
+      # kvserve: the Q4_1 GGUF dequantized to bf16 on load; kvserve-q4: kept quantized
+      local quant=none
+      [ "$1" = kvserve-q4 ] && quant=gguf
       setsid "$PY" -m kvserve.entrypoints.cli serve --host 127.0.0.1 --port "$PORT" --dtype bfloat16 \
+        --quantization "$quant" \
         --served-model-name smollm2 --no-access-log --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 64 \
         --kv-cache-memory "$KV_GIB" $KVSERVE_EXTRA_ARGS >"$log" 2>&1 &
       ;;

@@ -12,6 +12,10 @@ shared VM the two can differ 2x) and the workload's attainable floor
 (``kvserve.roofline.attainable_seconds``: compute-bound prefill plus, per decode step, the
 larger of the weight + KV-cache bytes at the measured bandwidth and the step's FLOPs).
 
+kvserve runs the GGUF dequantized to ``--dtype`` by default here (``--quantization none``: the
+weights the peers run); ``--quantization gguf`` keeps them quantized (then the bandwidth roofline
+counts the linears' bytes as stored), and every row names the weights it ran.
+
 vLLM (``--vllm``, issue #22): its offline ``LLM.generate`` on the same workload (greedy, prefix
 caching off, max_num_seqs 64, max_model_len 1024), run in vLLM's own venv as a subprocess
 (benchmarks/peers/vllm_offline.py, which prints JSON) after kvserve's run in this process ended, so
@@ -27,6 +31,7 @@ Usage:
     python benchmarks/throughput.py [--dtype bfloat16 float32] [--sampling] [--json out.json]
     python benchmarks/throughput.py --dtype bfloat16 --vllm [--skip-transformers]   # + vLLM's CPU backend
     python benchmarks/throughput.py --dtype bfloat16 --kv-cache-dtype int8   # kvserve's 8-bit KV cache
+    python benchmarks/throughput.py --dtype bfloat16 --quantization gguf   # Q4_1 weights kept quantized
     python benchmarks/throughput.py --device cuda --model FOLDER   # e.g. benchmarks/random_model.py's
 
 Run it on an otherwise idle machine: torch is imported first here, so OpenMP keeps its default
@@ -65,6 +70,15 @@ def workload(n: int, vocab: int, seed: int = 0):
         prompts.append([rng.randrange(100, vocab) for _ in range(plen)])
         outs.append(rng.randint(64, 256))
     return prompts, outs
+
+
+def decode_weight_bytes(llm: LLM) -> int:
+    """Bytes of the weights one decode step reads: every Linear (LM head included), as stored."""
+    from kvserve.worker.layers import linear as L
+
+    ex = llm.engine.core.executor
+    model = ex.driver_worker.model if hasattr(ex, "driver_worker") else ex.worker.model
+    return sum(m.weight_nbytes for m in model.modules() if isinstance(m, L.Linear))
 
 
 def run_kvserve(llm: LLM, prompts, outs, sampling: bool) -> dict:
@@ -189,6 +203,9 @@ def main(argv=None) -> int:
                     help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct's GGUF)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
                     help="kvserve's KV cache dtype (default auto: the model dtype); the rooflines count its bytes")
+    ap.add_argument("--quantization", default="none", choices=["none", "gguf", "gguf_int8"],
+                    help="kvserve's weights for a GGUF model: none (dequantized to --dtype: what the peers run, the "
+                         "default here), gguf / gguf_int8 (kept quantized, issue #22); the label of every row")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N] for kvserve, transformers and the rooflines")
     ap.add_argument("--vllm", action="store_true",
                     help="also run vLLM's CPU backend on the workload (benchmarks/peers/install_vllm_cpu.sh first)")
@@ -211,19 +228,22 @@ def main(argv=None) -> int:
     # a GPU needs bigger problems than the CPU to reach its ceilings (its L2 is ~50 MiB)
     bw = measure_memory_bandwidth(size_bytes=(4 << 30) if gpu else (512 << 20), device=dev)
     mm_n = 8192 if gpu else 2048
-    results = {"bandwidth_GBps": bw / 1e9, "kv_cache_dtype": a.kv_cache_dtype, "runs": {}}
+    results = {"bandwidth_GBps": bw / 1e9, "kv_cache_dtype": a.kv_cache_dtype, "quantization": a.quantization,
+               "runs": {}}
     rows = []
     for dtype in a.dtype:
         tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
         peak = measure_matmul_flops(tdt, n=mm_n, device=dev)
         # Prefix caching off: the greedy and sampling runs reuse the same prompts.
         llm = LLM(model=str(path), dtype=dtype, max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False,
-                  device=a.device, kv_cache_dtype=a.kv_cache_dtype)
+                  device=a.device, kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization)
         cfg = llm.engine.model_config
         vocab = cfg.vocab_size
         prompts, outs = workload(a.num_requests, vocab)
         params = cfg.num_parameters()
         weight_bytes = params * torch.empty((), dtype=tdt).element_size()
+        if a.quantization != "none":  # the bytes a decode step streams: the linears as stored
+            weight_bytes = decode_weight_bytes(llm)
         flops = 2 * params * (sum(map(len, prompts)) + sum(outs))
         floor = attainable_seconds([len(p) for p in prompts], outs, params, weight_bytes,
                                    llm.engine.kv_spec.bytes_per_token, peak, bw)
@@ -267,6 +287,7 @@ def main(argv=None) -> int:
         share = r["compute_roofline_s"] / k["seconds"]
         row = {
             "dtype": dtype,
+            "weights": dtype if a.quantization == "none" else f"{a.quantization} ({dtype} activations)",
             "kv cache": a.kv_cache_dtype,
             "kvserve out tok/s": f"{k['output_tok_s']:.1f}",
             "transformers out tok/s": f"{r['transformers']['output_tok_s']:.1f}" if "transformers" in r else "-",

@@ -70,6 +70,24 @@ def test_serve_table_rows_and_ratios(tmp_path):
     assert "| 32 | 2.00x | 0.50x | - | - |" in lines
 
 
+def test_serve_table_quantized_kvserve_gets_its_own_rows_and_ratios(tmp_path):
+    """kvserve-q4 (Q4_1 weights kept quantized) sits between kvserve and the peers, is no peer of
+    kvserve, and gets its own ratios against each peer."""
+    _write(tmp_path, {
+        "kvserve_kvserve-bench_c8.json": _result(300.0, 600.0),
+        "kvserve-q4_kvserve-bench_c8.json": _result(450.0, 400.0),
+        "vllm_kvserve-bench_c8.json": _result(150.0, 800.0),
+    })
+    lines = serve_table.table(serve_table.load(tmp_path)).splitlines()
+    rows = [ln.split(" | ")[0] for ln in lines if ln.startswith("| kvserve") or ln.startswith("| vllm")]
+    assert rows == ["| kvserve", "| kvserve-q4", "| vllm"]
+    heads = [ln for ln in lines if " / " in ln and ln.endswith("faster):")]
+    assert [h.split(" (")[0] for h in heads] == ["kvserve / vllm", "kvserve-q4 / vllm"]
+    i = lines.index(heads[1])
+    assert "| 8 | 3.00x | 0.50x | - | - |" == lines[i + 4]
+    assert not any(ln.startswith("kvserve / kvserve-q4") for ln in lines)
+
+
 def test_serve_table_main_errors(tmp_path, capsys):
     assert serve_table.main([str(tmp_path / "missing")]) == 2
     assert "RESULTS_DIR" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """One table of benchmarks/serve_vs_peers.sh's results: output tok/s and P99 TTFT per system, load
-generator and concurrency, then the ratios kvserve / each peer.
+generator and concurrency, then the ratios of kvserve (bf16) and kvserve-q4 (Q4_1 weights kept quantized) / each peer.
 
 Reads ``SYSTEM_TOOL_cN.json`` files in a folder, TOOL being ``kvserve-bench`` (``kvserve bench
 serve --save-json``) or ``vllm-bench`` (``vllm bench serve --save-result``); both write
@@ -18,7 +18,7 @@ from pathlib import Path
 
 NAME = re.compile(r"^(?P<system>[a-z0-9.-]+)_(?P<tool>kvserve-bench|vllm-bench)_c(?P<c>\d+)\.json$")
 TOOLS = ("kvserve-bench", "vllm-bench")
-ORDER = {"kvserve": 0, "vllm": 1, "llama-server": 2}
+ORDER = {"kvserve": 0, "kvserve-q4": 1, "vllm": 2, "llama-server": 3}
 
 
 def load(folder: Path) -> dict[tuple[str, str, int], dict]:
@@ -49,20 +49,22 @@ def table(results: dict[tuple[str, str, int], dict]) -> str:
         for c in levels:
             if any((s, t, c) in results for t in TOOLS):
                 lines.append(f"| {s} | {c} | " + " | ".join(_cell(results.get((s, t, c))) for t in TOOLS) + " |")
-    for peer in [s for s in systems if s != "kvserve"]:
-        lines += ["", f"kvserve / {peer} (output tok/s ratio; P99 TTFT ratio, < 1 is kvserve faster):", "",
-                  "| concurrency | kvserve bench: tok/s | P99 TTFT | vllm bench: tok/s | P99 TTFT |",
-                  "|---:|---:|---:|---:|---:|"]
-        for c in levels:
-            cells = []
-            for t in TOOLS:
-                k, p = results.get(("kvserve", t, c)), results.get((peer, t, c))
-                if k is None or p is None or not p["output_throughput"] or not p["p99_ttft_ms"]:
-                    cells += ["-", "-"]
-                else:
-                    cells += [f"{k['output_throughput'] / p['output_throughput']:.2f}x",
-                              f"{k['p99_ttft_ms'] / p['p99_ttft_ms']:.2f}x"]
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    ours = [s for s in systems if s.startswith("kvserve")]  # kvserve (bf16) and kvserve-q4 (quantized)
+    for mine in ours:
+        for peer in [s for s in systems if not s.startswith("kvserve")]:
+            lines += ["", f"{mine} / {peer} (output tok/s ratio; P99 TTFT ratio, < 1 is {mine} faster):", "",
+                      "| concurrency | kvserve bench: tok/s | P99 TTFT | vllm bench: tok/s | P99 TTFT |",
+                      "|---:|---:|---:|---:|---:|"]
+            for c in levels:
+                cells = []
+                for t in TOOLS:
+                    k, p = results.get((mine, t, c)), results.get((peer, t, c))
+                    if k is None or p is None or not p["output_throughput"] or not p["p99_ttft_ms"]:
+                        cells += ["-", "-"]
+                    else:
+                        cells += [f"{k['output_throughput'] / p['output_throughput']:.2f}x",
+                                  f"{k['p99_ttft_ms'] / p['p99_ttft_ms']:.2f}x"]
+                lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
