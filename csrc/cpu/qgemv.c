@@ -8,14 +8,18 @@
  *
  * Every GGUF type used here maps to that exactly: Q4_0 (u = q + 8, m = -8 d), Q4_1 (d, m as
  * stored), Q8_0 (u = q + 128, m = -128 d), Q4_K / Q5_K (d = super-block d * 6-bit scale,
- * m = -dmin * 6-bit min, per 32-value sub-block; Q5_K's 5-bit values stored as 8-bit).
+ * m = -dmin * 6-bit min, per 32-value sub-block; Q5_K's 5-bit values stored as 8-bit), Q6_K
+ * (per 16 values: d = super-block d * int8 scale, m = -32 d, u = the 6-bit value as 8-bit; the
+ * sub16 layout below), and int4 checkpoints (u 4-bit, d = the group's scale, m = its minimum).
  *
  * Packed layout (kv_q* "packed" arguments), rows in groups of 4 (N padded to a multiple of 4
  * with zero rows), G = ceil(N / 4) groups, KB = K / 32 blocks:
  *   bits 4: qs [G][KB][4 rows][16 bytes]: byte t of a row = u[t] | u[t + 16] << 4 (ggml's own
  *           byte order for Q4_0/Q4_1), so one 64-byte load holds a block of 4 rows;
  *   bits 8: qs [G][KB][2 halves][4 rows][16 bytes]: half h of a row = u[16 h .. 16 h + 15];
- *   d, m:   [G][KB][4] float32.
+ *   d, m:   [G][KB][4] float32; with sub16 (a scale and offset per 16 values: Q6_K, int4
+ *           with groups of 16) [G][KB][2 halves][4] float32, half h for values 16 h .. 16 h + 15
+ *           of the block (the low nibbles / first 16 bytes of a row are half 0 in both layouts).
  * A thread's share of the groups is one contiguous stream of memory.
  *
  * The activations are quantized to int8 per block of 32 (as llama.cpp's q8_0 activations for
@@ -54,8 +58,10 @@ INLINE TGT_F32 __m512 load16(const void* x, int bf16, int64_t k) {
 }
 
 /* Quantize one row of K values (K % 32 == 0) per block of 32: xq int8, xs[b] = the scale,
- * xss[b] = scale * sum of the block's int8 values. */
-INLINE TGT_F32 void quantize_row(const void* x, int bf16, int64_t K, int8_t* xq, float* xs, float* xss) {
+ * xss[b] = scale * sum of the block's int8 values; xss16 (or NULL) [2 b + h] = scale * sum of
+ * the int8 values of half h (for the sub16 layout). */
+INLINE TGT_F32 void quantize_row(const void* x, int bf16, int64_t K, int8_t* xq, float* xs, float* xss,
+                                 float* xss16) {
     for (int64_t b = 0; b < K / 32; b++) {
         const __m512 v0 = load16(x, bf16, 32 * b), v1 = load16(x, bf16, 32 * b + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -70,6 +76,10 @@ INLINE TGT_F32 void quantize_row(const void* x, int bf16, int64_t K, int8_t* xq,
         _mm_storeu_si128((__m128i*)(xq + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
         xs[b] = s;
         xss[b] = s * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        if (xss16) {
+            xss16[2 * b] = s * (float)_mm512_reduce_add_epi32(q0);
+            xss16[2 * b + 1] = s * (float)_mm512_reduce_add_epi32(q1);
+        }
     }
 }
 
@@ -79,21 +89,23 @@ TGT_F32 void kv_q_quantize_act(const void* x, int64_t ldx, int x_bf16, int64_t M
                                float* xss) {
     for (int64_t i = 0; i < M; i++)
         quantize_row(x_bf16 ? (const void*)((const uint16_t*)x + i * ldx) : (const void*)((const float*)x + i * ldx),
-                     x_bf16, K, xq + i * K, xs + i * (K / 32), xss + i * (K / 32));
+                     x_bf16, K, xq + i * K, xs + i * (K / 32), xss + i * (K / 32), NULL);
 }
 
 /* acc[i] (16 lanes: 4 per weight row) += s_i * d_row * dot(u, q_i) per lane; accm[i] (4 rows)
- * += m_row * s_i * sum(q_i), over every block of one group, for nm activation rows. */
-#define QBLOCK(NM, BITS)                                                                                          \
-    INLINE TGT_VNNI void qblock_##BITS##_##NM(const uint8_t* qs, const float* d, const float* m, int64_t KB,   \
-                                              const int8_t* xq, int64_t K, const float* xs, const float* xss,   \
-                                              float out[QMB][4]) {                                              \
+ * += m_row * s_i * sum(q_i), over every block of one group, for nm activation rows. SUB 16: a
+ * d and m per half block (the two halves' dot products scaled apart; xss16 the halves' sums). */
+#define QBLOCK(NM, BITS, SUB)                                                                                     \
+    INLINE TGT_VNNI void qblock_##BITS##_##SUB##_##NM(const uint8_t* qs, const float* d, const float* m,       \
+                                                      int64_t KB, const int8_t* xq, int64_t K, const float* xs, \
+                                                      const float* xss, const float* xss16, float out[QMB][4]) { \
         __m512 acc[NM];                                                                                         \
         __m128 accm[NM];                                                                                        \
         for (int i = 0; i < NM; i++) acc[i] = _mm512_setzero_ps(), accm[i] = _mm_setzero_ps();                  \
         const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);                   \
         const __m512i low = _mm512_set1_epi8(0x0f);                                                             \
         const int64_t step = (BITS) == 4 ? 64 : 128;                                                            \
+        const int64_t dstep = (SUB) == 16 ? 8 : 4;                                                              \
         for (int64_t b = 0; b < KB; b++) {                                                                      \
             const uint8_t* p = qs + b * step;                                                                   \
             _mm_prefetch((const char*)p + QPF, _MM_HINT_T0);                                                    \
@@ -107,17 +119,35 @@ TGT_F32 void kv_q_quantize_act(const void* x, int64_t ldx, int x_bf16, int64_t M
                 wl = _mm512_loadu_si512(p);                                                                     \
                 wh = _mm512_loadu_si512(p + 64);                                                                \
             }                                                                                                   \
-            const __m512 d16 = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(d + 4 * b)));    \
-            const __m128 m4 = _mm_loadu_ps(m + 4 * b);                                                          \
+            const float* db = d + dstep * b;                                                                    \
+            const float* mb = m + dstep * b;                                                                    \
+            const __m512 d16 = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(db)));           \
+            const __m128 m4 = _mm_loadu_ps(mb);                                                                 \
+            __m512 d16h = d16;                                                                                  \
+            __m128 m4h = m4;                                                                                    \
+            if ((SUB) == 16) {                                                                                  \
+                d16h = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(db + 4)));               \
+                m4h = _mm_loadu_ps(mb + 4);                                                                     \
+            }                                                                                                   \
             for (int i = 0; i < NM; i++) {                                                                      \
                 const int8_t* xb = xq + i * K + 32 * b;                                                         \
                 const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xb));                 \
                 const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xb + 16)));          \
-                __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, xl);                                \
-                s = _mm512_dpbusd_epi32(s, wh, xh);                                                             \
                 const float sc = xs[i * KB + b];                                                                \
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d16, _mm512_set1_ps(sc)), acc[i]); \
-                accm[i] = _mm_fmadd_ps(m4, _mm_set1_ps(xss[i * KB + b]), accm[i]);                              \
+                if ((SUB) == 16) {                                                                              \
+                    const __m512i sl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, xl);                     \
+                    const __m512i sh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wh, xh);                     \
+                    const __m512 scv = _mm512_set1_ps(sc);                                                      \
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sl), _mm512_mul_ps(d16, scv), acc[i]);          \
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sh), _mm512_mul_ps(d16h, scv), acc[i]);         \
+                    accm[i] = _mm_fmadd_ps(m4, _mm_set1_ps(xss16[2 * (i * KB + b)]), accm[i]);                  \
+                    accm[i] = _mm_fmadd_ps(m4h, _mm_set1_ps(xss16[2 * (i * KB + b) + 1]), accm[i]);             \
+                } else {                                                                                        \
+                    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, xl);                            \
+                    s = _mm512_dpbusd_epi32(s, wh, xh);                                                         \
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d16, _mm512_set1_ps(sc)), acc[i]); \
+                    accm[i] = _mm_fmadd_ps(m4, _mm_set1_ps(xss[i * KB + b]), accm[i]);                          \
+                }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
         for (int i = 0; i < NM; i++) {                                                                          \
@@ -130,27 +160,29 @@ TGT_F32 void kv_q_quantize_act(const void* x, int64_t ldx, int x_bf16, int64_t M
         }                                                                                                       \
     }
 
-QBLOCK(1, 4) QBLOCK(2, 4) QBLOCK(3, 4) QBLOCK(4, 4) QBLOCK(5, 4) QBLOCK(6, 4) QBLOCK(7, 4) QBLOCK(8, 4)
-QBLOCK(1, 8) QBLOCK(2, 8) QBLOCK(3, 8) QBLOCK(4, 8) QBLOCK(5, 8) QBLOCK(6, 8) QBLOCK(7, 8) QBLOCK(8, 8)
+#define QBLOCKS(BITS, SUB)                                                                                     \
+    QBLOCK(1, BITS, SUB) QBLOCK(2, BITS, SUB) QBLOCK(3, BITS, SUB) QBLOCK(4, BITS, SUB) QBLOCK(5, BITS, SUB)  \
+    QBLOCK(6, BITS, SUB) QBLOCK(7, BITS, SUB) QBLOCK(8, BITS, SUB)
+QBLOCKS(4, 32) QBLOCKS(8, 32) QBLOCKS(4, 16) QBLOCKS(8, 16)
 
-#define QDISPATCH(BITS, QS, D, MM, XQ, XS, XSS)                                      \
-    switch (nm) {                                                                         \
-        case 1: qblock_##BITS##_1(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
-        case 2: qblock_##BITS##_2(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
-        case 3: qblock_##BITS##_3(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
-        case 4: qblock_##BITS##_4(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
-        case 5: qblock_##BITS##_5(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
-        case 6: qblock_##BITS##_6(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
-        case 7: qblock_##BITS##_7(QS, D, MM, KB, XQ, K, XS, XSS, s); break;               \
-        default: qblock_##BITS##_8(QS, D, MM, KB, XQ, K, XS, XSS, s); break;              \
+#define QDISPATCH(BITS, SUB, QS, D, MM, XQ, XS, XSS, XSS16)                             \
+    switch (nm) {                                                                        \
+        case 1: qblock_##BITS##_##SUB##_1(QS, D, MM, KB, XQ, K, XS, XSS, XSS16, s); break; \
+        case 2: qblock_##BITS##_##SUB##_2(QS, D, MM, KB, XQ, K, XS, XSS, XSS16, s); break; \
+        case 3: qblock_##BITS##_##SUB##_3(QS, D, MM, KB, XQ, K, XS, XSS, XSS16, s); break; \
+        case 4: qblock_##BITS##_##SUB##_4(QS, D, MM, KB, XQ, K, XS, XSS, XSS16, s); break; \
+        case 5: qblock_##BITS##_##SUB##_5(QS, D, MM, KB, XQ, K, XS, XSS, XSS16, s); break; \
+        case 6: qblock_##BITS##_##SUB##_6(QS, D, MM, KB, XQ, K, XS, XSS, XSS16, s); break; \
+        case 7: qblock_##BITS##_##SUB##_7(QS, D, MM, KB, XQ, K, XS, XSS, XSS16, s); break; \
+        default: qblock_##BITS##_##SUB##_8(QS, D, MM, KB, XQ, K, XS, XSS, XSS16, s); break; \
     }
 
 /* y [M, N] (row stride ldy; float32, or bf16 rounded to nearest even when y_bf16) =
- * x [M, K] (row stride ldx; f32, or bf16 when x_bf16) times the packed weight (see the top),
- * + bias [N] float32 (or NULL). K % 32 == 0. Returns 0, or -1 when the scratch buffer for the
- * quantized activations cannot be allocated (y untouched). */
+ * x [M, K] (row stride ldx; f32, or bf16 when x_bf16) times the packed weight (see the top;
+ * sub16: d and m per 16 values), + bias [N] float32 (or NULL). K % 32 == 0. Returns 0, or -1
+ * when the scratch buffer for the quantized activations cannot be allocated (y untouched). */
 TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t* qs,
-                         const float* d, const float* m, int bits, int64_t N, const float* bias, void* y,
+                         const float* d, const float* m, int bits, int sub16, int64_t N, const float* bias, void* y,
                          int64_t ldy, int y_bf16, int nthreads) {
     const int64_t KB = K / 32, G = (N + 3) / 4;
     if (M <= 0 || N <= 0) return 0;
@@ -158,7 +190,7 @@ TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int6
      * (decode: no malloc per call), a fresh one for large */
     static __thread int8_t* keep = NULL;
     static __thread size_t keep_cap = 0;
-    const size_t need = (size_t)(M * K + 2 * M * KB * 4) + 64;
+    const size_t need = (size_t)(M * K + 4 * M * KB * 4) + 64;
     int8_t* xq;
     int own = 0;
     if (need <= keep_cap) {
@@ -175,20 +207,17 @@ TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int6
     }
     float* xs = (float*)(((uintptr_t)(xq + M * K) + 63) & ~(uintptr_t)63);
     float* xss = xs + M * KB;
-    if (M * K >= 4096 && nthreads > 1) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t i = 0; i < M; i++)
-            quantize_row(x_bf16 ? (const void*)((const uint16_t*)x + i * ldx) : (const void*)((const float*)x + i * ldx),
-                         x_bf16, K, xq + i * K, xs + i * KB, xss + i * KB);
-    } else {
-        kv_q_quantize_act(x, ldx, x_bf16, M, K, xq, xs, xss);
-    }
-    const int64_t gbytes = KB * (bits == 4 ? 64 : 128);
+    float* xss16 = sub16 ? xss + M * KB : NULL; /* [M][KB][2] */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 4096 && nthreads > 1)
+    for (int64_t i = 0; i < M; i++)
+        quantize_row(x_bf16 ? (const void*)((const uint16_t*)x + i * ldx) : (const void*)((const float*)x + i * ldx),
+                     x_bf16, K, xq + i * K, xs + i * KB, xss + i * KB, xss16 ? xss16 + 2 * i * KB : NULL);
+    const int64_t gbytes = KB * (bits == 4 ? 64 : 128), gsc = KB * (sub16 ? 8 : 4);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < G; g++) {
         const uint8_t* gq = qs + g * gbytes;
-        const float* gd = d + g * KB * 4;
-        const float* gm = m + g * KB * 4;
+        const float* gd = d + g * gsc;
+        const float* gm = m + g * gsc;
         const int64_t nr = N - 4 * g < 4 ? N - 4 * g : 4;
         for (int64_t m0 = 0; m0 < M; m0 += QMB) {
             const int64_t nm = M - m0 < QMB ? M - m0 : QMB;
@@ -196,10 +225,15 @@ TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int6
             const int8_t* xqm = xq + m0 * K;
             const float* xsm = xs + m0 * KB;
             const float* xssm = xss + m0 * KB;
-            if (bits == 4) {
-                QDISPATCH(4, gq, gd, gm, xqm, xsm, xssm)
+            const float* xss16m = xss16 ? xss16 + 2 * m0 * KB : NULL;
+            if (bits == 4 && !sub16) {
+                QDISPATCH(4, 32, gq, gd, gm, xqm, xsm, xssm, xss16m)
+            } else if (!sub16) {
+                QDISPATCH(8, 32, gq, gd, gm, xqm, xsm, xssm, xss16m)
+            } else if (bits == 4) {
+                QDISPATCH(4, 16, gq, gd, gm, xqm, xsm, xssm, xss16m)
             } else {
-                QDISPATCH(8, gq, gd, gm, xqm, xsm, xssm)
+                QDISPATCH(8, 16, gq, gd, gm, xqm, xsm, xssm, xss16m)
             }
             for (int64_t i = 0; i < nm; i++)
                 for (int64_t r = 0; r < nr; r++) {
@@ -225,8 +259,10 @@ TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int6
  * so prefill (dequantized chunks + F.linear) and decode agree to that order. */
 #define WMB 4
 
-/* one block (32 values) of row r of a group as 2 x 16 float32 */
-INLINE TGT_BF16 void wo_deq(const uint8_t* p, int bits, int r, const float* d, const float* m, __m512* lo, __m512* hi) {
+/* one block (32 values) of row r of a group as 2 x 16 float32; d, m: the block's scales
+ * (dh: 4 with sub16, the second half's four, else 0) */
+INLINE TGT_BF16 void wo_deq(const uint8_t* p, int bits, int r, const float* d, const float* m, int dh, __m512* lo,
+                            __m512* hi) {
     __m512i ul, uh;
     if (bits == 4) {
         const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * r)));
@@ -236,18 +272,18 @@ INLINE TGT_BF16 void wo_deq(const uint8_t* p, int bits, int r, const float* d, c
         ul = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * r)));
         uh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 64 + 16 * r)));
     }
-    const __m512 dv = _mm512_set1_ps(d[r]), mv = _mm512_set1_ps(m[r]);
-    *lo = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(ul), mv);
-    *hi = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(uh), mv);
+    *lo = _mm512_fmadd_ps(_mm512_set1_ps(d[r]), _mm512_cvtepi32_ps(ul), _mm512_set1_ps(m[r]));
+    *hi = _mm512_fmadd_ps(_mm512_set1_ps(d[dh + r]), _mm512_cvtepi32_ps(uh), _mm512_set1_ps(m[dh + r]));
 }
 
 #define WO_BLOCK(NM)                                                                                               \
-    INLINE TGT_BF16 void wo_block_##NM(const uint8_t* qs, const float* d, const float* m, int bits, int64_t KB,    \
-                                       const void* x, int64_t ldx, int bf, float out[WMB][4]) {                   \
+    INLINE TGT_BF16 void wo_block_##NM(const uint8_t* qs, const float* d, const float* m, int bits, int sub16,     \
+                                       int64_t KB, const void* x, int64_t ldx, int bf, float out[WMB][4]) {       \
         __m512 acc[NM][4];                                                                                         \
         for (int i = 0; i < NM; i++)                                                                               \
             for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();                                           \
-        const int64_t step = bits == 4 ? 64 : 128;                                                                 \
+        const int64_t step = bits == 4 ? 64 : 128, dstep = sub16 ? 8 : 4;                                          \
+        const int dh = sub16 ? 4 : 0;                                                                              \
         for (int64_t b = 0; b < KB; b++) {                                                                         \
             const uint8_t* p = qs + b * step;                                                                      \
             _mm_prefetch((const char*)p + QPF, _MM_HINT_T0);                                                       \
@@ -256,7 +292,7 @@ INLINE TGT_BF16 void wo_deq(const uint8_t* p, int bits, int r, const float* d, c
                 __m512bh w[4];                                                                                     \
                 for (int r = 0; r < 4; r++) {                                                                      \
                     __m512 lo, hi;                                                                                 \
-                    wo_deq(p, bits, r, d + 4 * b, m + 4 * b, &lo, &hi);                                            \
+                    wo_deq(p, bits, r, d + dstep * b, m + dstep * b, dh, &lo, &hi);                                \
                     w[r] = _mm512_cvtne2ps_pbh(hi, lo);                                                            \
                 }                                                                                                  \
                 for (int i = 0; i < NM; i++) {                                                                     \
@@ -265,7 +301,7 @@ INLINE TGT_BF16 void wo_deq(const uint8_t* p, int bits, int r, const float* d, c
                 }                                                                                                  \
             } else {                                                                                               \
                 __m512 wl[4], wh[4];                                                                               \
-                for (int r = 0; r < 4; r++) wo_deq(p, bits, r, d + 4 * b, m + 4 * b, &wl[r], &wh[r]);              \
+                for (int r = 0; r < 4; r++) wo_deq(p, bits, r, d + dstep * b, m + dstep * b, dh, &wl[r], &wh[r]);  \
                 for (int i = 0; i < NM; i++) {                                                                     \
                     const float* xr = (const float*)x + i * ldx + 32 * b;                                          \
                     const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);                          \
@@ -279,12 +315,13 @@ INLINE TGT_BF16 void wo_deq(const uint8_t* p, int bits, int r, const float* d, c
     }
 WO_BLOCK(1) WO_BLOCK(2) WO_BLOCK(3) WO_BLOCK(4)
 
-/* y [M, N] = x [M, K] times the packed weight (see above), + bias [N] float32 or NULL; x and y
- * both float32 (bf = 0) or both bf16 (bf = 1; needs AVX512_BF16). K % 32 == 0. */
+/* y [M, N] = x [M, K] times the packed weight (see above; sub16: d and m per 16 values), + bias
+ * [N] float32 or NULL; x and y both float32 (bf = 0) or both bf16 (bf = 1; needs AVX512_BF16).
+ * K % 32 == 0. */
 TGT_BF16 void kv_q_linear_wo(const void* x, int64_t ldx, int bf, int64_t M, int64_t K, const uint8_t* qs,
-                             const float* d, const float* m, int bits, int64_t N, const float* bias, void* y,
-                             int64_t ldy, int nthreads) {
-    const int64_t KB = K / 32, G = (N + 3) / 4, gbytes = KB * (bits == 4 ? 64 : 128);
+                             const float* d, const float* m, int bits, int sub16, int64_t N, const float* bias,
+                             void* y, int64_t ldy, int nthreads) {
+    const int64_t KB = K / 32, G = (N + 3) / 4, gbytes = KB * (bits == 4 ? 64 : 128), gsc = KB * (sub16 ? 8 : 4);
     if (M <= 0 || N <= 0) return;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < G; g++) {
@@ -294,12 +331,12 @@ TGT_BF16 void kv_q_linear_wo(const void* x, int64_t ldx, int bf, int64_t M, int6
             const void* xm = bf ? (const void*)((const uint16_t*)x + m0 * ldx) : (const void*)((const float*)x + m0 * ldx);
             float s[WMB][4];
             const uint8_t* gq = qs + g * gbytes;
-            const float *gd = d + g * KB * 4, *gm = m + g * KB * 4;
+            const float *gd = d + g * gsc, *gm = m + g * gsc;
             switch (nm) {
-                case 1: wo_block_1(gq, gd, gm, bits, KB, xm, ldx, bf, s); break;
-                case 2: wo_block_2(gq, gd, gm, bits, KB, xm, ldx, bf, s); break;
-                case 3: wo_block_3(gq, gd, gm, bits, KB, xm, ldx, bf, s); break;
-                default: wo_block_4(gq, gd, gm, bits, KB, xm, ldx, bf, s); break;
+                case 1: wo_block_1(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
+                case 2: wo_block_2(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
+                case 3: wo_block_3(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
+                default: wo_block_4(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
             }
             for (int64_t i = 0; i < nm; i++)
                 for (int64_t r = 0; r < nr; r++) {
@@ -324,6 +361,7 @@ typedef struct {
     int64_t bits;
     int64_t bf16;
     int64_t int8_act; /* 1: kv_q_linear (int8 activations), 0: kv_q_linear_wo */
+    int64_t sub16;    /* d and m per 16 values */
 } kv_qweight_t;
 
 TGT_BF16 void kv_q_gemv(const void* x, int64_t ldx, const void* w, const void* bias, void* y, int64_t ldy, int64_t M,
@@ -331,11 +369,12 @@ TGT_BF16 void kv_q_gemv(const void* x, int64_t ldx, const void* w, const void* b
     (void)bias;
     const kv_qweight_t* q = (const kv_qweight_t*)w;
     if (!q->int8_act) {
-        kv_q_linear_wo(x, ldx, (int)q->bf16, M, K, q->qs, q->d, q->m, (int)q->bits, N, q->bias, y, ldy, nthreads);
+        kv_q_linear_wo(x, ldx, (int)q->bf16, M, K, q->qs, q->d, q->m, (int)q->bits, (int)q->sub16, N, q->bias, y, ldy,
+                       nthreads);
         return;
     }
-    if (kv_q_linear(x, ldx, (int)q->bf16, M, K, q->qs, q->d, q->m, (int)q->bits, N, q->bias, y, ldy, (int)q->bf16,
-                    nthreads)) {
+    if (kv_q_linear(x, ldx, (int)q->bf16, M, K, q->qs, q->d, q->m, (int)q->bits, (int)q->sub16, N, q->bias, y, ldy,
+                    (int)q->bf16, nthreads)) {
         for (int64_t i = 0; i < M; i++)
             for (int64_t n = 0; n < N; n++) {
                 if (q->bf16) ((uint16_t*)y)[i * ldy + n] = 0x7fc0;
@@ -344,13 +383,13 @@ TGT_BF16 void kv_q_gemv(const void* x, int64_t ldx, const void* w, const void* b
     }
 }
 
-TGT_F32 static void deq_row_f32(const uint8_t* qs, const float* d, const float* m, int bits, int64_t KB, int64_t row,
-                                float* out) {
-    const int64_t g = row / 4, r = row % 4;
+TGT_F32 static void deq_row_f32(const uint8_t* qs, const float* d, const float* m, int bits, int sub16, int64_t KB,
+                                int64_t row, float* out) {
+    const int64_t g = row / 4, r = row % 4, ds = sub16 ? 8 : 4, dh = sub16 ? 4 : 0;
     const int64_t gbytes = KB * (bits == 4 ? 64 : 128);
     const __m512i low = _mm512_set1_epi32(0x0f);
     for (int64_t b = 0; b < KB; b++) {
-        const __m512 dv = _mm512_set1_ps(d[(g * KB + b) * 4 + r]), mv = _mm512_set1_ps(m[(g * KB + b) * 4 + r]);
+        const int64_t at = (g * KB + b) * ds + r;
         __m512i ul, uh;
         if (bits == 4) {
             const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qs + g * gbytes + b * 64 + 16 * r)));
@@ -361,8 +400,10 @@ TGT_F32 static void deq_row_f32(const uint8_t* qs, const float* d, const float* 
             ul = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
             uh = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 64)));
         }
-        _mm512_storeu_ps(out + 32 * b, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(ul), mv));
-        _mm512_storeu_ps(out + 32 * b + 16, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(uh), mv));
+        _mm512_storeu_ps(out + 32 * b, _mm512_fmadd_ps(_mm512_set1_ps(d[at]), _mm512_cvtepi32_ps(ul),
+                                                       _mm512_set1_ps(m[at])));
+        _mm512_storeu_ps(out + 32 * b + 16, _mm512_fmadd_ps(_mm512_set1_ps(d[at + dh]), _mm512_cvtepi32_ps(uh),
+                                                            _mm512_set1_ps(m[at + dh])));
     }
 }
 
@@ -373,9 +414,10 @@ TGT_BF16 static void f32_to_bf16_row(const float* in, uint16_t* out, int64_t K) 
 
 /* Rows [r0, r1) of the packed weight as float32 (out_bf16 = 0) or bf16 (1; needs AVX512_BF16),
  * out [(r1 - r0), K] row-major: d * u + m with one rounding (FMA; equal to ggml's dequantization
- * for Q4_0/Q4_1/Q8_0, whose d * u is exact in float32). Returns 0, or -1 when a row buffer
- * cannot be allocated (out then incomplete). */
-TGT_F32 int kv_q_dequant(const uint8_t* qs, const float* d, const float* m, int bits, int64_t K, int64_t r0,
+ * for every type here: d * u is exact in float32 for all but Q6_K, whose d * (u - 32) ggml rounds
+ * once, as the FMA does). Returns 0, or -1 when a row buffer cannot be allocated (out then
+ * incomplete). */
+TGT_F32 int kv_q_dequant(const uint8_t* qs, const float* d, const float* m, int bits, int sub16, int64_t K, int64_t r0,
                          int64_t r1, void* out, int out_bf16, int nthreads) {
     const int64_t KB = K / 32;
     int failed = 0;
@@ -390,11 +432,11 @@ TGT_F32 int kv_q_dequant(const uint8_t* qs, const float* d, const float* m, int 
         for (int64_t row = r0; row < r1; row++) {
             if (out_bf16) {
                 if (tmp) {
-                    deq_row_f32(qs, d, m, bits, KB, row, tmp);
+                    deq_row_f32(qs, d, m, bits, sub16, KB, row, tmp);
                     f32_to_bf16_row(tmp, (uint16_t*)out + (row - r0) * K, K);
                 }
             } else {
-                deq_row_f32(qs, d, m, bits, KB, row, (float*)out + (row - r0) * K);
+                deq_row_f32(qs, d, m, bits, sub16, KB, row, (float*)out + (row - r0) * K);
             }
         }
         free(tmp);

@@ -83,6 +83,31 @@ def test_greedy_matches_transformers_batched(gemma_fp32, reference):
             assert max(abs(a - b) for (_, a), (_, b) in zip(t.top, ref)) < 1e-3
 
 
+def test_greedy_matches_transformers_with_every_weight_quantized(gemma_path, shared_tokenizer, reference):
+    """float32 with the GGUF weights kept quantized (``gguf``: Q5_0, Q4_K, Q6_K, Q8_0, the Q8_0
+    embedding/head; none dequantized): the weight-only kernel computes the dequantized model's
+    numbers up to the order of float32 additions, so the test is as strict as for ``none``:
+    transformers' greedy tokens and its top-5 logprobs within 1e-3."""
+    from kvserve.worker.layers.linear import Linear
+    from kvserve.worker.layers.quant import weight_only_available
+
+    if not weight_only_available():
+        pytest.skip("needs the qgemv kernel (AVX512-VNNI, AVX512_BF16)")
+    llm = LLM(model=str(gemma_path), dtype="float32", max_model_len=1024, device="cpu", quantization="gguf")
+    model = llm.engine.core.executor.driver_worker.model
+    lins = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.qpacked is not None for m in lins) and model.embed_tokens.qpacked is not None
+    assert sum(m.qpacked.qtype == "Q6_K" for m in lins) == 9
+    cases = reference["cases"]
+    outs = llm.generate([c["prompt_ids"] for c in cases], _params(16, logprobs=5))
+    for c, o in zip(cases, outs):
+        out = o.outputs[0]
+        assert out.token_ids == c["greedy_ids"], c["prompt"][:40]
+        for t, ref in zip(out.token_logprobs, c["top5_logprobs_first4"]):
+            assert [i for i, _ in t.top] == [i for i, _ in ref]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(t.top, ref)) < 1e-3
+
+
 def test_greedy_matches_with_chunked_prefill(gemma_path, shared_tokenizer, reference):
     """The long prompt in 128-token chunks: chunks attend across the 512-token window boundary."""
     case = reference["cases"][-1]
@@ -97,7 +122,7 @@ def test_greedy_matches_with_chunked_prefill(gemma_path, shared_tokenizer, refer
 def test_bfloat16_agrees_with_float32(gemma_path, shared_tokenizer, reference, quantization):
     """bf16 greedy starts like fp32, and scored on fp32's continuations (teacher-forced) it
     ranks fp32's token first almost everywhere; also with the GGUF weights kept quantized
-    (Q5_0, Q4_K, Q8_0 and the Q8_0 embedding/head; the Q6_K ffn_down layers dequantized)."""
+    (Q5_0, Q4_K, Q6_K, Q8_0 and the Q8_0 embedding/head: every weight quantized)."""
     llm = LLM(model=str(gemma_path), dtype="bfloat16", max_model_len=1024, device="cpu", quantization=quantization)
     if quantization == "gguf":
         from kvserve.worker.layers.linear import Linear
@@ -107,7 +132,7 @@ def test_bfloat16_agrees_with_float32(gemma_path, shared_tokenizer, reference, q
             pytest.skip("needs the qgemv kernel (AVX512-VNNI)")
         lins = [m for m in llm.engine.core.executor.driver_worker.model.modules() if isinstance(m, Linear)]
         kept = sorted({m.qpacked.qtype for m in lins if m.qpacked is not None})
-        assert kept == ["Q4_K", "Q5_0", "Q5_0+Q8_0", "Q8_0"] and sum(m.qpacked is None for m in lins) == 9
+        assert kept == ["Q4_K", "Q5_0", "Q5_0+Q8_0", "Q6_K", "Q8_0"] and sum(m.qpacked is None for m in lins) == 0
     cases = reference["cases"]
     outs = llm.generate([c["prompt_ids"] for c in cases], _params(16))
     for c, o in zip(cases, outs):

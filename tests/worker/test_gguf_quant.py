@@ -28,6 +28,9 @@ def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> Q.GGUFWeight:
     raw = torch.randint(0, 256, (n, k // bs, bb), dtype=torch.uint8, generator=g)
     half = lambda lo, hi: (torch.rand(n, k // bs, generator=g) * (hi - lo) + lo).half().view(torch.uint8).view(  # noqa: E731
         n, k // bs, 2)
+    if qtype == "Q6_K":  # (fp16 d last; the int8 scales any byte)
+        raw[..., 208:210] = half(0.0001, 0.002)
+        return Q.GGUFWeight(qtype, raw.reshape(n, -1), (n, k))
     raw[..., 0:2] = half(0.001, 0.02)
     if qtype == "Q4_1":
         raw[..., 2:4] = half(-0.1, 0.1)
@@ -64,8 +67,9 @@ def test_packed_layout_round_trips(qtype):
     assert torch.equal(Q.dequantize_rows(p, 0, n, torch.bfloat16), full.bfloat16())
     ids = torch.tensor([[9, 0, 4], [3, 3, 7]])
     assert torch.equal(Q.gather_rows(p, ids), full[ids])
-    # Q4_1's file holds 0.625 bytes a value; the packed form 0.75 (fp32 d and m per 32 values)
-    assert p.nbytes == 12 * k * (Q.BITS[qtype] / 8 + 0.25)
+    # Q4_1's file holds 0.625 bytes a value; the packed form 0.75 (fp32 d and m per 32 values;
+    # Q6_K per 16: 1.5)
+    assert p.nbytes == 12 * k * (Q.BITS[qtype] / 8 + 8 / Q.SUB[qtype])
 
 
 def test_fused_parts_of_mixed_types_pack_as_8_bit():
@@ -73,6 +77,21 @@ def test_fused_parts_of_mixed_types_pack_as_8_bit():
     p = Q.pack_gguf(parts)
     assert p.bits == 8 and p.qtype == "Q4_0+Q8_0+Q5_0"
     assert torch.equal(Q.dequantize_packed(p), torch.cat([w.dequantize() for w in parts]))
+
+
+def test_fused_parts_with_a_q6_k_part_pack_per_16_values():
+    """A Q6_K part (a d and m per 16 values) makes the fused weight ``sub16``: the other parts'
+    pairs repeat per half block, and the kernels compute the same values."""
+    parts = [random_weight("Q4_K", 4, 256, 1), random_weight("Q6_K", 8, 256, 2)]
+    p = Q.pack_gguf(parts)
+    assert (p.bits, p.sub, p.qtype) == (8, 16, "Q4_K+Q6_K") and tuple(p.d.shape) == (3, 8, 2, 4)
+    full = torch.cat([w.dequantize() for w in parts])
+    assert torch.equal(Q.dequantize_packed(p), full)
+    if HAS_KERNEL:
+        assert torch.equal(Q.dequantize_rows(p, 0, 12, torch.float32), full)
+    if Q.weight_only_available():
+        x = torch.randn(3, 256)
+        torch.testing.assert_close(Q.qlinear(x, p, int8=False), F.linear(x, full), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
@@ -239,8 +258,8 @@ def test_quantized_embedding_and_tied_head_share_one_table():
 
 
 def test_bad_input_names_the_field():
-    with pytest.raises(ValueError, match=r"qtype must be one of .*'Q4_0'.*got 'Q6_K'"):
-        Q.GGUFWeight("Q6_K", torch.zeros(1, 210, dtype=torch.uint8), (1, 256))
+    with pytest.raises(ValueError, match=r"qtype must be one of .*'Q4_0'.*got 'Q2_K'"):
+        Q.GGUFWeight("Q2_K", torch.zeros(1, 84, dtype=torch.uint8), (1, 256))
     with pytest.raises(ValueError, match="K=48 is not a multiple of Q4_0's block of 32"):
         Q.GGUFWeight("Q4_0", torch.zeros(1, 27, dtype=torch.uint8), (1, 48))
     with pytest.raises(ValueError, match=r"data must be uint8 \[2, 36\]"):

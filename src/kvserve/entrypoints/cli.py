@@ -38,7 +38,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--quantization", default="gguf", choices=["gguf", "gguf_int8", "none", "int8"],
                    help="weights: gguf keeps a GGUF file's quantized tensors quantized (Q4_0, Q4_1, Q5_0, Q8_0, "
-                        "Q4_K, Q5_K; the dequantized model's numbers), gguf_int8 too with int8 activations "
+                        "Q4_K, Q5_K, Q6_K; the dequantized model's numbers), gguf_int8 too with int8 activations "
                         "(llama.cpp's arithmetic, faster), none dequantizes them to --dtype at load, int8 is "
                         "weight-only int8 (default: gguf)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",

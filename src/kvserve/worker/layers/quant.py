@@ -2,10 +2,10 @@
 linear kernel over it (``csrc/cpu/qgemv.c``) with its PyTorch reference.
 
 A GGUF linear weight ``[N, K]`` is stored in blocks of 32 (or 256) values along ``K``. Every
-type handled here is, per block of 32 values ``b`` of row ``n``, an affine map of unsigned
-integers::
+type handled here is, per sub-block of ``S`` values ``b`` of row ``n`` (``S = 32``; 16 for
+``Q6_K``), an affine map of unsigned integers::
 
-    w[n, 32 b + t] = d[n, b] * u[n, 32 b + t] + m[n, b]        (d, m float32)
+    w[n, S b + t] = d[n, b] * u[n, S b + t] + m[n, b]        (d, m float32)
 
 =========  ===========================================  ================================  =====
 type       ggml block                                   u, d, m                           bits
@@ -17,18 +17,23 @@ type       ggml block                                   u, d, m                 
 ``Q4_K``   256 values: fp16 d, dmin, 12 bytes of 6-bit  per 32: d = d·sc, m = -dmin·mn    4
            scales/mins, 128 bytes of nibbles
 ``Q5_K``   as Q4_K plus 32 bytes of 5th bits            per 32: d = d·sc, m = -dmin·mn    8
+``Q6_K``   256 values: 128 bytes of low nibbles, 64 of  per 16: d = d·sc, m = -32 d,      8
+           high 2-bit pairs, 16 int8 scales, fp16 d     u = q (0..63)
 =========  ===========================================  ================================  =====
 
 (ggml's formats: ``ggml-common.h`` / ``ggml-quants.c`` of llama.cpp, and gguf-py's
 ``gguf/quants.py``; :func:`unpack` reproduces ``gguf.quants.dequantize`` bit for bit, tested.)
-``Q6_K`` (16-value sub-blocks with their own int8 scale) and the other types are not kept
-quantized: their layers are dequantized at load as before (:data:`KEPT_TYPES`).
+The other types (Q2_K, Q3_K, Q5_1, the IQ types) are not kept quantized: their layers are
+dequantized at load as before (:data:`KEPT_TYPES`). Group-wise int4 of float checkpoints
+(``quantization="int4"``, :func:`quantize_int4`: gpt-fast's and torchao's asymmetric int4,
+``w = scale · u + min`` per group) uses the same layout and kernels.
 
 The packed layout (:class:`PackedWeight`) keeps the quantized values and float32 ``d``/``m``
 in separate arrays, rows interleaved in groups of 4 so that one 64-byte load covers one block
 of 4 rows (llama.cpp's repacked ``block_q4_0x4`` idea): see ``csrc/cpu/qgemv.c``. Resident
 size per weight value: 4-bit types 0.75 bytes (0.5 for the nibbles + 8 bytes of ``d``, ``m``
-per 32), 8-bit types 1.25 bytes; Q4_1 in the file is 0.625.
+per 32), 8-bit types 1.25 bytes, Q6_K (``d``, ``m`` per 16: the ``sub16`` layout) 1.5 bytes;
+Q4_1 in the file is 0.625, Q6_K 0.82.
 
 Two kernels run on it (:func:`qlinear`, ``csrc/cpu/qgemv.c``, OpenMP over groups of rows):
 
@@ -67,10 +72,12 @@ from kvserve.kernels import cpu_flags, load_library
 
 #: GGUF types kept quantized, with their block size (values) and bytes per block.
 BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
-         "Q5_K": (256, 176)}
+         "Q5_K": (256, 176), "Q6_K": (256, 210)}
 KEPT_TYPES = tuple(BLOCK)
 #: bits of the packed values per type (4: two per byte; 8: one per byte)
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8, "Q4_K": 4, "Q5_K": 8}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
+#: values per scale/offset pair (``d``, ``m``) per type: 32, or 16 (the ``sub16`` layout)
+SUB = {t: 16 if t == "Q6_K" else 32 for t in BLOCK}
 #: Group of weight rows interleaved in the packed layout.
 ROWS = 4
 
@@ -128,7 +135,10 @@ class GGUFWeight:
         """float32 ``[N, K]``, equal to ``gguf.quants.dequantize`` of the same bytes."""
         u, d, m = unpack(self)
         n, k = self.shape
-        return torch.addcmul(m.unsqueeze(-1), u.view(n, k // 32, 32).float(), d.unsqueeze(-1)).view(n, k)
+        sub = SUB[self.qtype]
+        if self.qtype == "Q6_K":  # ggml rounds d · (q - 32) once (d · q is not always exact here)
+            return (d.unsqueeze(-1) * (u.view(n, k // sub, sub).float() - 32.0)).view(n, k)
+        return torch.addcmul(m.unsqueeze(-1), u.view(n, k // sub, sub).float(), d.unsqueeze(-1)).view(n, k)
 
 
 # ----------------------------------------------------------------------------- unpacking
@@ -148,13 +158,25 @@ def _scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def unpack(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(u [N, K] uint8, d [N, K/32] float32, m [N, K/32] float32)`` with
-    ``w[n, 32 b + t] = d[n, b] * u[n, 32 b + t] + m[n, b]`` (see the module docstring); the
-    float32 values ``d`` and ``m`` are ggml's own (``d * sc`` and ``dmin * mn`` rounded as ggml does)."""
+    """``(u [N, K] uint8, d [N, K/S] float32, m [N, K/S] float32)`` with ``S = SUB[qtype]`` (32;
+    16 for Q6_K) and ``w[n, S b + t] = d[n, b] * u[n, S b + t] + m[n, b]`` (see the module
+    docstring); the float32 values ``d`` and ``m`` are ggml's own (``d * sc`` and ``dmin * mn``
+    rounded as ggml does)."""
     n, k = w.shape
     bs, bb = BLOCK[w.qtype]
     b = w.data.reshape(n, k // bs, bb)
     t = w.qtype
+    if t == "Q6_K":
+        # ggml's block_q6_K: ql[128] (per 128-value half: 64 bytes, low nibbles = values 0..63,
+        # high nibbles = 64..127), qh[64] (per half: 32 bytes, bits 2j..2j+1 of byte l = the
+        # high 2 bits of value 32 j + l), int8 scales[16] (one per 16 values), fp16 d
+        ql = b[..., :128].reshape(n, k // bs, 2, 64)
+        qh = b[..., 128:192].reshape(n, k // bs, 2, 1, 32)
+        lo = torch.cat([ql & 0x0F, ql >> 4], dim=-1)  # [n, blocks, 2, 128]
+        hi = ((qh >> torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1)) & 3).reshape(n, k // bs, 2, 128)
+        u = (lo | (hi << 4)).reshape(n, k)
+        dd = (_f16(b, 208).unsqueeze(-1) * b[..., 192:208].contiguous().view(torch.int8).float()).reshape(n, k // 16)
+        return u, dd, -32.0 * dd
     if t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
         d = _f16(b, 0)
         if t == "Q8_0":
@@ -191,10 +213,12 @@ class PackedWeight(NamedTuple):
 
     Attributes:
         qs: uint8, ``[ceil(N/4), K/32, 64]`` (bits 4) or ``[ceil(N/4), K/32, 128]`` (bits 8).
-        d, m: float32 ``[ceil(N/4), K/32, 4]``.
+        d, m: float32 ``[ceil(N/4), K/32, 4]`` (``sub == 32``) or ``[ceil(N/4), K/32, 2, 4]``
+            (``sub == 16``: one per half block).
         bits: 4 or 8.
         shape: ``(N, K)``.
-        qtype: the GGUF type(s) it came from (``"Q4_1"``, ``"Q5_0+Q8_0"``).
+        qtype: the type(s) it came from (``"Q4_1"``, ``"Q5_0+Q8_0"``, ``"int4_g32"``).
+        sub: values per ``d``/``m`` pair, 32 or 16.
     """
 
     qs: torch.Tensor
@@ -203,6 +227,7 @@ class PackedWeight(NamedTuple):
     bits: int
     shape: tuple[int, int]
     qtype: str
+    sub: int = 32
 
     @property
     def nbytes(self) -> int:
@@ -214,7 +239,7 @@ def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, qtype: st
 
     Args:
         u: ``[N, K]`` uint8 (``< 16`` when ``bits == 4``); ``K % 32 == 0``.
-        d, m: ``[N, K/32]`` float32.
+        d, m: ``[N, K/32]`` float32, or ``[N, K/16]`` (a pair per 16 values: the ``sub16`` layout).
         bits: 4 or 8.
 
     Raises:
@@ -223,31 +248,37 @@ def pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, qtype: st
     if bits not in (4, 8):
         raise ValueError(f"pack: bits must be 4 or 8, got {bits}")
     n, k = u.shape
-    if k % 32 or tuple(d.shape) != (n, k // 32) or tuple(m.shape) != (n, k // 32):
-        raise ValueError(f"pack: u must be [N, K] with K % 32 == 0 and d, m [N, K/32]; got {tuple(u.shape)}, "
-                         f"{tuple(d.shape)}, {tuple(m.shape)}")
+    sub = 16 if k and d.dim() == 2 and d.shape[1] == k // 16 and k % 32 == 0 else 32
+    if k % 32 or tuple(d.shape) != (n, k // sub) or tuple(m.shape) != (n, k // sub):
+        raise ValueError(f"pack: u must be [N, K] with K % 32 == 0 and d, m [N, K/32] or [N, K/16]; got "
+                         f"{tuple(u.shape)}, {tuple(d.shape)}, {tuple(m.shape)}")
     if bits == 4 and n and int(u.max()) > 15:
         raise ValueError("pack: 4-bit values must be < 16")
     g, kb = -(-n // ROWS), k // 32
     pad = g * ROWS - n
     if pad:
         u = torch.cat([u, u.new_zeros(pad, k)])
-        d = torch.cat([d, d.new_zeros(pad, kb)])
-        m = torch.cat([m, m.new_zeros(pad, kb)])
+        d = torch.cat([d, d.new_zeros(pad, d.shape[1])])
+        m = torch.cat([m, m.new_zeros(pad, m.shape[1])])
     ub = u.view(g, ROWS, kb, 2, 16)  # halves: values 0..15 and 16..31 of each block
     if bits == 4:
         qs = (ub[:, :, :, 0] | (ub[:, :, :, 1] << 4)).permute(0, 2, 1, 3)  # [g, kb, rows, 16]
     else:
         qs = ub.permute(0, 2, 3, 1, 4)  # [g, kb, half, rows, 16]
     qs = qs.reshape(g, kb, ROWS * 16 * (bits // 4)).contiguous()
-    d4 = d.float().view(g, ROWS, kb).permute(0, 2, 1).contiguous()
-    m4 = m.float().view(g, ROWS, kb).permute(0, 2, 1).contiguous()
-    return PackedWeight(qs, d4, m4, bits, (n, k), qtype)
+    if sub == 16:  # [g, kb, half, rows]
+        d4 = d.float().view(g, ROWS, kb, 2).permute(0, 2, 3, 1).contiguous()
+        m4 = m.float().view(g, ROWS, kb, 2).permute(0, 2, 3, 1).contiguous()
+    else:
+        d4 = d.float().view(g, ROWS, kb).permute(0, 2, 1).contiguous()
+        m4 = m.float().view(g, ROWS, kb).permute(0, 2, 1).contiguous()
+    return PackedWeight(qs, d4, m4, bits, (n, k), qtype, sub)
 
 
 def pack_gguf(weights: Sequence[GGUFWeight]) -> PackedWeight:
     """Pack the row-wise concatenation of ``weights`` (one, or the parts of a fused q/k/v or
-    gate/up layer; types may differ: any 8-bit part makes the whole 8-bit).
+    gate/up layer; types may differ: any 8-bit part makes the whole 8-bit, any Q6_K part the
+    whole ``sub16``, the other parts' ``d``, ``m`` then repeated per half block).
 
     Raises:
         ValueError: parts with different ``K``.
@@ -255,15 +286,24 @@ def pack_gguf(weights: Sequence[GGUFWeight]) -> PackedWeight:
     if len({w.shape[1] for w in weights}) != 1:
         raise ValueError(f"pack_gguf: parts have different K: {[w.shape for w in weights]}")
     parts = [unpack(w) for w in weights]
+    if len({SUB[w.qtype] for w in weights}) > 1:
+        parts = [p if SUB[w.qtype] == 16 else (p[0], p[1].repeat_interleave(2, 1), p[2].repeat_interleave(2, 1))
+                 for w, p in zip(weights, parts)]
     bits = max(BITS[w.qtype] for w in weights)
     u, d, m = (torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3))
     qtype = "+".join(dict.fromkeys(w.qtype for w in weights))
     return pack(u, d, m, bits, qtype)
 
 
+def _fma(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``d · u + m`` rounded once to float32, as the C code's FMA (the product of a float32 and
+    an 8-bit integer is exact in float64)."""
+    return torch.addcmul(m.double(), u.double(), d.double()).float()
+
+
 def dequantize_packed(p: PackedWeight, start: int = 0, length: Optional[int] = None) -> torch.Tensor:
     """Rows ``[start, start + length)`` of a packed weight as float32 (PyTorch; the reference of
-    the C dequantization)."""
+    the C dequantization: ``d · u + m`` with one rounding)."""
     n, k = p.shape
     length = n - start if length is None else length
     g, kb = p.qs.shape[0], k // 32
@@ -272,10 +312,15 @@ def dequantize_packed(p: PackedWeight, start: int = 0, length: Optional[int] = N
         u = torch.stack([q & 0x0F, q >> 4], dim=3)  # [g, kb, rows, 2, 16]
     else:
         u = p.qs.view(g, kb, 2, ROWS, 16).permute(0, 1, 3, 2, 4)
-    u = u.permute(0, 2, 1, 3, 4).reshape(g * ROWS, kb, 32).float()
-    d = p.d.permute(0, 2, 1).reshape(g * ROWS, kb, 1)
-    mm = p.m.permute(0, 2, 1).reshape(g * ROWS, kb, 1)
-    return torch.addcmul(mm, u, d).reshape(g * ROWS, k)[start:start + length]
+    u = u.permute(0, 2, 1, 3, 4).reshape(g * ROWS, kb, 2, 16)
+    if p.sub == 16:
+        d = p.d.permute(0, 3, 1, 2).reshape(g * ROWS, kb, 2, 1)
+        mm = p.m.permute(0, 3, 1, 2).reshape(g * ROWS, kb, 2, 1)
+    else:
+        d = p.d.permute(0, 2, 1).reshape(g * ROWS, kb, 1, 1)
+        mm = p.m.permute(0, 2, 1).reshape(g * ROWS, kb, 1, 1)
+    rows = slice(start, start + length)
+    return _fma(u[rows], d[rows], mm[rows]).reshape(length, k)
 
 
 def gather_rows(p: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
@@ -289,9 +334,11 @@ def gather_rows(p: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     sel = p.qs.view(-1, kb, halves, ROWS, 16)[g, :, :, r]  # [T, kb, halves, 16]
     if p.bits == 4:
         sel = torch.stack([sel[:, :, 0] & 0x0F, sel[:, :, 0] >> 4], dim=2)
-    d = p.d[g, :, r].unsqueeze(-1)  # [T, kb, 1]
-    m = p.m[g, :, r].unsqueeze(-1)
-    return torch.addcmul(m, sel.reshape(-1, kb, 32).float(), d).reshape(*ids.shape, k)
+    if p.sub == 16:
+        d, m = p.d[g, :, :, r].unsqueeze(-1), p.m[g, :, :, r].unsqueeze(-1)  # [T, kb, 2, 1]
+    else:
+        d, m = p.d[g, :, r].view(-1, kb, 1, 1), p.m[g, :, r].view(-1, kb, 1, 1)
+    return _fma(sel.reshape(-1, kb, 2, 16), d, m).reshape(*ids.shape, k)
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -300,7 +347,8 @@ class _QWeightDesc(ctypes.Structure):
     """``kv_qweight_t`` of ``csrc/cpu/qgemv.c``."""
 
     _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("bits", ctypes.c_int64), ("bf16", ctypes.c_int64), ("int8_act", ctypes.c_int64)]
+                ("bits", ctypes.c_int64), ("bf16", ctypes.c_int64), ("int8_act", ctypes.c_int64),
+                ("sub16", ctypes.c_int64)]
 
 
 def gemv_descriptor(p: PackedWeight, bias: Optional[torch.Tensor], dtype: torch.dtype, int8: bool) -> torch.Tensor:
@@ -309,7 +357,7 @@ def gemv_descriptor(p: PackedWeight, bias: Optional[torch.Tensor], dtype: torch.
     and ``bias`` (float32 ``[N]`` or None) alive); x and y in ``dtype`` (float32 or bfloat16);
     ``int8``: :func:`qlinear`'s int8-activation kernel, else its weight-only one."""
     desc = _QWeightDesc(p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), None if bias is None else bias.data_ptr(),
-                        p.bits, int(dtype == torch.bfloat16), int(int8))
+                        p.bits, int(dtype == torch.bfloat16), int(int8), int(p.sub == 16))
     return torch.frombuffer(bytearray(bytes(desc)), dtype=torch.uint8)
 
 
@@ -320,13 +368,13 @@ class _QKernels:
         self.gemv.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i64, c_int]
         self.gemv.restype = None
         self.linear = lib.kv_q_linear
-        self.linear.argtypes = [vp, i64, c_int, i64, i64, vp, vp, vp, c_int, i64, vp, vp, i64, c_int, c_int]
+        self.linear.argtypes = [vp, i64, c_int, i64, i64, vp, vp, vp, c_int, c_int, i64, vp, vp, i64, c_int, c_int]
         self.linear.restype = c_int
         self.linear_wo = lib.kv_q_linear_wo
-        self.linear_wo.argtypes = [vp, i64, c_int, i64, i64, vp, vp, vp, c_int, i64, vp, vp, i64, c_int]
+        self.linear_wo.argtypes = [vp, i64, c_int, i64, i64, vp, vp, vp, c_int, c_int, i64, vp, vp, i64, c_int]
         self.linear_wo.restype = None
         self.dequant = lib.kv_q_dequant
-        self.dequant.argtypes = [vp, vp, vp, c_int, i64, i64, i64, vp, c_int, c_int]
+        self.dequant.argtypes = [vp, vp, vp, c_int, c_int, i64, i64, i64, vp, c_int, c_int]
         self.dequant.restype = c_int
         self.quantize_act = lib.kv_q_quantize_act
         self.quantize_act.argtypes = [vp, i64, c_int, i64, i64, vp, vp, vp]
@@ -387,11 +435,12 @@ def qlinear(x: torch.Tensor, p: PackedWeight, bias: Optional[torch.Tensor] = Non
     bf16 = int(x.dtype == torch.bfloat16)
     nt = num_threads or (torch.get_num_threads() if n * k >= _PARALLEL_MIN_ELEMENTS else 1)
     b = None if bias is None else bias.data_ptr()
+    sub16 = int(p.sub == 16)
     if not int8:
         kern.linear_wo(x.data_ptr(), x.stride(0), bf16, M, k, p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), p.bits,
-                       n, b, y.data_ptr(), n, nt)
+                       sub16, n, b, y.data_ptr(), n, nt)
     elif kern.linear(x.data_ptr(), x.stride(0), bf16, M, k, p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), p.bits,
-                     n, b, y.data_ptr(), n, bf16, nt):
+                     sub16, n, b, y.data_ptr(), n, bf16, nt):
         raise RuntimeError("qlinear: could not allocate the quantized activations")
     return y
 
@@ -411,7 +460,8 @@ def dequantize_rows(p: PackedWeight, start: int, length: int, dtype: torch.dtype
         out = torch.empty(length * k, dtype=dtype)
     out = out.view(-1)[:length * k].view(length, k)
     nt = torch.get_num_threads() if length * k >= _PARALLEL_MIN_ELEMENTS else 1
-    if kern.dequant(p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), p.bits, k, start, start + length, out.data_ptr(),
+    if kern.dequant(p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), p.bits, int(p.sub == 16), k, start, start + length,
+                    out.data_ptr(),
                     int(dtype == torch.bfloat16), nt):
         raise RuntimeError("dequantize_rows: out of memory")
     return out
