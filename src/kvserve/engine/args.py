@@ -99,7 +99,11 @@ class EngineArgs:
             stay quantized (linear layers, embedding, LM head; int8 activations on the CPU
             kernel, see :mod:`kvserve.worker.layers.quant`; no effect on other files, on other
             tensor types or off the CPU); None (``"none"`` on the command line): dequantize to
-            the model dtype at load; ``"int8"``: weight-only int8 linears.
+            the model dtype at load; ``"int8"``: weight-only int8 linears; ``"int4"``: the linear
+            layers' float weights quantized at load to group-wise asymmetric int4 (a float32
+            scale and minimum per 32 input values, gpt-fast's/torchao's scheme; ``"int4_g16"``,
+            ``"int4_g64"``, ``"int4_g128"``, ``"int4_g256"``: per 16 ... 256), run on the
+            weight-only kernel; the embedding and LM head stay in the model dtype.
         seed: seed for the random seeds of unseeded requests.
         speculative_config: None, or speculative decoding as a dict (or its JSON text):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,

@@ -27,6 +27,10 @@ kernel computes that best depends on how many tokens ``M`` share one pass over `
   than bf16 for Q4_1; small M on the quantized kernels (weight-only up to ``QGEMV_WO_MAX_M``,
   int8 activations up to ``QGEMV_MAX_M``), larger M on ``F.linear`` over row chunks dequantized
   into a scratch buffer (:func:`chunked_linear`).
+* **int4 of float weights** (``quantization="int4"``, ``"int4_g16"`` ... ``"int4_g256"``):
+  group-wise asymmetric int4 (gpt-fast, torchao) quantized at load
+  (:func:`~kvserve.worker.layers.quant.quantize_int4`) into the same layout, on the same
+  weight-only kernel and chunked path.
 
 Numerics: all paths accumulate in float32 and round once, like oneDNN and MKL; only the order
 of the additions differs, so bf16 results match ``F.linear`` to within one bf16 ulp (in
@@ -56,8 +60,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import cpu_flags, load_library
-from kvserve.worker.layers.quant import (GGUFWeight, PackedWeight, dequantize_rows, pack_gguf, q_kernels, qlinear,
-                                        quantize_activations, weight_only_available)
+from kvserve.worker.layers.quant import (INT4_GROUP_SIZES, GGUFWeight, PackedWeight, dequantize_packed, dequantize_rows,
+                                        pack_gguf, q_kernels, qlinear, quantize_activations, quantize_int4,
+                                        weight_only_available)
 
 #: Largest number of tokens (rows of ``x``) sent to the bf16 gemv kernel; above it oneDNN's
 #: AMX/AVX-512 GEMM wins (measured crossover: gemv faster at M <= 4 on every model shape,
@@ -82,7 +87,7 @@ QGEMV_WO_MAX_M = 16
 QCHUNK_BYTES = 1 << 21
 
 BACKENDS = ("auto", "eager", "gemv", "onednn")
-QUANTIZATIONS = (None, "int8", "gguf", "gguf_int8")
+QUANTIZATIONS = (None, "int8", "gguf", "gguf_int8", *INT4_GROUP_SIZES)
 #: The quantizations that keep GGUF-quantized weights quantized.
 GGUF_QUANTIZATIONS = ("gguf", "gguf_int8")
 
@@ -375,6 +380,12 @@ class Linear(nn.Module):
             such a layer is used as with ``None``. ``"gguf_int8"``: the same with int8
             activations (llama.cpp's arithmetic, AVX512-VNNI; up to ``QGEMV_MAX_M`` tokens;
             numbers within :func:`~kvserve.worker.layers.quant.activation_error_bound`).
+            ``"int4"`` (groups of 32) and ``"int4_g16"``, ``"int4_g64"``, ``"int4_g128"``,
+            ``"int4_g256"``: a float weight is quantized at load to group-wise asymmetric int4
+            (:func:`~kvserve.worker.layers.quant.quantize_int4`; ``in_features`` must be a
+            multiple of the group size) and run as a GGUF-quantized weight with ``"gguf"``
+            (weight-only); off the CPU the int4 values are dequantized back into a float
+            weight (int4's numbers, not its memory).
         backend: where the fast paths apply (CPU, float32/bfloat16, no autograd):
 
             * ``"auto"`` (default): gemv kernel for ``M <= GEMV_MAX_M_*`` tokens; in bf16 on
@@ -435,6 +446,16 @@ class Linear(nn.Module):
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must be [{weight.shape[0]}], got shape {tuple(bias.shape)}")
         backend, quantization = self.requested_backend, self.quantization
+        if quantization in INT4_GROUP_SIZES:
+            g = INT4_GROUP_SIZES[quantization]
+            if weight.shape[1] % g:
+                raise ValueError(f"quantization={quantization!r}: the layer's in_features ({weight.shape[1]}) must be "
+                                 f"a multiple of the int4 group size {g}")
+            packed = quantize_int4(weight, g)
+            if weight.is_cpu:
+                self.set_gguf_weight([], bias, packed=packed)
+                return
+            weight = dequantize_packed(packed).to(device=weight.device, dtype=weight.dtype)
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
         self._packed: Optional[torch.Tensor] = None  # oneDNN layout; not a buffer (opaque tensor)
@@ -487,7 +508,7 @@ class Linear(nn.Module):
 
     @property
     def is_quantized(self) -> bool:
-        """Whether the weight is held quantized (``"int8"``, or a GGUF-quantized weight)."""
+        """Whether the weight is held quantized (``"int8"``, a GGUF-quantized or int4 weight)."""
         return self.quantization == "int8" or self.qpacked is not None
 
     @property

@@ -341,6 +341,51 @@ def gather_rows(p: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     return _fma(sel.reshape(-1, kb, 2, 16), d, m).reshape(*ids.shape, k)
 
 
+# ----------------------------------------------------------------------------- int4 of float weights
+
+#: ``quantization`` value -> int4 group size (values of ``K`` sharing one scale and minimum)
+INT4_GROUP_SIZES = {"int4": 32, "int4_g16": 16, "int4_g64": 64, "int4_g128": 128, "int4_g256": 256}
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> PackedWeight:
+    """Group-wise asymmetric int4 weight-only quantization (gpt-fast's ``int4`` /
+    torchao's ``int4_weight_only``: a scale and a minimum per group of ``group_size`` input
+    values), packed for the kernels of this module.
+
+    Per group: ``d = (max - min) / 15`` (at least 1e-12), ``u = round((w - min) / d)`` clamped to
+    [0, 15], and the model then uses ``w' = d · u + min`` (float32, one rounding), so
+    ``|w - w'| <= d / 2`` per value up to float32 rounding. Unlike gpt-fast, ``d`` and ``min``
+    stay float32 (gpt-fast rounds them to bf16). Groups of 16 use the ``sub16`` layout; groups
+    of 64-256 repeat their pair per 32 values (the same numbers as the group, the memory of g32).
+
+    Args:
+        weight: ``[N, K]`` float (any float dtype; quantized from its float32 values).
+        group_size: 16, 32, 64, 128 or 256, dividing ``K``.
+
+    Returns:
+        the packed weight (``qtype`` ``"int4_g{group_size}"``, 4 bits).
+
+    Raises:
+        ValueError: a group size outside that set, ``K`` not a multiple of it, or a weight that is not 2-D.
+    """
+    if group_size not in (16, 32, 64, 128, 256):
+        raise ValueError(f"quantize_int4: group_size must be one of 16, 32, 64, 128, 256, got {group_size}")
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_int4: weight must be [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if k % group_size or k % 32:
+        raise ValueError(f"quantize_int4: in_features K={k} must be a multiple of the group size {group_size} "
+                         "(and of 32)")
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15.0).clamp_min(1e-12)
+    u = torch.round((w - lo) / d).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    d, lo = d.reshape(n, -1), lo.reshape(n, -1)
+    if group_size > 32:
+        d, lo = d.repeat_interleave(group_size // 32, 1), lo.repeat_interleave(group_size // 32, 1)
+    return pack(u, d, lo, 4, f"int4_g{group_size}")
+
+
 # ----------------------------------------------------------------------------- the kernels
 
 class _QWeightDesc(ctypes.Structure):
