@@ -10,7 +10,12 @@ float32 weights and runs the same text through the engine's model:
   the type: ``gguf.quants.quantize`` where gguf-py has a quantizer (Q4_0, Q4_1, Q5_0, Q8_0),
   else :func:`quantize_k` (this file: plain min/max K-quants, not llama.cpp's iterative
   search, so its K rows are a pessimistic estimate of llama.cpp's); then loaded as a GGUF weight
-  (``quantization="gguf"``: kept quantized, weight-only kernel);
+  (``quantization="gguf"``: kept quantized, weight-only kernel). K-quants need rows of a
+  multiple of 256 values: a tensor whose ``K`` is not (SmolLM2's hidden size is 576: every
+  layer but ``down_proj``, and the embedding) gets llama.cpp's fallback type instead
+  (:data:`K_FALLBACK`: Q4_K -> Q5_0, Q6_K -> Q8_0, as ``llama-quant.cpp`` does; Q5_K -> Q5_0
+  where llama.cpp takes Q5_1, which kvserve does not keep quantized); the report lists the
+  tensors of each type;
 * ``int4`` (``int4_g16`` ... ``int4_g256``): ``quantization="int4"`` on the float32 weights
   (group-wise asymmetric int4 of the linear layers; embedding and LM head stay float32);
 * ``TYPE+int8act``: the type with ``quantization="gguf_int8"`` (int8 activations per 32 values).
@@ -52,6 +57,8 @@ GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 DEFAULT_TYPES = (*GGUF_TYPES, "int4", "Q4_1+int8act", "Q8_0+int8act")
 #: gguf-py's own quantizers
 _GGUF_PY = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+#: the type a K-quant row gives a tensor whose rows are not a multiple of 256 values
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_0", "Q6_K": "Q8_0"}
 
 
 # ------------------------------------------------------------------------------------ quantizers
@@ -134,10 +141,12 @@ def quantize_k(w: torch.Tensor, qtype: str) -> torch.Tensor:
 def requantize(w: torch.Tensor, qtype: str):
     """``w [N, K]`` float32 quantized to the GGUF type ``qtype`` as a
     :class:`~kvserve.worker.layers.quant.GGUFWeight` (gguf-py's quantizer where it has one, else
-    :func:`quantize_k`)."""
+    :func:`quantize_k`; a K-quant with ``K % 256 != 0`` gets :data:`K_FALLBACK`'s type)."""
     from kvserve.worker.layers.quant import GGUFWeight
 
     n, k = w.shape
+    if qtype in K_FALLBACK and k % 256:
+        qtype = K_FALLBACK[qtype]
     if qtype in _GGUF_PY:
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize
@@ -156,9 +165,14 @@ def requantizing_loader(load_weights, qtype: str):
 
     def load(path, progress=None, keep_quantized=False):
         cfg, state = load_weights(path, progress=progress, keep_quantized=keep_quantized)
-        return cfg, {k: requantize(v.dequantize(), qtype) if isinstance(v, GGUFWeight) else v
-                     for k, v in state.items()}
+        state = {k: requantize(v.dequantize(), qtype) if isinstance(v, GGUFWeight) else v for k, v in state.items()}
+        load.types = {}
+        for v in state.values():
+            if isinstance(v, GGUFWeight):
+                load.types[v.qtype] = load.types.get(v.qtype, 0) + 1
+        return cfg, state
 
+    load.types = {}  # GGUF type -> tensors, of the last load
     return load
 
 
@@ -237,34 +251,45 @@ def row_config(row: str) -> tuple[Optional[str], str]:
 
 
 def run_row(model: str, row: Optional[str], ids: Sequence[int], dtype: str = "float32", **kw) -> tuple:
-    """(``[T, V]`` log-probabilities, weight bytes) of the row (None: the float32 reference,
-    ``quantization="none"``), the engine built, used and shut down inside."""
+    """(``[T, V]`` log-probabilities, weight bytes, {GGUF type: tensors} of a re-quantized row)
+    of the row (None: the float32 reference, ``quantization="none"``), the engine built, used
+    and shut down inside."""
     import kvserve.worker.worker as worker_mod
     from kvserve import LLM
 
     qtype, quantization = (None, "none") if row is None else row_config(row)
     orig = worker_mod.load_weights
     if qtype is not None:
-        worker_mod.load_weights = requantizing_loader(orig, qtype)
+        worker_mod.load_weights = loader = requantizing_loader(orig, qtype)
     try:
         llm = LLM(model=model, dtype=dtype, quantization=quantization, max_model_len=len(ids) + 1,
                   device="cpu", **kw)
     finally:
         worker_mod.load_weights = orig
     try:
-        return all_logprobs(llm, ids), weight_bytes(llm.engine.model)
+        return all_logprobs(llm, ids), weight_bytes(llm.engine.model), dict(loader.types) if qtype else {}
     finally:
         llm.shutdown()
 
 
-def report(model: str, rows: Sequence[str], ids: Sequence[int], dtype: str = "float32", **kw) -> list[dict]:
-    """Every row compared with the reference; the reference first (its own row: 100%, 0)."""
-    ref, ref_bytes = run_row(model, None, ids, dtype, **kw)
-    out = [{"row": "float32 (reference)", **compare(ref, ref, ids), "bytes": ref_bytes, "s": 0.0}]
+def report(model: str, rows: Sequence[str], ids: Sequence[int], dtype: str = "float32", verbose: bool = False,
+           **kw) -> list[dict]:
+    """Every row compared with the reference; the reference first (its own row: 100%, 0). A
+    row the engine refuses (e.g. an int4 group size that does not divide a layer) is left out,
+    its reason printed; ``verbose``: each row printed as it is measured."""
+    ref, ref_bytes, _ = run_row(model, None, ids, dtype, **kw)
+    out = [{"row": "float32 (reference)", **compare(ref, ref, ids), "bytes": ref_bytes, "s": 0.0, "types": {}}]
     for row in rows:
         t0 = time.perf_counter()
-        got, nbytes = run_row(model, row, ids, dtype, **kw)
-        out.append({"row": row, **compare(ref, got, ids), "bytes": nbytes, "s": time.perf_counter() - t0})
+        try:
+            got, nbytes, types = run_row(model, row, ids, dtype, **kw)
+        except ValueError as e:
+            print(f"{row}: skipped: {e}", flush=True)
+            continue
+        out.append({"row": row, **compare(ref, got, ids), "bytes": nbytes, "s": time.perf_counter() - t0,
+                    "types": types})
+        if verbose:
+            print(format_table(out[-1:]).splitlines()[-1], flush=True)
         del got
     return out
 
@@ -301,8 +326,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if len(ids) < a.tokens:
         raise SystemExit(f"only {len(ids)} tokens of text")
     print(f"model {model}, {len(ids)} tokens of text, float32; rows: {' '.join(a.types)}", flush=True)
-    rows = report(model, a.types, ids, kv_cache_memory=a.kv_cache_memory)
+    rows = report(model, a.types, ids, verbose=True, kv_cache_memory=a.kv_cache_memory)
     print(format_table(rows))
+    print("tensors per GGUF type: " + "; ".join(f"{r['row']}: " + ", ".join(f"{t} {n}" for t, n in r["types"].items())
+                                                 for r in rows if len(r["types"]) > 1))
     print("seconds per row (load + prefill): " + ", ".join(f"{r['row']} {r['s']:.1f}" for r in rows[1:]))
 
 

@@ -44,6 +44,12 @@ def test_k_quantizer_round_trips_through_gguf(qtype, rms_bound):
         wq.quantize_k(torch.randn(2, 96), qtype)
 
 
+def test_k_rows_fall_back_where_rows_are_not_whole_super_blocks():
+    assert wq.requantize(torch.randn(2, 576), "Q4_K").qtype == "Q5_0"
+    assert wq.requantize(torch.randn(2, 576), "Q6_K").qtype == "Q8_0"
+    assert wq.requantize(torch.randn(2, 512), "Q6_K").qtype == "Q6_K"
+
+
 def test_requantizing_loader_swaps_every_gguf_tensor():
     from kvserve.worker.layers.quant import GGUFWeight
 
@@ -54,6 +60,7 @@ def test_requantizing_loader_swaps_every_gguf_tensor():
     assert cfg == "cfg" and state["norm"] is src["norm"]
     assert isinstance(state["a"], GGUFWeight) and state["a"].qtype == "Q4_K"
     assert torch.equal(state["a"].dequantize(), wq.requantize(src["a"].dequantize(), "Q4_K").dequantize())
+    assert load.types == {"Q4_K": 1}
 
 
 def test_compare_on_known_inputs():
@@ -89,7 +96,7 @@ def test_rows_and_bad_rows():
 def test_report_plumbing_on_a_tiny_model(tiny_model_dir):
     folder, _ = tiny_model_dir("llama")
     ids = list(range(3, 60))
-    rows = wq.report(str(folder), ["int4", "int4_g16"], ids, kv_cache_memory=0.05)
+    rows = wq.report(str(folder), ["int4", "int4_g128", "int4_g16"], ids, kv_cache_memory=0.05)  # (g128: refused)
     assert [r["row"] for r in rows] == ["float32 (reference)", "int4", "int4_g16"]
     ref, g32, g16 = rows
     assert ref["top1"] == 1.0 and ref["kl"] == 0.0
