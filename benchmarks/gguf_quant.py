@@ -10,12 +10,19 @@ decode step reads (the linear layers and the LM head: for ``gguf`` the packed qu
 negligible) at the memory bandwidth measured here (:func:`kvserve.roofline.measure_memory_bandwidth`).
 The Q4_1 file roofline uses the file's own tensor bytes instead (what llama.cpp streams).
 
+``--modes`` adds rows: ``int4`` (``int4_gN``: ``--quantization int4`` on the file's float
+weights: the linears in group-wise int4, embedding and LM head bf16, so the one-call C decode
+step is not used) and a GGUF type name (``Q6_K``, ``Q8_0`` ...: every quantized tensor of the
+file re-quantized to that type at load, :func:`weight_quality.requantizing_loader`, then
+``gguf``).
+
 Crossover: for each shape of SmolLM2's linears and M tokens (bf16 activations), each kernel of
 :func:`quant.qlinear` against :func:`linear.chunked_linear` (dequantized chunks + F.linear)
 in the same mode; this sets ``linear.QGEMV_WO_MAX_M`` and ``linear.QGEMV_MAX_M``.
 
 Usage:
     python benchmarks/gguf_quant.py [--model PATH.gguf] [--n-out 128] [--json out.json] [--skip-crossover]
+        [--modes gguf gguf_int8 none Q6_K int4]
 """
 
 from __future__ import annotations
@@ -73,6 +80,22 @@ def crossover(ms=(1, 2, 4, 8, 16, 32, 64, 128)) -> list[dict]:
     return rows
 
 
+def build(path: Path, mode: str) -> LLM:
+    """The bf16 engine of one ``--modes`` entry (see the module docstring)."""
+    import kvserve.worker.worker as worker_mod
+    from weight_quality import GGUF_TYPES, requantizing_loader
+
+    kw = dict(model=str(path), dtype="bfloat16", max_model_len=1024, kv_cache_memory=0.25, enable_prefix_caching=False)
+    if mode not in GGUF_TYPES:
+        return LLM(quantization=mode, **kw)
+    orig = worker_mod.load_weights
+    worker_mod.load_weights = requantizing_loader(orig, mode)
+    try:
+        return LLM(quantization="gguf", **kw)
+    finally:
+        worker_mod.load_weights = orig
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
@@ -80,7 +103,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="decode runs per mode, interleaved (best and median reported)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-crossover", action="store_true")
+    ap.add_argument("--modes", nargs="+", default=["gguf", "gguf_int8", "none"],
+                    help="gguf, gguf_int8, none (needed: the baseline), int4 / int4_gN, or a GGUF type to re-quantize to")
     a = ap.parse_args(argv)
+    if "none" not in a.modes or "gguf" not in a.modes:
+        raise SystemExit("--modes must include none and gguf (the baselines)")
     path = Path(a.model) if a.model else default_model_path()
     file_bytes = path.stat().st_size
     bw = measure_memory_bandwidth()
@@ -88,9 +115,8 @@ def main(argv=None) -> int:
     res = {"bandwidth_GBps": bw / 1e9, "file_bytes": file_bytes, "load_avg_start": os.getloadavg()[0], "modes": {}}
     # all three engines loaded at once and their runs interleaved, so that a shared machine's
     # load changes (which move single runs 2-5x here) hit every mode alike
-    modes = ("gguf", "gguf_int8", "none")
-    llms = {m: LLM(model=str(path), dtype="bfloat16", quantization=m, max_model_len=1024, kv_cache_memory=0.25,
-                   enable_prefix_caching=False) for m in modes}
+    modes = tuple(a.modes)
+    llms = {m: build(path, m) for m in modes}
     vocab = llms["gguf"].engine.model_config.vocab_size
     runs: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(a.runs):
@@ -105,21 +131,23 @@ def main(argv=None) -> int:
               f"{wb / 1e6:.1f} MB, roofline {bw / wb:.1f} tok/s", flush=True)
     del llms
     gc.collect()
-    g, gi, n = res["modes"]["gguf"], res["modes"]["gguf_int8"], res["modes"]["none"]
+    g, n = res["modes"]["gguf"], res["modes"]["none"]
     file_roofline = bw / file_bytes
     res["speedup_median"] = g["decode_tok_s_median"] / n["decode_tok_s_median"]
-    res["speedup_int8_median"] = gi["decode_tok_s_median"] / n["decode_tok_s_median"]
+    if "gguf_int8" in res["modes"]:
+        res["speedup_int8_median"] = res["modes"]["gguf_int8"]["decode_tok_s_median"] / n["decode_tok_s_median"]
     res["file_roofline_tok_s"] = file_roofline
     print()
-    print("| mode | decode tok/s (median of runs) | best | weight bytes / token (MB) | roofline tok/s | share of roofline |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| mode | decode tok/s (median of runs) | best | vs none | weight bytes / token (MB) | roofline tok/s | "
+          "share of roofline |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for mode, r in res["modes"].items():
-        print(f"| {mode} | {r['decode_tok_s_median']:.1f} | {r['decode_tok_s_best']:.1f} | {r['weight_bytes'] / 1e6:.1f} | "
+        print(f"| {mode} | {r['decode_tok_s_median']:.1f} | {r['decode_tok_s_best']:.1f} | "
+              f"{r['decode_tok_s_median'] / n['decode_tok_s_median']:.2f}x | {r['weight_bytes'] / 1e6:.1f} | "
               f"{r['roofline_tok_s']:.1f} | {r['decode_tok_s_median'] / r['roofline_tok_s']:.0%} |")
-    print(f"\ngguf / none (bf16): {res['speedup_median']:.2f}x, gguf_int8 / none: {res['speedup_int8_median']:.2f}x; "
-          f"Q4_1 file roofline ({file_bytes / 1e6:.1f} MB at {bw / 1e9:.1f} GB/s): {file_roofline:.1f} tok/s, gguf at "
-          f"{g['decode_tok_s_median'] / file_roofline:.0%} of it, gguf_int8 at "
-          f"{gi['decode_tok_s_median'] / file_roofline:.0%}; load average at the end {os.getloadavg()[0]:.2f}")
+    print(f"\ngguf / none (bf16): {res['speedup_median']:.2f}x; Q4_1 file roofline ({file_bytes / 1e6:.1f} MB at "
+          f"{bw / 1e9:.1f} GB/s): {file_roofline:.1f} tok/s, gguf at {g['decode_tok_s_median'] / file_roofline:.0%} of "
+          f"it; load average at the end {os.getloadavg()[0]:.2f}")
     if not a.skip_crossover:
         print("\nqlinear vs chunked dequantization + F.linear (Q4_1, bf16 activations, best of 20):")
         res["crossover"] = crossover()

@@ -5,9 +5,9 @@ Reference: the model (default SmolLM2-135M-Instruct, its Q4_1 GGUF) with float32
 GGUF dequantized, ``quantization="none"``), ``dtype=float32``. Each row re-quantizes those
 float32 weights and runs the same text through the engine's model:
 
-* GGUF types (``Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K``): every quantized tensor of the file (the
-  linear layers and the tied embedding/LM head) is dequantized to float32 and quantized again to
-  the type: ``gguf.quants.quantize`` where gguf-py has a quantizer (Q4_0, Q4_1, Q5_0, Q8_0),
+* GGUF types (``Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K``): every quantized tensor of the file's
+  linear layers (and with ``--embedding type`` the embedding/LM head too; by default they stay
+  float32, as int4 keeps them) is dequantized to float32 and quantized again to the type: ``gguf.quants.quantize`` where gguf-py has a quantizer (Q4_0, Q4_1, Q5_0, Q8_0),
   else :func:`quantize_k` (this file: plain min/max K-quants, not llama.cpp's iterative
   search, so its K rows are a pessimistic estimate of llama.cpp's); then loaded as a GGUF weight
   (``quantization="gguf"``: kept quantized, weight-only kernel). K-quants need rows of a
@@ -20,9 +20,14 @@ float32 weights and runs the same text through the engine's model:
   (group-wise asymmetric int4 of the linear layers; embedding and LM head stay float32);
 * ``TYPE+int8act``: the type with ``quantization="gguf_int8"`` (int8 activations per 32 values).
 
-Since the reference's float32 weights are the Q4_1 file's values, re-quantizing to Q4_1 gives
-the file back (nearly: fp16 scales), and the 5-, 6- and 8-bit types sit on a finer grid than
-the weights already do: the table ranks the types by the error they add to *this* model.
+Caveat: no float checkpoint of the model is on the machine, so the reference's float32 weights
+are the file's own values: SmolLM2's linear layers on a Q4_1 grid (4 bits, a scale and minimum
+per 32 values), its embedding on a Q8_0 grid. A type whose grid contains that one gives the
+file back: ``int4`` (g32: exactly; asymmetric min/max per 32 is Q4_1 with float32 scales) and,
+nearly, ``Q4_1`` (its scales re-rounded to fp16), so these two rows show ~100% here and say
+nothing of the loss on a float model; every other type lands on a grid of its own and shows
+the error it adds to these weights, which is what it would add to float weights to within the
+difference between quantizing grid values and continuous ones.
 
 Method: the first ``--tokens`` tokens of :func:`kv_quality.natural_text` (license files found on
 the machine: the same text as the KV quality report) in one prefill through the model (all
@@ -158,14 +163,24 @@ def requantize(w: torch.Tensor, qtype: str):
     return GGUFWeight(qtype, data, (n, k))
 
 
-def requantizing_loader(load_weights, qtype: str):
+#: the tensors ``--embedding float`` leaves in float32
+TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def requantizing_loader(load_weights, qtype: str, keep_float: Sequence[str] = ()):
     """``load_weights`` (the worker's) that returns every kept-quantized GGUF tensor re-quantized
-    to ``qtype`` from its float32 values (other tensors as loaded)."""
+    to ``qtype`` from its float32 values, except those named in ``keep_float`` (dequantized to
+    float32); other tensors as loaded."""
     from kvserve.worker.layers.quant import GGUFWeight
+
+    def convert(k, v):
+        if not isinstance(v, GGUFWeight):
+            return v
+        return v.dequantize() if k in keep_float else requantize(v.dequantize(), qtype)
 
     def load(path, progress=None, keep_quantized=False):
         cfg, state = load_weights(path, progress=progress, keep_quantized=keep_quantized)
-        state = {k: requantize(v.dequantize(), qtype) if isinstance(v, GGUFWeight) else v for k, v in state.items()}
+        state = {k: convert(k, v) for k, v in state.items()}
         load.types = {}
         for v in state.values():
             if isinstance(v, GGUFWeight):
@@ -211,13 +226,14 @@ def compare(ref: torch.Tensor, got: torch.Tensor, ids: Sequence[int]) -> dict:
             "kl": float(kl.mean()), "ppl": math.exp(-float(g.gather(-1, nxt).mean()))}
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the weights the model holds in its linear layers, embedding and LM head (packed
-    quantized tensors as held; a tensor shared by two modules counted once; norms not counted)."""
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes of the decoder layers' linear weights, bytes of those plus the embedding and LM
+    head) as the model holds them (packed quantized tensors as held; a tensor shared by two
+    modules counted once; norms not counted)."""
     from kvserve.worker.layers.linear import Linear
-    from kvserve.worker.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from kvserve.worker.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    seen, total = set(), 0
+    seen, total, linear = set(), 0, 0
     for m in model.modules():
         if isinstance(m, Linear):
             key = id(m.qpacked) if m.qpacked is not None else (m.weight.data_ptr() if m.weight is not None else id(m))
@@ -230,7 +246,8 @@ def weight_bytes(model) -> int:
         if key not in seen:
             seen.add(key)
             total += nbytes
-    return total
+            linear += nbytes if isinstance(m, Linear) and not isinstance(m, ParallelLMHead) else 0
+    return linear, total
 
 
 def row_config(row: str) -> tuple[Optional[str], str]:
@@ -250,17 +267,19 @@ def row_config(row: str) -> tuple[Optional[str], str]:
                      f"{', '.join(INT4_GROUP_SIZES)}")
 
 
-def run_row(model: str, row: Optional[str], ids: Sequence[int], dtype: str = "float32", **kw) -> tuple:
-    """(``[T, V]`` log-probabilities, weight bytes, {GGUF type: tensors} of a re-quantized row)
-    of the row (None: the float32 reference, ``quantization="none"``), the engine built, used
-    and shut down inside."""
+def run_row(model: str, row: Optional[str], ids: Sequence[int], dtype: str = "float32", quantize_tables: bool = False,
+            **kw) -> tuple:
+    """(``[T, V]`` log-probabilities, :func:`weight_bytes`, {GGUF type: tensors} of a re-quantized
+    row) of the row (None: the float32 reference, ``quantization="none"``; ``quantize_tables``:
+    a GGUF row re-quantizes the embedding/LM head too), the engine built, used and shut down
+    inside."""
     import kvserve.worker.worker as worker_mod
     from kvserve import LLM
 
     qtype, quantization = (None, "none") if row is None else row_config(row)
     orig = worker_mod.load_weights
     if qtype is not None:
-        worker_mod.load_weights = loader = requantizing_loader(orig, qtype)
+        worker_mod.load_weights = loader = requantizing_loader(orig, qtype, () if quantize_tables else TABLES)
     try:
         llm = LLM(model=model, dtype=dtype, quantization=quantization, max_model_len=len(ids) + 1,
                   device="cpu", **kw)
@@ -273,7 +292,7 @@ def run_row(model: str, row: Optional[str], ids: Sequence[int], dtype: str = "fl
 
 
 def report(model: str, rows: Sequence[str], ids: Sequence[int], dtype: str = "float32", verbose: bool = False,
-           **kw) -> list[dict]:
+           quantize_tables: bool = False, **kw) -> list[dict]:
     """Every row compared with the reference; the reference first (its own row: 100%, 0). A
     row the engine refuses (e.g. an int4 group size that does not divide a layer) is left out,
     its reason printed; ``verbose``: each row printed as it is measured."""
@@ -282,7 +301,7 @@ def report(model: str, rows: Sequence[str], ids: Sequence[int], dtype: str = "fl
     for row in rows:
         t0 = time.perf_counter()
         try:
-            got, nbytes, types = run_row(model, row, ids, dtype, **kw)
+            got, nbytes, types = run_row(model, row, ids, dtype, quantize_tables, **kw)
         except ValueError as e:
             print(f"{row}: skipped: {e}", flush=True)
             continue
@@ -296,10 +315,10 @@ def report(model: str, rows: Sequence[str], ids: Sequence[int], dtype: str = "fl
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| weights | top-1 agree | mean abs Δ logprob (ref top-1) | mean abs Δ logprob (text) | mean KL | ppl | "
-             "weight MB |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "linear MB | with embedding, head MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['row']} | {100 * r['top1']:.1f}% | {r['dlp_top1']:.4f} | {r['dlp_text']:.4f} | "
-                     f"{r['kl']:.2e} | {r['ppl']:.3f} | {r['bytes'] / 1e6:.1f} |")
+                     f"{r['kl']:.2e} | {r['ppl']:.3f} | {r['bytes'][0] / 1e6:.1f} | {r['bytes'][1] / 1e6:.1f} |")
     return "\n".join(lines)
 
 
@@ -310,6 +329,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--tokens", type=int, default=900, help="tokens of text (≥ 2)")
     ap.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES), help="rows: " + " ".join(DEFAULT_TYPES))
+    ap.add_argument("--embedding", choices=["float", "type"], default="float",
+                    help="GGUF rows: the embedding/LM head float32 (default, as int4) or re-quantized to the row's type")
     ap.add_argument("--kv-cache-memory", type=float, default=0.5)
     a = ap.parse_args(argv)
     if a.tokens < 2:
@@ -326,7 +347,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if len(ids) < a.tokens:
         raise SystemExit(f"only {len(ids)} tokens of text")
     print(f"model {model}, {len(ids)} tokens of text, float32; rows: {' '.join(a.types)}", flush=True)
-    rows = report(model, a.types, ids, verbose=True, kv_cache_memory=a.kv_cache_memory)
+    print(f"embedding and LM head: {'float32' if a.embedding == 'float' else 'the row type'} in GGUF rows", flush=True)
+    rows = report(model, a.types, ids, verbose=True, quantize_tables=a.embedding == "type",
+                  kv_cache_memory=a.kv_cache_memory)
     print(format_table(rows))
     print("tensors per GGUF type: " + "; ".join(f"{r['row']}: " + ", ".join(f"{t} {n}" for t, n in r["types"].items())
                                                  for r in rows if len(r["types"]) > 1))

@@ -61,6 +61,12 @@ def test_requantizing_loader_swaps_every_gguf_tensor():
     assert isinstance(state["a"], GGUFWeight) and state["a"].qtype == "Q4_K"
     assert torch.equal(state["a"].dequantize(), wq.requantize(src["a"].dequantize(), "Q4_K").dequantize())
     assert load.types == {"Q4_K": 1}
+    src["model.embed_tokens.weight"] = wq.requantize(torch.randn(8, 256), "Q8_0")
+    keep = wq.requantizing_loader(lambda path, progress=None, keep_quantized=False: ("cfg", src), "Q4_K", wq.TABLES)
+    _, state = keep("x.gguf", keep_quantized=True)
+    emb = state["model.embed_tokens.weight"]
+    assert emb.dtype == torch.float32 and torch.equal(emb, src["model.embed_tokens.weight"].dequantize())
+    assert keep.types == {"Q4_K": 1}
 
 
 def test_compare_on_known_inputs():
@@ -105,6 +111,6 @@ def test_report_plumbing_on_a_tiny_model(tiny_model_dir):
     # tiny llama: linears 2 x (64·128 + 64·64 + 128·128 + 128·64) values, embedding and head 384 x 64 (float32)
     lin = 2 * (64 * 128 + 64 * 64 + 128 * 128 + 128 * 64)
     table = 2 * 384 * 64 * 4
-    assert ref["bytes"] == lin * 4 + table
-    assert g32["bytes"] == lin * 0.75 + table and g16["bytes"] == lin * 1.0 + table
+    assert ref["bytes"] == (lin * 4, lin * 4 + table)
+    assert g32["bytes"] == (lin * 0.75, lin * 0.75 + table) and g16["bytes"] == (lin * 1.0, lin * 1.0 + table)
     assert "| int4_g16 |" in wq.format_table(rows)
