@@ -95,7 +95,7 @@ class EngineArgs:
             share of slots between users.
         enable_prefix_caching: reuse cached prompt KV (off for models whose every layer has a
             sliding window, whose blocks before the window are freed instead).
-        quantization: ``"gguf"`` (default): a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K tensors
+        quantization: ``"gguf"`` (default): a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q2_K-Q6_K tensors
             stay quantized (linear layers, embedding, LM head; int8 activations on the CPU
             kernel, see :mod:`kvserve.worker.layers.quant`; no effect on other files, on other
             tensor types or off the CPU); None (``"none"`` on the command line): dequantize to

@@ -40,7 +40,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["gguf", "gguf_int8", "none", "int8", "int4", "int4_g16", "int4_g64", "int4_g128",
                             "int4_g256"],
                    help="weights: gguf keeps a GGUF file's quantized tensors quantized (Q4_0, Q4_1, Q5_0, Q8_0, "
-                        "Q4_K, Q5_K, Q6_K; the dequantized model's numbers), gguf_int8 too with int8 activations "
+                        "Q2_K-Q6_K; the dequantized model's numbers), gguf_int8 too with int8 activations "
                         "(llama.cpp's arithmetic, faster), none dequantizes them to --dtype at load, int8 is "
                         "weight-only int8, int4 quantizes float weights at load to group-wise int4 (a scale and "
                         "minimum per 32 input values; int4_gN: per N) (default: gguf)")

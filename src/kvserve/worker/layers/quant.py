@@ -10,6 +10,10 @@ type handled here is, per sub-block of ``S`` values ``b`` of row ``n`` (``S = 32
 =========  ===========================================  ================================  =====
 type       ggml block                                   u, d, m                           bits
 =========  ===========================================  ================================  =====
+``Q2_K``   256 values: 16 bytes of 4-bit scale/min      per 16: d = d·sc, m = -dmin·mn    4
+           pairs, 64 bytes of 2-bit values, fp16 d, dmin
+``Q3_K``   256 values: 32 bytes of high bits, 64 of     per 16: d = d·(sc - 32),          4
+           2-bit values, 12 bytes of 6-bit scales, d    m = -4 d, u = q (0..7)
 ``Q4_0``   fp16 d, 16 bytes of nibbles (q - 8)          u = q, m = -8 d                   4
 ``Q4_1``   fp16 d, fp16 m, 16 bytes of nibbles          as stored                         4
 ``Q5_0``   fp16 d, 4 bytes of 5th bits, 16 of nibbles   u = q (0..31), m = -16 d          8
@@ -23,7 +27,7 @@ type       ggml block                                   u, d, m                 
 
 (ggml's formats: ``ggml-common.h`` / ``ggml-quants.c`` of llama.cpp, and gguf-py's
 ``gguf/quants.py``; :func:`unpack` reproduces ``gguf.quants.dequantize`` bit for bit, tested.)
-The other types (Q2_K, Q3_K, Q5_1, the IQ types) are not kept quantized: their layers are
+The other types (Q5_1, the IQ types ...) are not kept quantized: their layers are
 dequantized at load as before (:data:`KEPT_TYPES`). Group-wise int4 of float checkpoints
 (``quantization="int4"``, :func:`quantize_int4`: gpt-fast's and torchao's asymmetric int4,
 ``w = scale · u + min`` per group) uses the same layout and kernels.
@@ -71,13 +75,13 @@ import torch.nn.functional as F
 from kvserve.kernels import cpu_flags, load_library
 
 #: GGUF types kept quantized, with their block size (values) and bytes per block.
-BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
-         "Q5_K": (256, 176), "Q6_K": (256, 210)}
+BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q2_K": (256, 84),
+         "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 KEPT_TYPES = tuple(BLOCK)
 #: bits of the packed values per type (4: two per byte; 8: one per byte)
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8, "Q2_K": 4, "Q3_K": 4, "Q4_K": 4, "Q5_K": 8, "Q6_K": 8}
 #: values per scale/offset pair (``d``, ``m``) per type: 32, or 16 (the ``sub16`` layout)
-SUB = {t: 16 if t == "Q6_K" else 32 for t in BLOCK}
+SUB = {t: 16 if t in ("Q2_K", "Q3_K", "Q6_K") else 32 for t in BLOCK}
 #: Group of weight rows interleaved in the packed layout.
 ROWS = 4
 
@@ -166,6 +170,27 @@ def unpack(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     bs, bb = BLOCK[w.qtype]
     b = w.data.reshape(n, k // bs, bb)
     t = w.qtype
+    if t in ("Q2_K", "Q3_K"):
+        # per 128-value half: 32 bytes of 2-bit values, value 32 j + l at bits 2j..2j+1 of byte l
+        at = 16 if t == "Q2_K" else 32
+        qs = b[..., at:at + 64].reshape(n, k // bs, 2, 1, 32)
+        u = (qs >> torch.arange(0, 8, 2, dtype=torch.uint8).view(4, 1)) & 3  # [n, blocks, 2, 4, 32]
+        if t == "Q2_K":  # scales[16] (low nibble: scale, high: min), qs[64], fp16 d, dmin
+            sc = b[..., :16].to(torch.int32)
+            dd = (_f16(b, 80).unsqueeze(-1) * (sc & 15).float()).reshape(n, k // 16)
+            mm = -(_f16(b, 82).unsqueeze(-1) * (sc >> 4).float()).reshape(n, k // 16)
+            return u.reshape(n, k), dd, mm
+        # Q3_K: hmask[32] (bit 4 h + j of byte l: the high bit of value 128 h + 32 j + l), qs[64],
+        # 12 bytes of 6-bit scales (low nibbles of bytes 0..7, then their high nibbles; the top 2
+        # bits from bytes 8..11, shifted by 2 (i // 4)), fp16 d; w = d (sc - 32) (q - 4)
+        hm = b[..., :32].reshape(n, k // bs, 1, 32)
+        hi = ((hm >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1).reshape(n, k // bs, 2, 4, 32)
+        u = u | (hi << 2)
+        s = b[..., 96:108].to(torch.int32)
+        low = torch.cat([s[..., :8] & 15, s[..., :8] >> 4], dim=-1)  # [n, blocks, 16]
+        top = ((s[..., 8:12].unsqueeze(-2) >> torch.arange(0, 8, 2).view(4, 1)) & 3).reshape(n, k // bs, 16)
+        dd = (_f16(b, 108).unsqueeze(-1) * ((low | (top << 4)) - 32).float()).reshape(n, k // 16)
+        return u.reshape(n, k), dd, -4.0 * dd
     if t == "Q6_K":
         # ggml's block_q6_K: ql[128] (per 128-value half: 64 bytes, low nibbles = values 0..63,
         # high nibbles = 64..127), qh[64] (per half: 32 bytes, bits 2j..2j+1 of byte l = the
