@@ -14,7 +14,12 @@ The Q4_1 file roofline uses the file's own tensor bytes instead (what llama.cpp 
 weights: the linears in group-wise int4, embedding and LM head bf16, so the one-call C decode
 step is not used) and a GGUF type name (``Q6_K``, ``Q8_0`` ...: every quantized tensor of the
 file re-quantized to that type at load, :func:`weight_quality.requantizing_loader`, then
-``gguf``).
+``gguf``; a K-quant takes llama.cpp's fallback type for tensors whose rows are not a multiple
+of 256 values: for SmolLM2 ``Q6_K`` is Q6_K in ``down_proj`` and Q8_0 elsewhere).
+
+``--kernels``: the weight-only kernel alone per packed type (one token, bf16, a 8192 x 3072
+weight: 25M values, larger than the caches), best and median of 20 calls, and the packed
+bytes it streams per second, next to the bf16 gemv of the dequantized model on the same shape.
 
 Crossover: for each shape of SmolLM2's linears and M tokens (bf16 activations), each kernel of
 :func:`quant.qlinear` against :func:`linear.chunked_linear` (dequantized chunks + F.linear)
@@ -96,6 +101,58 @@ def build(path: Path, mode: str) -> LLM:
         worker_mod.load_weights = orig
 
 
+#: byte offsets of the fp16 scales in each GGUF block (random blocks get sane ones there)
+_SCALE_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+             "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def kernels(n: int = 8192, k: int = 3072, reps: int = 20) -> list[dict]:
+    """The weight-only kernel per packed type, M = 1, bf16 (see the module docstring)."""
+    import statistics
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    x = torch.randn(1, k, generator=g).bfloat16()
+    for t in (*Q.KEPT_TYPES, "int4_g32", "int4_g16"):
+        if t.startswith("int4"):
+            p = Q.quantize_int4(torch.randn(n, k, generator=g) * 0.02, int(t[6:]))
+        else:
+            bs, bb = Q.BLOCK[t]
+            raw = torch.randint(0, 256, (n, k // bs, bb), dtype=torch.uint8, generator=g)
+            for at in _SCALE_AT[t]:
+                raw[..., at:at + 2] = (torch.rand(n, k // bs, generator=g) * 0.01).half().view(torch.uint8).view(
+                    n, k // bs, 2)
+            p = Q.pack_gguf([Q.GGUFWeight(t, raw.reshape(n, -1), (n, k))])
+        for _ in range(3):
+            Q.qlinear(x, p, int8=False)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            Q.qlinear(x, p, int8=False)
+            ts.append(time.perf_counter() - t0)
+        r = {"type": t, "bytes": p.nbytes, "best_ms": min(ts) * 1e3, "median_ms": statistics.median(ts) * 1e3}
+        r["GBps_best"] = p.nbytes / min(ts) / 1e9
+        rows.append(r)
+        print(f"  {t}: {p.nbytes / n / k:.3f} bytes/value, best {r['best_ms']:.2f} ms ({r['GBps_best']:.1f} GB/s), "
+              f"median {r['median_ms']:.2f} ms", flush=True)
+        del p
+    w = torch.randn(n, k, generator=g).bfloat16()  # the dequantized model's layer: bf16 gemv (linear.gemv)
+    if L.cpu_kernels() is not None and L.cpu_kernels().has_bf16:
+        for _ in range(3):
+            L.gemv(x, w)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            L.gemv(x, w)
+            ts.append(time.perf_counter() - t0)
+        nb = w.numel() * 2
+        rows.append({"type": "bf16 (gemv)", "bytes": nb, "best_ms": min(ts) * 1e3,
+                     "median_ms": statistics.median(ts) * 1e3, "GBps_best": nb / min(ts) / 1e9})
+        print(f"  bf16 (gemv): 2.000 bytes/value, best {min(ts) * 1e3:.2f} ms ({nb / min(ts) / 1e9:.1f} GB/s), median "
+              f"{statistics.median(ts) * 1e3:.2f} ms", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
@@ -105,7 +162,15 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-crossover", action="store_true")
     ap.add_argument("--modes", nargs="+", default=["gguf", "gguf_int8", "none"],
                     help="gguf, gguf_int8, none (needed: the baseline), int4 / int4_gN, or a GGUF type to re-quantize to")
+    ap.add_argument("--kernels", action="store_true", help="only the per-type kernel timing (no engines)")
     a = ap.parse_args(argv)
+    if a.kernels:
+        print(f"weight-only kernel, M = 1, bf16, 8192 x 3072; load average {os.getloadavg()[0]:.2f}", flush=True)
+        res = kernels()
+        print(f"load average at the end {os.getloadavg()[0]:.2f}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        return 0
     if "none" not in a.modes or "gguf" not in a.modes:
         raise SystemExit("--modes must include none and gguf (the baselines)")
     path = Path(a.model) if a.model else default_model_path()
