@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct (Q4_1 GGUF) with its weights kept quantized (``quantization="gguf"``,
 the default): agreement with transformers' fp32 greedy outputs on the same file
 (tests/data/smollm2_greedy.json), the one-call C decode step against the module path, and the
-resident weight bytes against the file's size (issue #22). Two model loads, ~20 s."""
+resident weight bytes against the file's size (issue #22); Q6_K (re-quantized at load) in the C
+decode step. Three model loads, ~25 s."""
 
 import pytest
 import torch
@@ -103,3 +104,46 @@ def test_the_c_decode_step_equals_the_modules(llm_gguf, monkeypatch):
                 for o in llm_gguf.generate(prompts, params)]
 
     assert_c_decode_step_equals_modules(monkeypatch, run)
+
+
+@pytest.fixture(scope="module")
+def llm_q6k(smollm2_path):
+    """SmolLM2 re-quantized at load (benchmarks/weight_quality.py's loader): ``down_proj`` (rows
+    of 1536 values) in Q6_K, the other tensors (rows of 576, not whole 256-value super-blocks)
+    in Q8_0, float32."""
+    import importlib.util
+    from pathlib import Path
+
+    import kvserve.worker.worker as worker_mod
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "weight_quality.py"
+    spec = importlib.util.spec_from_file_location("weight_quality_bench", path)
+    wq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wq)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(worker_mod, "load_weights", wq.requantizing_loader(worker_mod.load_weights, "Q6_K"))
+        return LLM(dtype="float32", max_model_len=1024, kv_cache_memory=0.25, enable_prefix_caching=False)
+
+
+@pytest.mark.skipif(not Q.weight_only_available(), reason="needs AVX512_BF16")
+def test_q6k_decode_step_equals_the_modules_and_the_prefill(llm_q6k, monkeypatch):
+    """Q6_K (the per-16 ``sub16`` layout) in the one-call C decode step: the same tokens and
+    logprobs as the module path, and the greedy tokens are those the prefill path (dequantized
+    chunks) ranks first when scoring the output."""
+    model = _model(llm_q6k)
+    lins = [m for m in model.modules() if isinstance(m, L.Linear)]
+    assert {m.qpacked.qtype for m in lins} == {"Q6_K", "Q8_0"}
+    assert sum(m.qpacked.sub == 16 for m in lins) == 30
+    prompts = ["The capital of France is", "def add(a, b):"]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run():
+        return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].token_logprobs])
+                for o in llm_q6k.generate(prompts, params)]
+
+    fast = assert_c_decode_step_equals_modules(monkeypatch, run)
+    for p, (toks, _) in zip(prompts, fast):
+        ids = llm_q6k.engine.encode(p)
+        out = llm_q6k.generate([ids + toks], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))[0]
+        ranks = [next(iter(out.prompt_logprobs[i].values())).rank for i in range(len(ids), len(ids) + len(toks))]
+        assert ranks == [1] * len(toks), ranks
