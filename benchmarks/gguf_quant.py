@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-crossover", action="store_true")
     ap.add_argument("--modes", nargs="+", default=["gguf", "gguf_int8", "none"],
-                    help="gguf, gguf_int8, none (needed: the baseline), int4 / int4_gN, or a GGUF type to re-quantize to")
+                    help="gguf, gguf_int8, none (needed: the baseline), int4 / int4_gN, or a GGUF type to "
+                         "re-quantize to")
     ap.add_argument("--kernels", action="store_true", help="only the per-type kernel timing (no engines)")
     a = ap.parse_args(argv)
     if a.kernels:

@@ -7,7 +7,8 @@ float32 weights and runs the same text through the engine's model:
 
 * GGUF types (``Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K``): every quantized tensor of the file's
   linear layers (and with ``--embedding type`` the embedding/LM head too; by default they stay
-  float32, as int4 keeps them) is dequantized to float32 and quantized again to the type: ``gguf.quants.quantize`` where gguf-py has a quantizer (Q4_0, Q4_1, Q5_0, Q8_0),
+  float32, as int4 keeps them) is dequantized to float32 and quantized again to the type:
+  ``gguf.quants.quantize`` where gguf-py has a quantizer (Q4_0, Q4_1, Q5_0, Q8_0),
   else :func:`quantize_k` (this file: plain min/max K-quants, not llama.cpp's iterative
   search, so its K rows are a pessimistic estimate of llama.cpp's); then loaded as a GGUF weight
   (``quantization="gguf"``: kept quantized, weight-only kernel). K-quants need rows of a
@@ -23,11 +24,14 @@ float32 weights and runs the same text through the engine's model:
 Caveat: no float checkpoint of the model is on the machine, so the reference's float32 weights
 are the file's own values: SmolLM2's linear layers on a Q4_1 grid (4 bits, a scale and minimum
 per 32 values), its embedding on a Q8_0 grid. A type whose grid contains that one gives the
-file back: ``int4`` (g32: exactly; asymmetric min/max per 32 is Q4_1 with float32 scales) and,
-nearly, ``Q4_1`` (its scales re-rounded to fp16), so these two rows show ~100% here and say
-nothing of the loss on a float model; every other type lands on a grid of its own and shows
-the error it adds to these weights, which is what it would add to float weights to within the
-difference between quantizing grid values and continuous ones.
+file back: ``int4`` (g32; asymmetric min/max per 32 is Q4_1 with float32 scales) and ``Q4_1``
+(its scales re-round to the same fp16 values): these rows show 100% here and say nothing of
+the loss on a float model. Every other type lands on a grid of its own and shows the error it
+adds to these weights: an estimate of what it adds to float weights (quantizing values already
+on a coarse grid onto another is not the same draw as quantizing continuous ones). For
+SmolLM2 the K-quant rows hold their own type in ``down_proj`` only (30 of 210 tensors, a
+quarter of the linear weights). Q2_K and Q3_K (kept quantized by the engine) have no quantizer
+here.
 
 Method: the first ``--tokens`` tokens of :func:`kv_quality.natural_text` (license files found on
 the machine: the same text as the KV quality report) in one prefill through the model (all
@@ -330,7 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--tokens", type=int, default=900, help="tokens of text (≥ 2)")
     ap.add_argument("--types", nargs="+", default=list(DEFAULT_TYPES), help="rows: " + " ".join(DEFAULT_TYPES))
     ap.add_argument("--embedding", choices=["float", "type"], default="float",
-                    help="GGUF rows: the embedding/LM head float32 (default, as int4) or re-quantized to the row's type")
+                    help="GGUF rows: the embedding/LM head float32 (default, as int4) or re-quantized to the "
+                         "row's type")
     ap.add_argument("--kv-cache-memory", type=float, default=0.5)
     a = ap.parse_args(argv)
     if a.tokens < 2:

@@ -248,6 +248,16 @@ def test_row_parallel_shards_cut_whole_blocks_else_dequantize(caplog):
 
 
 @needs_kernel
+def test_row_parallel_q6_k_shards_keep_the_per_16_scales():
+    w = random_weight("Q6_K", 8, 512)
+    for rank in (0, 1):
+        layer = RowParallelLinear(512, 8, quantization="gguf", tp_rank=rank, tp_size=2)  # one super-block each
+        layer.weight_loader(w)
+        assert layer.qpacked.sub == 16
+        assert torch.equal(Q.dequantize_packed(layer.qpacked), w.dequantize()[:, rank * 256:(rank + 1) * 256])
+
+
+@needs_kernel
 def test_quantized_embedding_and_tied_head_share_one_table():
     V, H = 50, 64
     w = random_weight("Q8_0", V, H)

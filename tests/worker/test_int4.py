@@ -91,6 +91,24 @@ def test_linear_int4_quantizes_at_load_and_picks_the_kernel():
     torch.testing.assert_close(layer(xl), F.linear(xl, Q.dequantize_packed(layer.qpacked), b), rtol=1e-5, atol=1e-5)
 
 
+def test_tensor_parallel_shards_quantize_their_own_slice():
+    """Column- and row-parallel int4 layers quantize the shard they keep (groups along the
+    shard's input columns); a row-parallel shard must hold whole groups."""
+    from kvserve.worker.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+
+    w = weight(16, 128, 5)
+    for rank in (0, 1):
+        col = ColumnParallelLinear(128, 16, quantization="int4", tp_rank=rank, tp_size=2)
+        col.weight_loader(w)
+        assert torch.equal(Q.dequantize_packed(col.qpacked), Q.dequantize_packed(Q.quantize_int4(w[rank * 8:rank * 8 + 8])))
+        row = RowParallelLinear(128, 16, quantization="int4_g64", tp_rank=rank, tp_size=2)
+        row.weight_loader(w)
+        want = Q.quantize_int4(w[:, rank * 64:(rank + 1) * 64], 64)
+        assert torch.equal(Q.dequantize_packed(row.qpacked), Q.dequantize_packed(want))
+    with pytest.raises(ValueError, match=r"in_features \(64\) must be a multiple of the int4 group size 128"):
+        RowParallelLinear(128, 16, quantization="int4_g128", tp_rank=0, tp_size=2).weight_loader(w)
+
+
 def test_bad_group_sizes_and_shapes_name_the_field():
     from kvserve.engine.args import EngineArgs
 
