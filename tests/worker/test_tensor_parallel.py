@@ -244,16 +244,18 @@ def test_tp2_logits_gathered_to_rank0_only(tiny_model_dir, tp_pool):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float32", "int8")])
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float32", "int8"), ("float32", "int4")])
 def test_tp2_bf16_and_int8_close_to_tp1(tiny_model_dir, tp_pool, dtype, quantization):
     """bf16 (gloo all-reduces bf16) and int8 weights (row-parallel shards have their own scales):
-    not bit-equal to TP = 1, within their rounding."""
+    not bit-equal to TP = 1, within their rounding. int4 (g32): each shard quantizes its own
+    slice, whose groups are TP = 1's (the row-parallel cut falls on a group boundary), so only
+    the order of additions differs."""
     folder, _ = tiny_model_dir("llama")
     ref = local_generate(str(folder), PROMPTS, 3, dtype, quantization)
     for out in tp_pool(2).run(tp_generate, str(folder), PROMPTS, 3, dtype, quantization):
         assert len(out["logits"]) == len(ref["logits"])
         for a, b in zip(out["logits"], ref["logits"]):  # (measured: 1.1-1.6% of the largest logit)
-            assert (a - b).abs().max() <= 0.05 * b.abs().max()
+            assert (a - b).abs().max() <= (1e-5 if quantization == "int4" else 0.05) * b.abs().max()
 
 
 @pytest.mark.slow
