@@ -352,7 +352,12 @@ TGT_BF16 void kv_q_linear_wo(const void* x, int64_t ldx, int bf, int64_t M, int6
 /* kv_q_linear behind the gemv kernels' signature (gemv.c: x, ldx, w, bias, y, ldy, M, N, K,
  * nthreads), so that the one-call decode step (cpu_ops.c kv_decode_step) runs it: `w` points
  * to a kv_qweight_t describing the packed weight (its bias there; `bias` is ignored), x and y
- * in the dtype it names. If the activation buffer cannot be allocated, y is filled with NaN. */
+ * in the dtype it names. If the activation buffer cannot be allocated, y is filled with NaN.
+ * A descriptor with `dense` set describes a float weight instead (a model whose linears are
+ * quantized but whose LM head is not, as with int4): `qs` is the [N, K] weight and `dense` a
+ * gemv of gemv.c's signature (kv_gemv_bf16 / kv_gemv_f32), called with the descriptor's bias. */
+typedef void (*kv_gemv_fn)(const void*, int64_t, const void*, const void*, void*, int64_t, int64_t, int64_t, int64_t,
+                           int);
 typedef struct {
     const uint8_t* qs;
     const float* d;
@@ -362,12 +367,17 @@ typedef struct {
     int64_t bf16;
     int64_t int8_act; /* 1: kv_q_linear (int8 activations), 0: kv_q_linear_wo */
     int64_t sub16;    /* d and m per 16 values */
+    kv_gemv_fn dense; /* non-NULL: a float weight (qs) for this gemv; bias in its dtype */
 } kv_qweight_t;
 
 TGT_BF16 void kv_q_gemv(const void* x, int64_t ldx, const void* w, const void* bias, void* y, int64_t ldy, int64_t M,
                         int64_t N, int64_t K, int nthreads) {
     (void)bias;
     const kv_qweight_t* q = (const kv_qweight_t*)w;
+    if (q->dense) {
+        q->dense(x, ldx, q->qs, q->bias, y, ldy, M, N, K, nthreads);
+        return;
+    }
     if (!q->int8_act) {
         kv_q_linear_wo(x, ldx, (int)q->bf16, M, K, q->qs, q->d, q->m, (int)q->bits, (int)q->sub16, N, q->bias, y, ldy,
                        nthreads);

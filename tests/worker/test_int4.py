@@ -153,3 +153,37 @@ def test_tiny_llama_int4_agrees_with_the_float_model(tiny_model_dir):
     assert out == again
     with pytest.raises(ValueError, match="must be a multiple of the int4 group size 128"):
         LLM(quantization="int4_g128", **kw)
+
+
+@needs_wo
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int4_decode_step_with_a_float_head_equals_the_modules(tiny_model_dir, monkeypatch, dtype):
+    """int4 linears with the float LM head: the one-call C decode step runs (the head as a dense
+    descriptor over the gemv kernel) and gives the module path's tokens and logprobs exactly."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.worker.models.llama import LlamaForCausalLM
+
+    folder, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=0.05, device="cpu",
+              quantization="int4", enable_prefix_caching=False)
+    assert llm.engine.model.lm_head.qpacked is None
+    prompts = [[5, 17, 33, 60, 2 + i] for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run():
+        return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].token_logprobs])
+                for o in llm.generate(prompts, params)]
+
+    calls = []
+    orig = LlamaForCausalLM._get_decode_step
+
+    def spy(self, kv_caches, n):
+        step = orig(self, kv_caches, n)
+        calls.append(step is not None)
+        return step
+
+    monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", spy)
+    fast = run()
+    assert calls and all(calls)
+    monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", lambda self, kv, n: None)
+    assert run() == fast

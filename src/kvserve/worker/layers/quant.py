@@ -418,7 +418,7 @@ class _QWeightDesc(ctypes.Structure):
 
     _fields_ = [("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("bits", ctypes.c_int64), ("bf16", ctypes.c_int64), ("int8_act", ctypes.c_int64),
-                ("sub16", ctypes.c_int64)]
+                ("sub16", ctypes.c_int64), ("dense", ctypes.c_void_p)]
 
 
 def gemv_descriptor(p: PackedWeight, bias: Optional[torch.Tensor], dtype: torch.dtype, int8: bool) -> torch.Tensor:
@@ -428,6 +428,17 @@ def gemv_descriptor(p: PackedWeight, bias: Optional[torch.Tensor], dtype: torch.
     ``int8``: :func:`qlinear`'s int8-activation kernel, else its weight-only one."""
     desc = _QWeightDesc(p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), None if bias is None else bias.data_ptr(),
                         p.bits, int(dtype == torch.bfloat16), int(int8), int(p.sub == 16))
+    return torch.frombuffer(bytearray(bytes(desc)), dtype=torch.uint8)
+
+
+def dense_descriptor(weight: torch.Tensor, bias: Optional[torch.Tensor], gemv) -> torch.Tensor:
+    """A float weight as the ``w`` argument of ``kv_q_gemv``: a ``kv_qweight_t`` whose ``dense``
+    field is ``gemv`` (the ctypes function of ``csrc/cpu/gemv.c`` for the weight's dtype), so
+    that a decode step over quantized linears can also run a float layer (an int4 model's LM
+    head). ``weight`` ``[N, K]`` contiguous and ``bias`` (``[N]``, the weight's dtype, or None)
+    must outlive the descriptor."""
+    desc = _QWeightDesc(weight.data_ptr(), None, None, None if bias is None else bias.data_ptr(), 0,
+                        int(weight.dtype == torch.bfloat16), 0, 0, ctypes.cast(gemv, ctypes.c_void_p).value)
     return torch.frombuffer(bytearray(bytes(desc)), dtype=torch.uint8)
 
 

@@ -33,7 +33,7 @@ from kvserve.worker.layers.linear import cpu_kernels
 from kvserve.worker.layers.parallel_linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                                    resolve_tp)
 from kvserve.worker.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from kvserve.worker.layers.quant import GGUFWeight, gemv_descriptor, q_kernels
+from kvserve.worker.layers.quant import GGUFWeight, dense_descriptor, gemv_descriptor, q_kernels
 
 
 class RMSNorm(nn.Module):
@@ -355,7 +355,11 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             k = cpu_kernels()
             gemv_max = min(lin._gemv_max_m for lin in lins)
-            if all(lin.qpacked is not None for lin in lins) and gemv_max:
+            head = self.lm_head
+            float_head = (head.qpacked is None and not head.is_quantized and head.weight is not None
+                          and head.weight.is_cpu and k is not None)  # (e.g. int4: linears quantized, head not)
+            if all(lin.qpacked is not None for lin in lins[1:]) and (head.qpacked is not None or float_head) \
+                    and gemv_max:
                 self._decode_step = self._gguf_decode_step(lins, kv_caches, gemv_max)
                 return self._decode_step if num_tokens <= gemv_max else None
             if k is None or gemv_max == 0 or any(lin.is_quantized for lin in lins):
@@ -384,9 +388,16 @@ class LlamaForCausalLM(nn.Module):
         return step if step is not None and num_tokens <= step.max_tokens else None
 
     def _gguf_decode_step(self, lins, kv_caches, gemv_max: int) -> cpu_ops.DecodeStep:
-        """The C decode step over GGUF-quantized linears: each weight is a ``kv_qweight_t``
-        descriptor and ``kv_q_gemv`` the gemv (the kernel ``Linear`` calls for these batches)."""
-        desc = {id(lin): gemv_descriptor(lin.qpacked, lin.bias_f32, self.dtype, lin.int8_activations) for lin in lins}
+        """The C decode step over GGUF-quantized (or int4) linears: each weight is a
+        ``kv_qweight_t`` descriptor and ``kv_q_gemv`` the gemv (the kernel ``Linear`` calls for
+        these batches); a float LM head is a dense descriptor over the gemv kernel
+        (:func:`~kvserve.worker.layers.quant.dense_descriptor`), as ``Linear`` runs it for up to
+        ``gemv_max`` tokens."""
+        k = cpu_kernels()
+        desc = {id(lin): gemv_descriptor(lin.qpacked, lin.bias_f32, self.dtype, lin.int8_activations)
+                if lin.qpacked is not None else
+                dense_descriptor(lin.weight, lin.bias, k.bf16 if self.dtype == torch.bfloat16 else k.f32)
+                for lin in lins}
         layers = []
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             a, m = layer.self_attn, layer.mlp
