@@ -84,7 +84,10 @@ class CapacityPlan:
         """A human-readable report; the roofline table needs ``bandwidth`` (bytes/s)."""
         c, kv = self.config, self.kv
         dname = str(self.dtype).removeprefix("torch.")
-        if kv_quant.is_quantized(self.kv_cache_dtype):
+        if kv_quant.is_lowbit(self.kv_cache_dtype):
+            per_head = (f"{'4' if self.kv_cache_dtype == torch.uint4 else '2'}-bit codes + float16 scales and zeros "
+                        f"per block, averaged; + {kv.residual_blocks} residual blocks in {dname}")
+        elif kv_quant.is_quantized(self.kv_cache_dtype):
             kname = str(self.kv_cache_dtype).removeprefix("torch.")
             per_head = f"({c.head_dim} + 4 scale) · 1 byte, {kname}"
         else:
@@ -131,7 +134,7 @@ def plan_capacity(config: ModelConfig | str | Path, dtype: str | torch.dtype = "
         block_size: tokens per KV block.
         context_len: typical context of a running sequence (tokens), in [1, max_model_len];
             default ``max_model_len // 2``.
-        kv_cache_dtype: "auto" (the model dtype), "int8", "fp8" / "fp8_e4m3" (the engine's).
+        kv_cache_dtype: "auto" (the model dtype), "int8", "fp8" / "fp8_e4m3", "int4", "int2" (the engine's).
 
     Raises:
         ValueError: a field out of range (named), or a budget that holds no block.
@@ -161,7 +164,10 @@ def plan_capacity(config: ModelConfig | str | Path, dtype: str | torch.dtype = "
     if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)) or not (
             0 < kv_cache_memory <= MAX_KV_CACHE_GIB):
         raise ValueError(f"kv_cache_memory must be in (0, {MAX_KV_CACHE_GIB}] GiB, got {kv_cache_memory!r}")
-    spec = plan_kv_cache(cfg, kdt, kv_cache_memory, block_size, max_len)
+    from kvserve.engine.args import EngineArgs
+
+    residual = EngineArgs.max_num_seqs + 16 if kv_quant.is_lowbit(kdt) else 0  # (as the engine at its defaults)
+    spec = plan_kv_cache(cfg, kdt, kv_cache_memory, block_size, max_len, residual_blocks=residual, model_dtype=tdt)
     dbytes = torch.empty((), dtype=tdt).element_size()
     matmul_params = cfg.num_parameters(include_embeddings=False)
     return CapacityPlan(config=cfg, dtype=tdt, kv_cache_dtype=kdt, kv=spec, context_len=ctx,

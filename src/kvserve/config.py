@@ -339,15 +339,24 @@ class ModelConfig:
             raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's intermediate_size "
                              f"({self.intermediate_size})")
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1) -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype, tp_size: int = 1, block_size: int = 16) -> int:
         """KV cache bytes per token (on each of ``tp_size`` tensor-parallel ranks, whose pools hold
         their KV heads only: :meth:`heads_per_rank`): ``2 · num_layers · num_kv_heads · head_dim ·
         dtype_bytes`` for a pool of ``dtype`` (the model dtype), and for an 8-bit pool (``torch.int8``,
         ``torch.float8_e4m3fn``: :mod:`kvserve.worker.kv_quant`) ``2 · num_layers · num_kv_heads ·
-        (head_dim + 4)``: one byte per value plus a float32 scale per token and KV head."""
-        from kvserve.worker.kv_quant import bytes_per_head_token
+        (head_dim + 4)``: one byte per value plus a float32 scale per token and KV head. For a 2-/4-bit
+        pool (``torch.uint4``/``torch.uint2``: :mod:`kvserve.worker.kv_quant_lowbit`) the bytes of a
+        full ``block_size`` block (codes, float16 scales and zeros) over ``block_size``, rounded up
+        (the residual slots of partial blocks are counted apart: :func:`kv_quant_lowbit.residual_bytes`)."""
+        from kvserve.worker.kv_quant import bytes_per_head_token, is_lowbit
 
         kv_heads = self.num_kv_heads if tp_size == 1 else self.heads_per_rank(tp_size)[1]
+        if is_lowbit(dtype):
+            from kvserve.worker import kv_quant_lowbit as lb
+
+            b = lb.bits_of(dtype)
+            per_block = sum(lb.block_bytes(block_size, self.head_dim, b, k) for k in (True, False))
+            return -(-self.num_layers * kv_heads * per_block // block_size)
         return 2 * self.num_layers * kv_heads * bytes_per_head_token(self.head_dim, dtype)
 
     def num_parameters(self, include_embeddings: bool = True) -> int:

@@ -11,7 +11,7 @@ Invariant after every operation: ``num_free + sum(1 for b if ref_count[b] > 0) =
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -38,6 +38,9 @@ class BlockPool:
         self.block_size = block_size
         self.ref_counts: list[int] = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        #: called with each block whose last reference is dropped (the 2-/4-bit cache's residual
+        #: slots: :class:`kvserve.core.kv_cache_manager.ResidualSlots`); None: nothing
+        self.on_free: Optional[Callable[[int], None]] = None
 
     @property
     def num_free(self) -> int:
@@ -73,3 +76,5 @@ class BlockPool:
             self.ref_counts[b] = rc
             if rc == 0:
                 self._free.append(b)
+                if self.on_free is not None:
+                    self.on_free(b)

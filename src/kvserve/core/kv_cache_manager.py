@@ -86,6 +86,8 @@ class KVCacheSpec:
     dtype: Optional[torch.dtype] = None
     budget_note: str = ""  # how the budget was chosen, when it was not given (ends the describe() line)
     tp_size: int = 1
+    residual_blocks: int = 0  # int4/int2: residual slots (model-dtype partial blocks, kv_quant_lowbit)
+    residual_bytes: int = 0  # their bytes (all layers, K and V), inside the budget
 
     @property
     def capacity_tokens(self) -> int:
@@ -103,31 +105,50 @@ class KVCacheSpec:
             + f", {self.num_blocks} blocks x {self.block_size} "
             f"tokens = {self.capacity_tokens} tokens ({self.num_blocks * self.block_size * self.bytes_per_token / GiB:.2f} GiB); "
             f"{self.max_concurrent_full_sequences:.1f} sequences of max_model_len={self.max_model_len} fit"
+            + (f"; + {self.residual_blocks} residual blocks in the model dtype ({self.residual_bytes / GiB:.3f} GiB)"
+               if self.residual_blocks else "")
             + (f" [{self.budget_note}]" if self.budget_note else "")
         )
 
 
 def plan_kv_cache(cfg: ModelConfig, dtype: torch.dtype, memory_gib: float, block_size: int,
-                  max_model_len: int, num_blocks: Optional[int] = None, tp_size: int = 1) -> KVCacheSpec:
+                  max_model_len: int, num_blocks: Optional[int] = None, tp_size: int = 1,
+                  residual_blocks: int = 0, model_dtype: Optional[torch.dtype] = None) -> KVCacheSpec:
     """Size the pool: ``num_blocks = floor(budget / (bytes_per_token · block_size))``.
 
     ``dtype`` is the pools' dtype: the model dtype, or ``torch.int8``/``torch.float8_e4m3fn`` for
-    an 8-bit cache (~1.9x the tokens of bf16 in the same budget, scales included). With
+    an 8-bit cache (~1.9x the tokens of bf16 in the same budget, scales included), or
+    ``torch.uint4``/``torch.uint2`` for a 2-/4-bit cache (:mod:`kvserve.worker.kv_quant_lowbit`):
+    then ``residual_blocks`` model-dtype (``model_dtype``) blocks for the partial blocks come out of
+    the budget first, and a block's bytes are its codes plus float16 scales and zeros. With
     ``tp_size`` ranks, the budget and ``bytes_per_token`` are each rank's (its KV heads only).
 
     Raises:
         ValueError: if the budget holds no block, or ``memory_gib`` is not positive.
     """
-    bpt = cfg.kv_bytes_per_token(dtype, tp_size)
+    bpt = cfg.kv_bytes_per_token(dtype, tp_size, block_size)
+    res_bytes = 0
+    block_bytes = bpt * block_size
+    if kv_quant.is_lowbit(dtype):
+        from kvserve.worker import kv_quant_lowbit as lb
+
+        kv_heads = cfg.num_kv_heads if tp_size == 1 else cfg.heads_per_rank(tp_size)[1]
+        bits = lb.bits_of(dtype)
+        block_bytes = cfg.num_layers * kv_heads * sum(lb.block_bytes(block_size, cfg.head_dim, bits, k)
+                                                      for k in (True, False))
+        res_bytes = lb.residual_bytes(cfg.num_layers, residual_blocks, block_size, kv_heads, cfg.head_dim,
+                                      model_dtype or torch.bfloat16)
     if num_blocks is None:
         if not memory_gib > 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {memory_gib}")
-        num_blocks = int(memory_gib * GiB) // (bpt * block_size)
+        num_blocks = (int(memory_gib * GiB) - res_bytes) // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory={memory_gib} GiB holds no block of {block_size} tokens at {bpt} bytes/token"
+            + (f" after {res_bytes / GiB:.3f} GiB of residual blocks (kv_cache_dtype int4/int2)" if res_bytes else "")
         )
-    return KVCacheSpec(bpt, num_blocks, block_size, max_model_len, dtype, tp_size=tp_size)
+    return KVCacheSpec(bpt, num_blocks, block_size, max_model_len, dtype, tp_size=tp_size,
+                       residual_blocks=residual_blocks, residual_bytes=res_bytes)
 
 
 #: The default KV budget's ceiling (GiB): the fixed default of kvserve before it was sized from the machine.
@@ -229,7 +250,8 @@ def zeroed_host_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor
 
 
 def allocate_kv_cache(cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      device: torch.device, model_dtype: Optional[torch.dtype] = None
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Allocate the per-layer K and V pools once, zero-filled.
 
     On the CPU each pool is an anonymous private memory map (:func:`zeroed_host_tensor`): it
@@ -243,27 +265,97 @@ def allocate_kv_cache(cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
         ``dtype`` (8-bit pools, ``dtype`` int8 or float8_e4m3fn: ``head_dim + 4`` last, the codes
         and the scale of each token and head; :mod:`kvserve.worker.kv_quant`). ``num_kv_heads``
         is one rank's (:meth:`~kvserve.config.ModelConfig.heads_per_rank` of ``spec.tp_size``).
+        2-/4-bit caches (``dtype`` ``torch.uint4``/``torch.uint2``): pairs of
+        :class:`~kvserve.worker.kv_quant_lowbit.LowBitPool` (their residual slots in ``model_dtype``).
 
     Raises:
         ValueError: the pool (``num_blocks · block_size · bytes_per_token`` bytes) is larger than
             the memory still available on the device, or its allocation failed.
     """
-    need = spec.num_blocks * spec.block_size * spec.bytes_per_token
+    need = spec.num_blocks * spec.block_size * spec.bytes_per_token + spec.residual_bytes
     have = available_memory(device)
     if have is not None and need > have:
         raise ValueError(f"kv_cache_memory: the KV pool needs {need / GiB:.2f} GiB ({spec.num_blocks} blocks), "
                          f"but only {have / GiB:.2f} GiB is available on {torch.device(device)}; lower "
                          f"kv_cache_memory (--kv-cache-memory), or num_blocks if you set it")
     kv_heads = cfg.num_kv_heads if spec.tp_size == 1 else cfg.heads_per_rank(spec.tp_size)[1]
-    shape = (spec.num_blocks, spec.block_size, kv_heads, kv_quant.row_elements(cfg.head_dim, dtype))
     zeros = zeroed_host_tensor if torch.device(device).type == "cpu" else (
         lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
+    if kv_quant.is_lowbit(dtype):
+        from kvserve.worker import kv_quant_lowbit as lb
+
+        return lb.allocate_pools(cfg.num_layers, spec.num_blocks, spec.block_size, kv_heads, cfg.head_dim,
+                                 lb.bits_of(dtype), spec.residual_blocks, model_dtype or torch.bfloat16, device,
+                                 zeros=zeros)
+    shape = (spec.num_blocks, spec.block_size, kv_heads, kv_quant.row_elements(cfg.head_dim, dtype))
     try:
         return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(cfg.num_layers)]
     except (RuntimeError, MemoryError, OSError) as e:  # torch.OutOfMemoryError is a RuntimeError
         raise ValueError(f"kv_cache_memory: could not allocate the KV pool of {need / GiB:.2f} GiB on "
                          f"{torch.device(device)} ({e}); lower kv_cache_memory (--kv-cache-memory), "
                          f"or num_blocks if you set it") from e
+
+
+class ResidualSlots:
+    """The residual slots of a 2-/4-bit KV cache (:mod:`kvserve.worker.kv_quant_lowbit`): model-dtype
+    side buffers for the blocks that are not full (KIVI's full-precision residual).
+
+    The KV manager gives a slot to every block that holds a partial block's rows after a step
+    (:meth:`ensure`: a sequence's last block, the destination of a partial-block copy) and marks
+    for release the blocks that fill in a step and the blocks freed (:meth:`release_later`); the
+    marked slots come back after the next forward (:meth:`end_step`), since that forward (or a
+    block copy applied before it) still reads them. ``map`` (``[num_blocks]`` int64, ``-1``: none)
+    is what the workers read (:class:`kvserve.worker.model_runner.ModelRunner` puts it into every
+    step's attention metadata).
+
+    Args:
+        num_blocks: blocks of the pool.
+        num_slots: residual slots (≥ 1).
+
+    Raises:
+        ValueError: ``num_slots`` < 1.
+    """
+
+    def __init__(self, num_blocks: int, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"residual slots must be ≥ 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.map = torch.full((num_blocks,), -1, dtype=torch.long)
+        self._slot: dict[int, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._pending: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        """Slots that :meth:`ensure` can hand out now."""
+        return len(self._free)
+
+    def has(self, block: int) -> bool:
+        return block in self._slot
+
+    def ensure(self, block: int) -> bool:
+        """Give ``block`` a slot (keep its own, unmarking it); False when none is free."""
+        self._pending.discard(block)
+        if block in self._slot:
+            return True
+        if not self._free:
+            return False
+        s = self._free.pop()
+        self._slot[block] = s
+        self.map[block] = s
+        return True
+
+    def release_later(self, block: int) -> None:
+        """Mark ``block``'s slot (if any) for release after the next forward."""
+        if block in self._slot:
+            self._pending.add(block)
+
+    def end_step(self) -> None:
+        """Release the marked slots (call after each forward)."""
+        for b in self._pending:
+            self._free.append(self._slot.pop(b))
+            self.map[b] = -1
+        self._pending.clear()
 
 
 @dataclass(slots=True)
@@ -395,6 +487,9 @@ class KVCacheManager:
             evicts are written to disk, and :meth:`admit` continues a request's match into the
             blocks on disk, loading them (as a KV transfer's load: ``kv_loader`` or the local
             pools' mover) and inserting them into the tree. None: no disk tier.
+        residual_blocks: a 2-/4-bit cache's residual slots (:class:`ResidualSlots`, :attr:`residual`):
+            every block partly written after a step gets one (an allocation that needs a slot when
+            none is free fails like one short of blocks); 0: none (other formats).
 
     Raises:
         ValueError: ``hit_rate_window`` < 1, ``sliding_window`` < 1, or ``sliding_window`` with
@@ -420,6 +515,7 @@ class KVCacheManager:
         sliding_window: Optional[int] = None,
         kv_loader: Optional[Callable[[KVCacheOps], None]] = None,
         offload: Optional[KVOffloadTier] = None,
+        residual_blocks: int = 0,
     ) -> None:
         if hit_rate_window < 1:
             raise ValueError(f"hit_rate_window must be ≥ 1, got {hit_rate_window}")
@@ -429,6 +525,10 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
+        self.residual: Optional[ResidualSlots] = None
+        if residual_blocks:
+            self.residual = ResidualSlots(num_blocks, residual_blocks)
+            self.pool.on_free = self.residual.release_later
         self.block_tables: dict[str, list[int]] = {}
         self.kv_caches = kv_caches
         self.ops = KVCacheOps()
@@ -539,6 +639,39 @@ class KVCacheManager:
                 self._mover.apply(self.ops.take())
         return self.pool.num_free >= need
 
+    def _residual_room(self, table: Sequence[int], before: int, after: int) -> bool:
+        """Whether the residual slots a step from ``before`` to ``after`` tokens needs are free."""
+        r = self.residual
+        if r is None:
+            return True
+        bs = self.block_size
+        idx = {i for i, partial in ((before // bs, before % bs), (after // bs, after % bs)) if partial}
+        need = sum(1 for i in idx if not (i < len(table) and r.has(table[i])))
+        return r.num_free >= need
+
+    def _residual_step(self, table: Sequence[int], before: int, after: int) -> None:
+        """Residual slots of a table about to compute tokens ``[before, after)``: the block holding
+        token ``before`` (if partial) keeps or gets one, released after the step if the step fills
+        it; the block of token ``after`` (if partial after the step) gets one. Call with
+        :meth:`_residual_room` true."""
+        r = self.residual
+        if r is None:
+            return
+        bs = self.block_size
+        i0 = before // bs
+        if before % bs:
+            r.ensure(table[i0])
+            if after >= (i0 + 1) * bs:
+                r.release_later(table[i0])
+        if after % bs:
+            r.ensure(table[after // bs])
+
+    def end_step(self) -> None:
+        """After a forward: give back the residual slots of the blocks it filled and of the blocks
+        freed before it (2-/4-bit caches; nothing otherwise)."""
+        if self.residual is not None:
+            self.residual.end_step()
+
     def allocate_slots(self, request: Request, num_new_tokens: int, headroom: int = 0) -> bool:
         """Grow the block table of an admitted request to hold ``num_computed_tokens +
         num_new_tokens`` tokens, evicting unused cached blocks if the free ones are short.
@@ -552,13 +685,19 @@ class KVCacheManager:
         table = self.block_tables.get(request.request_id, [])
         if self.sliding_window is not None and table:  # first give back what the window left behind
             self._free_outside_window(table, request.num_computed_tokens)
-        need = self.blocks_needed(request.num_kv_tokens + num_new_tokens) - len(table)
+        before = request.num_kv_tokens
+        after = before + num_new_tokens
+        need = self.blocks_needed(after) - len(table)
+        if not self._residual_room(table, before, after):
+            return False
         if need <= 0:
+            self._residual_step(table, before, after)
             return True
         if not self._make_room(need, headroom):
             return False
         table.extend(self.pool.allocate(need))
         self.block_tables[request.request_id] = table  # a new table holds no cached block
+        self._residual_step(table, before, after)
         return True
 
     def admit_swapped(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
@@ -675,6 +814,8 @@ class KVCacheManager:
             num_new = min(request.num_tokens - computed, token_budget)
             need = self.blocks_needed(computed + num_new) - len(blocks)
             room = num_new > 0 and self._make_room(need, headroom)
+        if room and not self._residual_room([], computed, computed + num_new):
+            room = False  # (no residual slot free: a 2-/4-bit cache's partial blocks; see end_step)
         if not room:
             if cache is not None:
                 if partial is not None:
@@ -683,6 +824,7 @@ class KVCacheManager:
                 self.pool.decref(blocks)
             return 0
         new = self.pool.allocate(need)
+        self._residual_step(blocks + new, computed, computed + num_new)
         if partial is not None:
             self._copy_block_prefix(partial.block_id, new[0], partial.num_tokens)
             cache.unlock(partial.node)
@@ -894,12 +1036,14 @@ class KVCacheManager:
         self.pool.incref(held_blocks(shared))
         table = list(shared)
         if rem:
-            if not self._make_room(1):
+            if not self._make_room(1) or (self.residual is not None and not self.residual.num_free):
                 self.pool.decref(held_blocks(shared))
                 if node is not None:
                     self.cache.unlock(node)  # type: ignore[union-attr]
                 return False
             new = self.pool.allocate(1)
+            if self.residual is not None:  # (the copy's rows land in the new block's residual slot)
+                self.residual.ensure(new[0])
             self._copy_block_prefix(src_table[num_full], new[0], rem)
             table.extend(new)
         self.block_tables[dst.request_id] = table
@@ -1019,9 +1163,12 @@ class KVCacheManager:
         shared = table[:num_full]  # (freed entries stay freed in the clone)
         new: list[int] = []
         if rem:
-            if table[num_full] == FREED_BLOCK or not self._make_room(1):
+            if table[num_full] == FREED_BLOCK or not self._make_room(1) or (
+                    self.residual is not None and not self.residual.num_free):
                 return None
             new = self.pool.allocate(1)
+            if self.residual is not None:
+                self.residual.ensure(new[0])
             self._copy_block_prefix(table[num_full], new[0], rem)
         self.pool.incref(held_blocks(shared))
         if node is not None:

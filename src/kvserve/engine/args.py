@@ -71,7 +71,11 @@ class EngineArgs:
         dtype: weights, activations and (with ``kv_cache_dtype="auto"``) KV cache dtype.
         kv_cache_dtype: ``"auto"`` (the model dtype), ``"int8"``, or ``"fp8"``/``"fp8_e4m3"``: 8-bit
             K/V with a float32 scale per token and KV head (:mod:`kvserve.worker.kv_quant`), ~1.9x the
-            tokens in the same ``kv_cache_memory``.
+            tokens in the same ``kv_cache_memory``; ``"int4"``/``"int2"``: KIVI's 4-/2-bit K/V (keys
+            per channel over each block, values per token in groups of 32 channels, partial blocks in
+            the model dtype: :mod:`kvserve.worker.kv_quant_lowbit`), ~2.9x / ~4.6x the tokens of bf16
+            at head_dim 64 and block_size 16; not with speculative decoding, tensor parallelism, swap
+            preemption, the disk tier, a KV connector or KV compression.
         device: "cpu", "cuda" or None (CUDA when available).
         kv_cache_memory: KV pool budget in GiB; None (default): ``kv_cache_memory_fraction`` of the
             memory available once the model is loaded, at most 2 GiB and at least one
@@ -269,6 +273,32 @@ class EngineArgs:
         if self.kv_offload_dir is not None and not self.enable_prefix_caching:
             raise ValueError(f"{name('kv_offload_dir')}: the disk tier extends the prefix cache, which is off "
                              f"({'--no-prefix-caching' if option_names else 'enable_prefix_caching=False'})")
+        if self.kv_cache_dtype in kv_quant.LOWBIT_DTYPES:
+            self._check_lowbit(name)
+
+    def _check_lowbit(self, name) -> None:
+        """The combinations a 2-/4-bit KV cache does not support (yet).
+
+        Raises:
+            ValueError: naming ``kv_cache_dtype`` and the option it cannot run with: speculative
+                decoding, tensor parallelism, swap preemption, the disk tier, a KV connector, KV
+                compression (their block moves and the draft's pool know only whole-row formats).
+        """
+        kd = f"{name('kv_cache_dtype')}={self.kv_cache_dtype!r}"
+        refused = [
+            (self.speculative_config is not None, name("speculative_config")),
+            (self.tensor_parallel_size > 1, name("tensor_parallel_size") + " > 1"),
+            (check_swap_options(self.swap_space, self.preemption_mode, name) == "swap",
+             name("preemption_mode") + "='swap'"),
+            (self.kv_offload_dir is not None, name("kv_offload_dir")),
+            (self.kv_connector is not None, name("kv_connector")),
+            (self.kv_compression is not None, name("kv_compression")),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"{kd} is not supported with {what} (2-/4-bit KV runs with recompute preemption, "
+                                 f"one rank, no speculative decoding, disk tier, KV transfer or KV compression); "
+                                 f"use kv_cache_dtype 'int8' or 'auto' for that")
 
 
 #: the largest KV budget accepted (GiB): beyond it the block count overflows, and no machine has it

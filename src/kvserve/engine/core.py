@@ -191,6 +191,9 @@ class EngineCore:
         if self.spec is not None and cfg.uses_scores:
             raise ValueError(f"kv_compression: {cfg.method} is not supported with speculative decoding (the "
                              f"attention of rejected drafts would count in its scores); streaming_llm is")
+        if kv_quant.is_lowbit(self.kv_cache_dtype):
+            raise ValueError(f"kv_compression is not supported with kv_cache_dtype={self.args.kv_cache_dtype!r} "
+                             f"(its compaction moves token rows; 2-/4-bit blocks are quantized whole)")
         if params is not None and params.use_beam_search:
             raise ValueError("kv_compression is not supported with use_beam_search (beams share their KV blocks "
                              "copy-on-write by position, which compaction would break)")
@@ -278,12 +281,16 @@ class EngineCore:
             if available is not None and self.device.type == "cpu":
                 available //= tp  # (the ranks share the host's memory)
             budget, note = default_kv_cache_memory(
-                cfg.kv_bytes_per_token(self.kv_cache_dtype, tp), args.block_size, max_len, args.max_num_seqs,
+                cfg.kv_bytes_per_token(self.kv_cache_dtype, tp, args.block_size), args.block_size, max_len, args.max_num_seqs,
                 available, args.kv_cache_memory_fraction, sliding_window=window,
                 max_num_batched_tokens=args.max_num_batched_tokens, device=str(self.device))
         self.cache_config = CacheConfig(args.block_size, budget, args.num_blocks, prefix_caching)
+        # 2-/4-bit KV (KIVI): a residual slot in the model dtype per partly written block, at most
+        # one per running sequence; the spare ones cover forked samples waiting and the slots of
+        # blocks filled or freed, which come back after the forward (ResidualSlots)
+        residual_blocks = args.max_num_seqs + 16 if kv_quant.is_lowbit(self.kv_cache_dtype) else 0
         self.kv_spec = plan_kv_cache(cfg, self.kv_cache_dtype, budget, args.block_size, max_len, args.num_blocks,
-                                     tp_size=tp)
+                                     tp_size=tp, residual_blocks=residual_blocks, model_dtype=self.dtype)
         self.kv_spec.budget_note = note
         logger.info(self.kv_spec.describe())
         if self.kv_spec.capacity_tokens < max_len and (window is None or self.kv_spec.num_blocks < -(
@@ -305,7 +312,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.kv_spec.num_blocks, args.block_size, prefix_caching,
                                  None, namespace_model=str(path), sliding_window=window,
                                  kv_loader=kv_loader(self.executor) if args.kv_connector or offload else None,
-                                 offload=offload)
+                                 offload=offload, residual_blocks=residual_blocks)
         if offload is not None:  # (at shutdown, or when the core is collected: the cached blocks go to disk too)
             self._offload_finalizer = weakref.finalize(self, _close_kv_offload, self.kv, self.executor)
         self.scheduler_config = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len, args.max_waiting,
@@ -321,7 +328,8 @@ class EngineCore:
                         args.block_size, self.swap.num_blocks * self.swap.block_bytes / (1 << 30),
                         ", pinned" if pinned else "")
         self.scheduler = Scheduler(self.scheduler_config, self.kv, swap=self.swap)
-        self.executor.collective_rpc("init_model_runner", (self.kv.block_tables, args.block_size, window))
+        self.executor.collective_rpc("init_model_runner", (self.kv.block_tables, args.block_size, window,
+                                                           self.kv.residual.map if self.kv.residual else None))
 
     def _init_kv_offload(self, cfg: ModelConfig, path):
         """The prefix cache's disk tier (:mod:`kvserve.core.kv_offload`): the model fingerprint,
@@ -690,6 +698,7 @@ class EngineCore:
             result = self.executor.execute_model(sched)
         except Exception as e:  # noqa: BLE001 - find the request(s) at fault, run the others
             result = self._execute_per_group(sched, e, failed)
+        self.kv.end_step()  # (2-/4-bit KV: the residual slots of blocks this forward filled come back)
         self._update_computed(sched, result, failed)
         self._fork_pending(sched, failed)
         changed = self._update_from_output(sched, result, failed)

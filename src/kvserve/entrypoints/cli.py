@@ -23,9 +23,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.5,
                    help="without --kv-cache-memory: the share of the available memory (MemAvailable on a CPU, free "
                         "memory on CUDA) the KV cache may take, in (0, 1] (default 0.5)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
-                   help="KV cache storage: auto (the model dtype) or 8-bit with a scale per token and KV head "
-                        "(int8, fp8 = fp8_e4m3): ~1.9x the tokens per GiB (default: auto)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8", "int4", "int2"],
+                   help="KV cache storage: auto (the model dtype), 8-bit with a scale per token and KV head "
+                        "(int8, fp8 = fp8_e4m3): ~1.9x the tokens per GiB, or KIVI's 4-/2-bit (int4, int2: keys per "
+                        "channel, values per token, partial blocks in the model dtype): ~2.9x / ~4.6x (default: auto)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence (prompt + generated) in tokens, 2 to the model's context length "
                         "(default: the model's context length, at most 4096); models whose every layer is "
@@ -283,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
     pl.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     pl.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB (default 2)")
-    pl.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), int8, fp8 / fp8_e4m3")
+    pl.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), int8, fp8 / fp8_e4m3, int4, int2")
     pl.add_argument("--max-model-len", type=int, default=None, help="longest sequence in tokens")
     pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     pl.add_argument("--context-len", type=int, default=None,

@@ -873,3 +873,8 @@ def _(q, k_cache, v_cache, block_tables, chunks, scale, out):
 OPS = ("rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "log_sum_exp", "apply_token_bitmask_", "greedy", "rope_",
        "gemma_rms_norm", "gemma_add_rms_norm_", "gemma_qk_norm_rope_", "reshape_and_cache", "paged_attention_decode",
        "paged_attention_prefill")
+
+
+def lowbit_available() -> bool:
+    """Whether the C decode kernel over 2-/4-bit pools is built (:func:`paged_attention_decode_lowbit`)."""
+    return False

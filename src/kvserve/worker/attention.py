@@ -14,6 +14,10 @@ already-computed context plus the chunk.
 8-bit KV caches (``kv_cache_dtype``, :mod:`kvserve.worker.kv_quant`): K/V are quantized as they are
 written and every read dequantizes them (codes · scale, rounded to the model dtype); prefill
 chunks then attend to their own K/V as read back from the cache, like later chunks would.
+2-/4-bit KV caches (KIVI, :mod:`kvserve.worker.kv_quant_lowbit`): the layer's pools are
+:class:`~kvserve.worker.kv_quant_lowbit.LowBitPool` s; rows go to their block's residual slot (model
+dtype) and a block is quantized when the step fills it; reads take full blocks dequantized and
+partial blocks from their residual slot (:func:`read_cache`), prefill chunks included.
 
 GQA: K/V keep ``num_kv_heads`` heads; SDPA's ``enable_gqa`` maps each group of query heads
 to its KV head, so repeated KV is never materialised.
@@ -43,6 +47,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvserve.worker import kv_quant
+from kvserve.worker import kv_quant_lowbit
+from kvserve.worker.kv_quant_lowbit import LowBitPool
 from kvserve.kernels import cpu_ops
 
 
@@ -150,6 +156,8 @@ class AttentionMetadata:
             masks, gathered decode slots); keyed by the backend.
         kv_probes: query rows whose attention probabilities feed KV compression scores
             (:class:`KVProbe`, :func:`record_kv_probes`); empty for most steps.
+        residual_map: 2-/4-bit pools: ``[num_blocks]`` int64, the KV manager's ``block → residual
+            slot`` (-1: none; :class:`kvserve.core.kv_cache_manager.ResidualSlots`); None otherwise.
 
     A backend says which decode inputs it reads (:attr:`AttentionBackend.uses_context_slots`);
     the model runner builds only those.
@@ -167,6 +175,7 @@ class AttentionMetadata:
     prefill_chunks: Optional[torch.Tensor] = None
     derived: dict = field(default_factory=dict)
     kv_probes: list[KVProbe] = field(default_factory=list)
+    residual_map: Optional[torch.Tensor] = None
 
 
 class AttentionBackend:
@@ -227,7 +236,7 @@ class TorchSDPABackend(AttentionBackend):
         return self._forward(q, k, v, k_cache, v_cache, meta, scale, window)
 
     def _forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.residual_map)
         out = torch.empty_like(q)
         if meta.num_decode_tokens:
             self.decode(q, k_cache, v_cache, meta, scale, out, window)
@@ -254,8 +263,8 @@ class TorchSDPABackend(AttentionBackend):
                 mask = decode_window_mask(meta, mask, window)
         # [D, L, KVH, hd] -> [D, KVH, L, hd]; index_select is much cheaper than
         # advanced indexing for these small gathers.
-        kc = kv_quant.gather(k_cache, slots, q.dtype).transpose(1, 2)
-        vc = kv_quant.gather(v_cache, slots, q.dtype).transpose(1, 2)
+        kc = read_cache(k_cache, slots, q.dtype, meta).transpose(1, 2)
+        vc = read_cache(v_cache, slots, q.dtype, meta).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [D, H, 1, hd]
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
         out[:nd] = o.squeeze(2)
@@ -272,7 +281,7 @@ class TorchSDPABackend(AttentionBackend):
         (:func:`prefill_window_mask`) and gathers only the context its first token's window
         starts at (positions from ``num_past - window + 1``: earlier blocks may be freed).
         """
-        quantized = kv_quant.is_quantized(k_cache)
+        quantized = isinstance(k_cache, LowBitPool) or kv_quant.is_quantized(k_cache)
         for i, seg in enumerate(meta.prefills):
             qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             windowed = window is not None and seg.num_past + (seg.end - seg.start) > window
@@ -282,8 +291,8 @@ class TorchSDPABackend(AttentionBackend):
                 vs = v[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
             else:
                 slots = seg.context_slots[lo:] if seg.num_past else meta.slot_mapping[seg.start : seg.end]
-                ks = kv_quant.gather(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
-                vs = kv_quant.gather(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
+                ks = read_cache(k_cache, slots, q.dtype, meta).transpose(0, 1).unsqueeze(0)
+                vs = read_cache(v_cache, slots, q.dtype, meta).transpose(0, 1).unsqueeze(0)
             if windowed:
                 mask = prefill_window_mask(meta, i, window, q.device)[:, lo:]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -296,11 +305,34 @@ class TorchSDPABackend(AttentionBackend):
             out[seg.start : seg.end] = o.squeeze(0).transpose(0, 1)
 
 
+def read_map(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
+    """The step's residual map for readers (:func:`kvserve.worker.kv_quant_lowbit.read_map`: the
+    blocks the step fills read quantized), built once per step."""
+    key = ("lowbit_read_map",)
+    if key not in meta.derived:
+        meta.derived[key] = kv_quant_lowbit.read_map(meta.residual_map, meta.slot_mapping, block_size)
+    return meta.derived[key]
+
+
+def read_cache(cache, slots: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata) -> torch.Tensor:
+    """K or V of ``slots`` ``[...]`` → ``[..., num_kv_heads, head_dim]`` in ``dtype``: gathered as
+    stored, 8-bit rows dequantized (:func:`kvserve.worker.kv_quant.gather`), or 2-/4-bit blocks
+    dequantized / read from their residual slot (:func:`kvserve.worker.kv_quant_lowbit.gather`)."""
+    if isinstance(cache, LowBitPool):
+        return kv_quant_lowbit.gather(cache, slots, read_map(meta, cache.block_size), dtype)
+    return kv_quant.gather(cache, slots, dtype)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, residual_map: Optional[torch.Tensor] = None) -> None:
     """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[T]`` (non-negative
     flat slots) in PyTorch ops: copied as they are, or quantized into an 8-bit pool
-    (:func:`kvserve.worker.kv_quant.write`)."""
+    (:func:`kvserve.worker.kv_quant.write`), or into 2-/4-bit pools through their residual slots
+    (``residual_map``, :func:`kvserve.worker.kv_quant_lowbit.write`)."""
+    if isinstance(k_cache, LowBitPool):
+        kv_quant_lowbit.write(k_cache, k, slot_mapping, residual_map)
+        kv_quant_lowbit.write(v_cache, v, slot_mapping, residual_map)
+        return
     if kv_quant.is_quantized(k_cache):
         kv_quant.write(k_cache, k, slot_mapping)
         kv_quant.write(v_cache, v, slot_mapping)
@@ -385,6 +417,8 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
     uses_context_slots = False
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
+        if isinstance(k_cache, LowBitPool):
+            return self._forward_lowbit(q, k, v, k_cache, v_cache, meta, scale, window)
         cpu_ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)
         nd = meta.num_decode_tokens
@@ -402,6 +436,24 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
                 self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
         if meta.kv_probes:
             record_kv_probes(q, k_cache, meta, scale)
+        return out
+
+
+    def _forward_lowbit(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
+        """2-/4-bit pools: the write and the prefill chunks in PyTorch (:class:`TorchSDPABackend`),
+        decode rows on the C kernel (:func:`kvserve.kernels.cpu_ops.paged_attention_decode_lowbit`)
+        where it is built, else on SDPA."""
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.residual_map)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        nd = meta.num_decode_tokens
+        if nd:
+            if meta.decode_block_tables is not None and cpu_ops.lowbit_available():
+                cpu_ops.paged_attention_decode_lowbit(
+                    q[:nd], k_cache, v_cache, read_map(meta, k_cache.block_size), meta.decode_block_tables,
+                    meta.decode_context_lens, scale, out=out[:nd], window=window)
+            else:
+                self.decode(q, k_cache, v_cache, meta, scale, out, window)
+        self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
         return out
 
 

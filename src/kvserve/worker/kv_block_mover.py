@@ -28,6 +28,7 @@ import torch
 
 from kvserve.core.kv_ops import COMPACT, COPY, FORGET, LOAD, OFFLOAD, SWAP_IN, SWAP_OUT, KVCacheOps
 from kvserve.worker.kv_compressor import KVCompressor
+from kvserve.worker.kv_quant_lowbit import LowBitPool, copy_prefix
 
 GiB = 1 << 30
 
@@ -70,6 +71,8 @@ class KVBlockMover:
         self.host_caches: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
         self.disk = None
         self.compressor = KVCompressor(kv_caches)  # KV compression: scores and compactions
+        #: 2-/4-bit pools: the KV manager's ``block → residual slot`` map (set with the model runner)
+        self.residual_map: Optional[torch.Tensor] = None
 
     def allocate_host(self, num_blocks: int) -> None:
         """Allocate the host pool of ``num_blocks`` blocks (zero-filled; pinned on CUDA).
@@ -191,7 +194,14 @@ class KVBlockMover:
 
     def _copy(self, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
         """Copy slots ``0 .. num_tokens[i] - 1`` of device block ``src[i]`` into ``dst[i]``, all at
-        once: one gather and one scatter of token rows per layer and K/V."""
+        once: one gather and one scatter of token rows per layer and K/V. Into 2-/4-bit pools the
+        rows are dequantized (or read from the source's residual slot) into the destination's
+        residual slot (:func:`kvserve.worker.kv_quant_lowbit.copy_prefix`)."""
+        if isinstance(self.kv_caches[0][0], LowBitPool):
+            for pair in self.kv_caches:
+                for c in pair:
+                    copy_prefix(c, src, dst, num_tokens, self.residual_map)
+            return
         bs = self.block_size
         src_slots = [s * bs + j for s, n in zip(src, num_tokens) for j in range(n)]
         dst_slots = [d * bs + j for d, n in zip(dst, num_tokens) for j in range(n)]

@@ -32,8 +32,10 @@ from typing import Optional
 
 import torch
 
-#: Accepted ``kv_cache_dtype`` values.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+#: Accepted ``kv_cache_dtype`` values (``"int4"``/``"int2"``: :mod:`kvserve.worker.kv_quant_lowbit`).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8", "int4", "int2")
+#: The 2-/4-bit formats (KIVI: :mod:`kvserve.worker.kv_quant_lowbit`).
+LOWBIT_DTYPES = ("int4", "int2")
 #: Bytes of the per-(token, KV head) scale stored after the codes (a float32).
 SCALE_BYTES = 4
 #: Largest code magnitude of each format.
@@ -55,7 +57,8 @@ def check_kv_cache_dtype(value, field: str = "kv_cache_dtype") -> str:
 
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pool dtype of a ``kv_cache_dtype``: the model dtype for ``"auto"``, ``torch.int8`` or
-    ``torch.float8_e4m3fn``.
+    ``torch.float8_e4m3fn``; for ``"int4"``/``"int2"`` the marker dtypes ``torch.uint4``/``torch.uint2``
+    (the pools are :class:`kvserve.worker.kv_quant_lowbit.LowBitPool` s of uint8 bytes).
 
     Raises:
         ValueError: for a value outside :data:`KV_CACHE_DTYPES`.
@@ -63,7 +66,15 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype in LOWBIT_DTYPES:
+        return torch.uint4 if kv_cache_dtype == "int4" else torch.uint2
     return torch.int8 if kv_cache_dtype == "int8" else torch.float8_e4m3fn
+
+
+def is_lowbit(cache) -> bool:
+    """Whether a pool (or pool dtype) is a 2-/4-bit one (:mod:`kvserve.worker.kv_quant_lowbit`)."""
+    dtype = cache if isinstance(cache, torch.dtype) else cache.dtype
+    return dtype in (torch.uint4, torch.uint2)
 
 
 def is_quantized(cache: torch.Tensor | torch.dtype) -> bool:
@@ -167,6 +178,9 @@ def gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torc
 
 def describe(kv_cache_dtype: str, dtype: Optional[torch.dtype]) -> str:
     """``"int8 (per-token-head scales)"`` / ``"bfloat16"``: the pool format for logs."""
+    if dtype is not None and is_lowbit(dtype):
+        return (f"{'int4' if dtype == torch.uint4 else 'int2'} (KIVI: K per channel over each block, V per token in "
+                f"groups of 32 channels, float16 scales and zeros; partial blocks in the model dtype)")
     if dtype is None or not is_quantized(dtype):
         return str(dtype).replace("torch.", "") if dtype is not None else kv_cache_dtype
     return f"{'int8' if dtype == torch.int8 else 'fp8_e4m3'} (+ float32 scale per token and KV head)"

@@ -139,6 +139,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.compressor = None  # the worker's KVCompressor (kv_block_mover), for compression scores
+        self.residual_map: Optional[torch.Tensor] = None  # 2-/4-bit pools: block → residual slot (KV manager's)
         backend = getattr(model, "attn_backend", None)
         self.uses_context_slots = getattr(backend, "uses_context_slots", True) and sliding_window is None
 
@@ -252,6 +253,7 @@ class ModelRunner:
             meta.prefill_chunks = torch.tensor([[seg.start, seg.end - seg.start, seg.num_past]
                                                 for seg in meta.prefills], dtype=torch.long, device=self.device)
         meta.slot_mapping = torch.cat(slot_parts).to(self.device)
+        meta.residual_map = self.residual_map
         meta.kv_probes = self._kv_probes(probe_rows)
         return BatchInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),

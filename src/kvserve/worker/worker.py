@@ -131,7 +131,7 @@ class Worker:
         if kv_spec.tp_size != self.world_size:
             raise ValueError(f"Worker: the KV cache was planned for tensor_parallel_size={kv_spec.tp_size}, this "
                              f"worker is one of {self.world_size} ranks")
-        self.kv_caches = allocate_kv_cache(cfg, kv_spec, kv_cache_dtype, self.device)
+        self.kv_caches = allocate_kv_cache(cfg, kv_spec, kv_cache_dtype, self.device, model_dtype=self.dtype)
         self.kv_mover = KVBlockMover(self.kv_caches, self.rank)
         return self.kv_caches
 
@@ -220,11 +220,15 @@ class Worker:
         return None
 
     def init_model_runner(self, block_tables: dict[str, list[int]], block_size: int,
-                          sliding_window: Optional[int]) -> None:
+                          sliding_window: Optional[int], residual_map: Optional[torch.Tensor] = None) -> None:
         """Build the model runner over the pools. ``block_tables`` is the KV manager's
-        ``request_id → block ids`` map, read in this process (one-process executor)."""
+        ``request_id → block ids`` map, read in this process (one-process executor), as is
+        ``residual_map`` (2-/4-bit pools: the KV manager's ``block → residual slot``,
+        :class:`kvserve.core.kv_cache_manager.ResidualSlots`)."""
         self.runner = ModelRunner(self.model, self.kv_caches, block_tables, block_size, self.device,
                                   sliding_window=sliding_window)
+        self.runner.residual_map = residual_map
+        self.kv_mover.residual_map = residual_map
         self.runner.compressor = self.kv_mover.compressor
 
     def execute_model(self, scheduler_output: SchedulerOutput,

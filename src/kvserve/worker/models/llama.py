@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.worker.kv_quant_lowbit import LowBitPool
 from kvserve.worker.attention import AttentionBackend, AttentionMetadata, CPUPagedAttentionBackend
 from kvserve.config import ModelConfig
 from kvserve.kernels import cpu_ops
@@ -349,6 +350,8 @@ class LlamaForCausalLM(nn.Module):
         AMX kernel) for ``num_tokens`` rows."""
         if not self.fused_cpu_ops or not isinstance(self.attn_backend, CPUPagedAttentionBackend) or self.tp_size > 1:
             return None  # (the C step has no collectives: tensor parallelism runs the modules)
+        if isinstance(kv_caches[0][0], LowBitPool):
+            return None  # (2-/4-bit pools: the layers' path writes them in PyTorch; kv_quant_lowbit)
         if self._decode_step_caches is not kv_caches:  # first use, new KV pool or new weights
             self._decode_step, self._decode_step_caches = None, kv_caches
             lins = [self.lm_head] + [m for layer in self.layers for m in (
