@@ -125,5 +125,15 @@ def prefill_logits(llm, ids: list[int]) -> torch.Tensor:
     T = len(ids)
     pos = torch.arange(T, device=eng.device)
     meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSegment(0, T, 0)])
+    res = getattr(eng.kv, "residual", None)  # 2-/4-bit pools: the partial last block's residual slot
+    if res is not None:
+        bs = eng.kv.block_size
+        if T % bs:
+            res.ensure(T // bs)
+            res.release_later(T // bs)
+        meta.residual_map = res.map
     with torch.inference_mode():
-        return eng.model(torch.tensor(ids, device=eng.device), pos, eng.kv_caches, meta, pos).cpu()
+        out = eng.model(torch.tensor(ids, device=eng.device), pos, eng.kv_caches, meta, pos).cpu()
+    if res is not None:
+        res.end_step()
+    return out

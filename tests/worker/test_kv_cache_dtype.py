@@ -114,7 +114,7 @@ def test_engine_allocates_the_pools_and_logs_the_dtype(tiny_model_dir, caplog, k
 # -------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("bad", ["fp16", "FP8", "", None, 8, "fp8_e5m2", torch.int8])
 def test_bad_kv_cache_dtype_is_refused_naming_the_field(bad):
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3', 'int8'\]"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3', 'int8', 'int4', 'int2'\]"):
         EngineArgs(kv_cache_dtype=bad).check()
     with pytest.raises(ValueError, match=r"--kv-cache-dtype must be one of"):
         EngineArgs(kv_cache_dtype=bad).check(option_names=True)
@@ -122,14 +122,14 @@ def test_bad_kv_cache_dtype_is_refused_naming_the_field(bad):
 
 def test_bad_kv_cache_dtype_is_refused_before_the_model_loads():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        LLM(model="/nonexistent/model", kv_cache_dtype="int4")
+        LLM(model="/nonexistent/model", kv_cache_dtype="int3")
 
 
 def test_cli_refuses_a_bad_kv_cache_dtype(capsys):
     from kvserve.entrypoints.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main(["generate", "hi", "--kv-cache-dtype", "int4"])
+        main(["generate", "hi", "--kv-cache-dtype", "int3"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--kv-cache-dtype" in err and "'int8'" in err

@@ -324,11 +324,19 @@ class ResidualSlots:
         self._slot: dict[int, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
         self._pending: set[int] = set()
+        self.num_short = 0  # allocations, forks and clones refused for want of a slot (a counter)
 
     @property
     def num_free(self) -> int:
         """Slots that :meth:`ensure` can hand out now."""
         return len(self._free)
+
+    def can_take(self, n: int = 1) -> bool:
+        """Whether ``n`` slots are free (counts a refusal in :attr:`num_short` when not)."""
+        if len(self._free) >= n:
+            return True
+        self.num_short += 1
+        return False
 
     def has(self, block: int) -> bool:
         return block in self._slot
@@ -489,7 +497,9 @@ class KVCacheManager:
             pools' mover) and inserting them into the tree. None: no disk tier.
         residual_blocks: a 2-/4-bit cache's residual slots (:class:`ResidualSlots`, :attr:`residual`):
             every block partly written after a step gets one (an allocation that needs a slot when
-            none is free fails like one short of blocks); 0: none (other formats).
+            none is free fails like one short of blocks); 0: none (other formats). With residual
+            slots ``partial_block_reuse`` is off: the prefix cache serves full (quantized) blocks only,
+            so that a hit gives exactly the tokens of a cold run.
 
     Raises:
         ValueError: ``hit_rate_window`` < 1, ``sliding_window`` < 1, or ``sliding_window`` with
@@ -541,7 +551,10 @@ class KVCacheManager:
         self._mover = None if kv_caches is None else KVBlockMover(kv_caches)
         self._loader = kv_loader
         self.namespace_model = namespace_model
-        self.partial_block_reuse = partial_block_reuse
+        # 2-/4-bit caches reuse full blocks only: a cached block is quantized, and its first rows
+        # dequantized into a new block's residual would differ from the model-dtype rows a cold run
+        # holds there (the block's codes and the next tokens' attention would depend on the hit)
+        self.partial_block_reuse = partial_block_reuse and not residual_blocks
         if offload is not None and not enable_prefix_caching:
             raise ValueError("kv_offload_dir: the disk tier extends the prefix cache, which is off "
                              "(enable_prefix_caching=False, or a model whose every layer has a sliding window)")
@@ -647,7 +660,7 @@ class KVCacheManager:
         bs = self.block_size
         idx = {i for i, partial in ((before // bs, before % bs), (after // bs, after % bs)) if partial}
         need = sum(1 for i in idx if not (i < len(table) and r.has(table[i])))
-        return r.num_free >= need
+        return r.can_take(need)
 
     def _residual_step(self, table: Sequence[int], before: int, after: int) -> None:
         """Residual slots of a table about to compute tokens ``[before, after)``: the block holding
@@ -1036,7 +1049,7 @@ class KVCacheManager:
         self.pool.incref(held_blocks(shared))
         table = list(shared)
         if rem:
-            if not self._make_room(1) or (self.residual is not None and not self.residual.num_free):
+            if not self._make_room(1) or (self.residual is not None and not self.residual.can_take()):
                 self.pool.decref(held_blocks(shared))
                 if node is not None:
                     self.cache.unlock(node)  # type: ignore[union-attr]
@@ -1164,7 +1177,7 @@ class KVCacheManager:
         new: list[int] = []
         if rem:
             if table[num_full] == FREED_BLOCK or not self._make_room(1) or (
-                    self.residual is not None and not self.residual.num_free):
+                    self.residual is not None and not self.residual.can_take()):
                 return None
             new = self.pool.allocate(1)
             if self.residual is not None:

@@ -281,7 +281,13 @@ class TorchSDPABackend(AttentionBackend):
         (:func:`prefill_window_mask`) and gathers only the context its first token's window
         starts at (positions from ``num_past - window + 1``: earlier blocks may be freed).
         """
-        quantized = isinstance(k_cache, LowBitPool) or kv_quant.is_quantized(k_cache)
+        if isinstance(k_cache, LowBitPool):
+            if window is not None:
+                raise ValueError("kv_cache_dtype int4/int2 does not support sliding-window layers")
+            for seg in meta.prefills:
+                out[seg.start : seg.end] = prefill_lowbit(q, k, v, k_cache, v_cache, meta, seg, scale)
+            return
+        quantized = kv_quant.is_quantized(k_cache)
         for i, seg in enumerate(meta.prefills):
             qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             windowed = window is not None and seg.num_past + (seg.end - seg.start) > window
@@ -321,6 +327,54 @@ def read_cache(cache, slots: torch.Tensor, dtype: torch.dtype, meta: AttentionMe
     if isinstance(cache, LowBitPool):
         return kv_quant_lowbit.gather(cache, slots, read_map(meta, cache.block_size), dtype)
     return kv_quant.gather(cache, slots, dtype)
+
+
+def prefill_lowbit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: LowBitPool, v_cache: LowBitPool,
+                   meta: AttentionMetadata, seg: PrefillSegment, scale: float) -> torch.Tensor:
+    """Causal attention of one prefill chunk over 2-/4-bit pools (K/V already written), with the
+    keys each query would see had it been decoded alone, so that a token's K/V never depend on
+    how its prompt was chunked: the query at position ``p`` sees the blocks before its own
+    dequantized, and its own block's rows ``<= p`` in the model dtype (the residual), except when
+    ``p`` is the block's last slot (the step that computes ``p`` fills and quantizes the block:
+    then dequantized, as :func:`kvserve.worker.kv_quant_lowbit.read_map` makes a decode step see it).
+
+    Keys: the context ``[0, num_past + n)`` as :func:`read_cache` reads it (full blocks dequantized,
+    the trailing partial block from its residual slot), then the model-dtype rows of the blocks the
+    chunk touches (the first block's earlier rows from its residual slot, the chunk's own ``k``/``v``);
+    a boolean mask picks, per query, which copy of each key it sees.
+
+    Returns:
+        ``[n, num_heads, head_dim]`` (``n = seg.end - seg.start``).
+    """
+    bs = k_cache.block_size
+    n, past = seg.end - seg.start, seg.num_past
+    L = past + n
+    dev = q.device
+    slots = seg.context_slots if past else meta.slot_mapping[seg.start : seg.end]
+    kq = read_cache(k_cache, slots, q.dtype, meta)  # [L, KVH, hd]
+    vq = read_cache(v_cache, slots, q.dtype, meta)
+    b0 = past // bs * bs  # first position of the chunk's first block
+    if past > b0:  # its earlier rows: the residual slot (the raw map: the block may fill now)
+        kf = torch.cat([kv_quant_lowbit.gather(k_cache, slots[b0:past], meta.residual_map, q.dtype), k[seg.start : seg.end]])
+        vf = torch.cat([kv_quant_lowbit.gather(v_cache, slots[b0:past], meta.residual_map, q.dtype), v[seg.start : seg.end]])
+    else:
+        kf, vf = k[seg.start : seg.end], v[seg.start : seg.end]
+    p = torch.arange(past, L, device=dev).unsqueeze(1)  # [n, 1] query positions
+    j = torch.arange(L, device=dev).unsqueeze(0)  # [1, L]
+    jf = torch.arange(b0, L, device=dev).unsqueeze(0)  # [1, L - b0]
+    # the query's own block is sealed by the step computing it (its last slot) or, for the chunk's
+    # trailing block, only if the chunk ends at a block boundary: read_cache gives that block's
+    # rows from the residual otherwise, which is what the query should see anyway
+    own_full = (p % bs == bs - 1) | ((p // bs) < (L - 1) // bs) | (L % bs == 0)
+    fp_own = (p % bs != bs - 1) & own_full  # sees its own block in the model dtype, not as read_cache gives it
+    mask_q = (j <= p) & ~((j // bs == p // bs) & fp_own)
+    mask_f = (jf <= p) & (jf // bs == p // bs) & fp_own
+    mask = torch.cat([mask_q, mask_f], 1).unsqueeze(0).unsqueeze(0)  # [1, 1, n, L + L - b0]
+    ks = torch.cat([kq, kf]).transpose(0, 1).unsqueeze(0)
+    vs = torch.cat([vq, vf]).transpose(0, 1).unsqueeze(0)
+    qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
