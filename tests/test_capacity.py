@@ -83,7 +83,7 @@ def test_plan_cli(tiny_model_dir, capsys):
     (["--block-size", "0"], "--block-size must be an integer ≥ 1"),
     (["--max-model-len", "100000"], "--max-model-len must be in [2, 512]"),
     (["--bandwidth", "-1"], "--bandwidth must be in (0, 1e+06]"),
-    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype must be one of"),
+    (["--kv-cache-dtype", "int3"], "--kv-cache-dtype must be one of"),
 ])
 def test_plan_bad_options(tiny_model_dir, capsys, argv, message):
     folder, _ = tiny_model_dir("llama")
