@@ -1444,6 +1444,126 @@ TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cach
     return failed ? -1 : 0;
 }
 
+/* ---- 2-/4-bit KV cache (KIVI, kv_quant_lowbit.py) -------------------------------------------
+ * A pool is one layer's K or V: data [num_blocks][KVH][block_bytes] of uint8 full blocks, and a
+ * residual [R][bs][KVH][hd] in the model dtype for the blocks not full (res_map[block] = its slot,
+ * -1: none; the step's read map, which already hides the blocks the step filled). A block of one
+ * KV head: bs * hd * bits / 8 bytes of codes (token-major, 8 / bits channels a byte, the first in
+ * the lowest bits), then float16 scales, then as many float16 zeros: per channel for K (hd each),
+ * per token and group of 32 channels for V (bs * ceil(hd / 32) each). The value is
+ * code * scale + zero in float32 (a multiply, then an add, as the PyTorch reference), rounded to
+ * the model dtype. */
+#define KV_VGROUP 32
+
+/* Codes of channels [i, i + 16) of one token row (row = its first code byte) as float32. */
+INLINE TGT __m512 ld_codes(const uint8_t* row, int64_t i, int64_t hd, int bits) {
+    uint8_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int64_t nb = ((hd - i < 16 ? hd - i : 16) * bits + 7) / 8;
+    memcpy(tmp, row + i * bits / 8, (size_t)nb);
+    __m128i b = _mm_loadl_epi64((const __m128i*)tmp);
+    __m512i v;
+    if (bits == 4) {
+        b = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+        v = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
+        v = _mm512_and_si512(v, _mm512_set1_epi32(15));
+    } else {
+        b = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+        v = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(b), _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6));
+        v = _mm512_and_si512(v, _mm512_set1_epi32(3));
+    }
+    return _mm512_cvtepi32_ps(v);
+}
+
+INLINE TGT __m512 ld_half(const uint16_t* p, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+
+/* Rows [0, L) of KV head g of one sequence (block table bt) of a 2-/4-bit pool into dst [Lpad][hd]
+ * in the model dtype (rows L .. Lpad - 1 zero): full blocks dequantized, the others copied from
+ * their residual slot. */
+INLINE TGT void dequant_ctx_lowbit(const uint8_t* data, const void* res, const int64_t* res_map, const int64_t* bt,
+                                   int64_t L, int64_t Lpad, int64_t bs, int64_t KVH, int64_t hd, int64_t g, int bits,
+                                   int is_key, void* dst, int bf) {
+    const int64_t es = bf ? 2 : 4, cb = bs * hd * bits / 8, rowb = hd * bits / 8, ng = (hd + KV_VGROUP - 1) / KV_VGROUP;
+    const int64_t np = is_key ? hd : bs * ng;
+    const int64_t bb = cb + 4 * np;
+    for (int64_t j0 = 0; j0 < L; j0 += bs) {
+        const int64_t b = bt[j0 / bs], n = L - j0 < bs ? L - j0 : bs, r = res_map[b];
+        if (r >= 0) {
+            for (int64_t t = 0; t < n; t++)
+                memcpy((char*)dst + (j0 + t) * hd * es, (const char*)res + ((r * bs + t) * KVH + g) * hd * es,
+                       (size_t)(hd * es));
+            continue;
+        }
+        const uint8_t* blk = data + (b * KVH + g) * bb;
+        const uint16_t* sc = (const uint16_t*)(blk + cb);
+        const uint16_t* zp = sc + np;
+        for (int64_t t = 0; t < n; t++) {
+            const uint8_t* row = blk + t * rowb;
+            for (int64_t i = 0; i < hd; i += 16) {
+                const __mmask16 m = tail_mask(hd - i);
+                __m512 s, z;
+                if (is_key) {
+                    s = ld_half(sc + i, m);
+                    z = ld_half(zp + i, m);
+                } else {
+                    const int64_t gi = t * ng + i / KV_VGROUP;
+                    s = _mm512_cvtph_ps(_mm256_set1_epi16((short)sc[gi]));
+                    z = _mm512_cvtph_ps(_mm256_set1_epi16((short)zp[gi]));
+                }
+                const __m512 x = _mm512_add_ps(_mm512_mul_ps(ld_codes(row, i, hd, bits), s), z);
+                st(dst, (j0 + t) * hd + i, x, m, bf);
+            }
+        }
+    }
+    if (Lpad > L) memset((char*)dst + L * hd * es, 0, (size_t)((Lpad - L) * hd * es));
+}
+
+/* Decode attention over 2-/4-bit pools: per (sequence, KV head) the context is dequantized into a
+ * per-thread buffer (dequant_ctx_lowbit), then attended by the same kernel as a model-dtype cache.
+ * Returns 0, or -1 when a work buffer could not be allocated. */
+TGT int kv_paged_attention_decode_lowbit(const void* q, int64_t ldq, const void* k_data, const void* v_data,
+                                         const void* k_res, const void* v_res, const int64_t* res_map,
+                                         const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
+                                         int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
+                                         float scale, int bits, int bf, int nthreads) {
+    const int64_t G = H / KVH, nv = (hd + 15) / 16;
+    int64_t maxL = 0;
+    for (int64_t d = 0; d < D; d++) maxL = ctx[d] > maxL ? ctx[d] : maxL;
+    const int64_t maxLp = (maxL + 15) & ~(int64_t)15, es = bf ? 2 : 4;
+    const int64_t zero_bt = 0;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + G * nv * 16 + 16 * nv * 16 + 16));
+        char* kd = (char*)malloc((size_t)(2 * maxLp * hd * es + 64));
+        if (!sc || !kd) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < D * KVH; i++) {
+            if (!sc || !kd) continue;
+            const int64_t d = i / KVH, g = i % KVH, L = ctx[d], Lp = (L + 15) & ~(int64_t)15;
+            const int64_t* bt = block_tables + d * bt_stride;
+            float* qf = sc + G * maxL;
+            float* kt = qf + G * nv * 16;
+            char* vd = kd + maxLp * hd * es;
+            dequant_ctx_lowbit((const uint8_t*)k_data, k_res, res_map, bt, L, Lp, bs, KVH, hd, g, bits, 1, kd, bf);
+            dequant_ctx_lowbit((const uint8_t*)v_data, v_res, res_map, bt, L, Lp, bs, KVH, hd, g, bits, 0, vd, bf);
+            if (bf)
+                attn_one(at(q, d * ldq + g * G * hd, 1), kd, vd, &zero_bt, 0, L, atw(out, d * ldo + g * G * hd, 1),
+                         G, 1, 0, hd, Lp, scale, sc, qf, kt, 1);
+            else
+                attn_one(at(q, d * ldq + g * G * hd, 0), kd, vd, &zero_bt, 0, L, atw(out, d * ldo + g * G * hd, 0),
+                         G, 1, 0, hd, Lp, scale, sc, qf, kt, 0);
+        }
+        free(sc);
+        free(kd);
+    }
+    return failed ? -1 : 0;
+}
+
 /* ---- A whole decode step of a Llama-family model ------------------------------------------
  * For a few tokens (M <= the gemv limit) the per-op cost of Python and PyTorch exceeds the
  * math, so the step runs here in one call: for every layer

@@ -76,8 +76,12 @@ class _Lib:
             "kv_paged_attention_decode": [vp, i64, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64, i64, i64, cf, i64, ci,
                                           ci, ci],
             "kv_paged_attention_prefill": [vp, i64, vp, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, cf, ci, ci],
+            "kv_paged_attention_decode_lowbit": [vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64,
+                                                 i64, i64, cf, ci, ci, ci],
         }
         for name, args in spec.items():
+            if name == "kv_paged_attention_decode_lowbit" and not hasattr(lib, name):
+                continue  # (a library built before the 2-/4-bit kernel: lowbit_available() says so)
             fn = getattr(lib, name)
             fn.argtypes = args
             fn.restype = ctypes.c_int if name.startswith("kv_paged_attention") else None
@@ -876,5 +880,56 @@ OPS = ("rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "log_sum_exp", "apply_to
 
 
 def lowbit_available() -> bool:
-    """Whether the C decode kernel over 2-/4-bit pools is built (:func:`paged_attention_decode_lowbit`)."""
-    return False
+    """Whether the C decode kernel over 2-/4-bit pools is here (:func:`paged_attention_decode_lowbit`)."""
+    return available() and hasattr(_lib(), "paged_attention_decode_lowbit")
+
+
+def paged_attention_decode_lowbit(q: torch.Tensor, k_cache, v_cache, residual_map: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  out: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
+    """Decode attention (one new token per sequence) over 2-/4-bit pools (KIVI,
+    :mod:`kvserve.worker.kv_quant_lowbit`): for each sequence and KV head the C kernel dequantizes
+    the full blocks (``code · scale + zero`` in float32, rounded to ``q.dtype``; K per channel, V per
+    token and group of 32 channels) and copies the partial ones from their residual slot into a
+    per-thread buffer, then runs the same attention as :func:`paged_attention_decode` over it
+    (GQA, exact float32 softmax).
+
+    Args:
+        q: ``[D, num_heads, head_dim]`` float32 or bfloat16, heads and values contiguous in a row.
+        k_cache, v_cache: the layer's :class:`~kvserve.worker.kv_quant_lowbit.LowBitPool` s (residual in ``q.dtype``).
+        residual_map: ``[num_blocks]`` int64 contiguous, the step's read map
+            (:func:`kvserve.worker.kv_quant_lowbit.read_map`): ``-1`` for full blocks.
+        block_tables: ``[D, max_blocks]`` int64, unit last stride.
+        context_lens: ``[D]`` int64 contiguous, tokens to attend to (≥ 1, the new one's K/V written).
+        scale: softmax scale.
+        out: optional ``[D, num_heads, head_dim]`` destination.
+        window: must be None (sliding windows are refused with 2-/4-bit pools).
+
+    Returns:
+        ``out`` (or a new tensor) ``[D, num_heads, head_dim]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: a window, a dtype other than float32/bfloat16, or a residual in another dtype.
+        MemoryError: a work buffer could not be allocated.
+    """
+    if window is not None:
+        raise ValueError("paged_attention_decode_lowbit: no sliding window (kv_cache_dtype int4/int2)")
+    if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.residual.dtype != q.dtype:
+        raise ValueError(f"paged_attention_decode_lowbit: q and the residual must be float32 or bfloat16 alike, got "
+                         f"{q.dtype} and {k_cache.residual.dtype}")
+    D, H, hd = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    ctx = context_lens.contiguous()
+    rmap = residual_map.contiguous()
+    maxL = int(ctx.max()) if D else 0
+    nthreads = torch.get_num_threads() if D * k_cache.num_kv_heads * maxL * hd >= _PARALLEL_MIN_ELEMENTS else 1
+    rc = _k().paged_attention_decode_lowbit(
+        q.data_ptr(), q.stride(0), k_cache.data.data_ptr(), v_cache.data.data_ptr(), k_cache.residual.data_ptr(),
+        v_cache.residual.data_ptr(), rmap.data_ptr(), bt.data_ptr(), bt.stride(0), ctx.data_ptr(), out.data_ptr(),
+        out.stride(0), D, H, k_cache.num_kv_heads, hd, k_cache.block_size, float(scale), k_cache.bits,
+        int(q.dtype == torch.bfloat16), nthreads)
+    if rc:
+        raise MemoryError("paged_attention_decode_lowbit: a work buffer could not be allocated")
+    return out

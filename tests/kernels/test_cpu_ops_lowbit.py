@@ -1,0 +1,95 @@
+"""The C decode kernel on 2-/4-bit pools (KIVI: kvserve.kernels.cpu_ops.paged_attention_decode_lowbit)
+against the PyTorch reference path (kvserve.worker.kv_quant_lowbit.gather + SDPA, what
+TorchSDPABackend.decode runs) on the same pools: several sequences of different lengths, each
+with a partial last block in its residual slot (or a full one), GQA, bfloat16 and float32, int4
+and int2, head_dim 64 / 128 / 48 (a short value group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import cpu_ops
+from kvserve.worker import kv_quant_lowbit as lb
+
+pytestmark = pytest.mark.skipif(not cpu_ops.lowbit_available(), reason="CPU kernels (2-/4-bit decode) not built")
+
+
+def _pools(nb: int, bs: int, KVH: int, hd: int, bits: int, dtype: torch.dtype, lens: list[int], seed: int = 0):
+    """Pools holding ``len(lens)`` sequences written token by token through the engine's write path
+    (full blocks quantized, the partial last blocks in residual slots); returns the pools, the
+    read map, block tables and context lengths."""
+    g = torch.Generator().manual_seed(seed)
+    k_pool, v_pool = lb.allocate_pools(1, nb, bs, KVH, hd, bits, len(lens) + 2, dtype, "cpu")[0]
+    rmap = torch.full((nb,), -1, dtype=torch.long)
+    perm = torch.randperm(nb - 1, generator=g) + 1  # scattered blocks, block 0 never used
+    tables, used, slot = [], 0, 0
+    for L in lens:
+        nblk = -(-L // bs)
+        tables.append(perm[used : used + nblk].tolist())
+        used += nblk
+        if L % bs:
+            rmap[tables[-1][-1]] = slot
+            slot += 1
+        x = torch.randn(L, 2, KVH, hd, generator=g) * torch.logspace(-1, 0.7, hd)
+        x[:, 0, :, 5] += 8.0  # a key outlier channel
+        pos = torch.arange(L)
+        slots = torch.tensor(tables[-1])[pos // bs] * bs + pos % bs
+        lb.write(k_pool, x[:, 0].to(dtype), slots, rmap)
+        lb.write(v_pool, x[:, 1].to(dtype), slots, rmap)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    return k_pool, v_pool, rmap, bt, torch.tensor(lens, dtype=torch.long)
+
+
+def _reference(q, k_pool, v_pool, rmap, bt, ctx, scale):
+    D, bs = q.shape[0], k_pool.block_size
+    L = int(ctx.max())
+    grid = torch.arange(L)
+    slots = bt.gather(1, (grid // bs).expand(D, -1)) * bs + grid % bs
+    valid = grid.unsqueeze(0) < ctx.unsqueeze(1)
+    slots = torch.where(valid, slots, 0)
+    kc = lb.gather(k_pool, slots, rmap, q.dtype).transpose(1, 2)
+    vc = lb.gather(v_pool, slots, rmap, q.dtype).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=valid.view(D, 1, 1, L), scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(2)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 48, 8)])
+def test_decode_kernel_matches_the_reference_path(bits, dtype, H, KVH, hd, bs):
+    lens = [1, bs, bs + 3, 5 * bs - 1, 7 * bs, 150]
+    k_pool, v_pool, rmap, bt, ctx = _pools(96, bs, KVH, hd, bits, dtype, lens)
+    q = torch.randn(len(lens), H, hd, generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = hd ** -0.5
+    ref = _reference(q, k_pool, v_pool, rmap, bt, ctx, scale).float()
+    got = cpu_ops.paged_attention_decode_lowbit(q, k_pool, v_pool, rmap, bt, ctx, scale).float()
+    # the same dequantized K/V (float32 math, one rounding to the model dtype); the attention's sums in
+    # another order: float32 to ~1e-6 relative, bfloat16 to one bf16 ulp of the largest output
+    # (2^-7 relative: outputs up to ~9 differ by at most 0.031 here)
+    err = (got - ref).abs().max().item()
+    amax = ref.abs().max().item()
+    assert err <= (2e-6 if dtype == torch.float32 else 2**-7) * amax, (err, amax)
+
+
+def test_decode_kernel_reads_the_residual_for_partial_blocks_only():
+    """A partial block's residual rows are read as they are (changing one changes the output); a full
+    block's residual slot (the read map says -1) is never read."""
+    k_pool, v_pool, rmap, bt, ctx = _pools(32, 16, 2, 64, 4, torch.float32, [20, 32])
+    q = torch.randn(2, 4, 64)
+    base = cpu_ops.paged_attention_decode_lowbit(q, k_pool, v_pool, rmap, bt, ctx, 0.125)
+    slot = int(rmap[bt[0, 1]])
+    v_pool.residual[slot, 2] += 1.0  # row 18 of sequence 0 (partial block)
+    after = cpu_ops.paged_attention_decode_lowbit(q, k_pool, v_pool, rmap, bt, ctx, 0.125)
+    assert not torch.equal(after[0], base[0]) and torch.equal(after[1], base[1])
+    v_pool.residual[slot + 1 :] = 1e6  # unused slots: never read
+    assert torch.equal(cpu_ops.paged_attention_decode_lowbit(q, k_pool, v_pool, rmap, bt, ctx, 0.125), after)
+
+
+def test_decode_kernel_refuses_a_window():
+    k_pool, v_pool, rmap, bt, ctx = _pools(8, 16, 1, 64, 4, torch.float32, [5])
+    with pytest.raises(ValueError, match="no sliding window"):
+        cpu_ops.paged_attention_decode_lowbit(torch.randn(1, 1, 64), k_pool, v_pool, rmap, bt, ctx, 0.1, window=4)
