@@ -31,14 +31,18 @@ Columns:
   ``prompt_logprobs`` perplexity of the same tokens (the report prints both; the test checks it).
   Budgets are a fraction (``--budgets``) of the text's length ``L``.
 * **KV bytes/seq**: the most KV blocks the request held after any step of the perplexity run at
-  the longest ``--ppl-lengths`` context, times the bytes of one block for that KV dtype.
+  the longest ``--ppl-lengths`` context, times the bytes of one block for that KV dtype (int4 / int2:
+  a full block's codes, float16 scales and zeros; the one partial block a sequence holds also has a
+  model-dtype residual slot, ``block_size`` tokens in the model dtype, not counted here).
 * **decode tok/s @L**: decode tokens/s (from the request's metrics: tokens after the first / time
   after the first) of the same teacher-forced run at context ``L`` (``--ppl-lengths``; default 4,096
   and 8,192). The forced mask and logprobs add a little per step, the same for every row.
 
 Budgets: StreamingLLM keeps 4 sinks + ``B - 4`` recent; SnapKV keeps ``B`` (observation window
 32, kernel 7); H2O keeps ``B`` with ``B // 2`` recent (the paper's half heavy hitters, half recent).
-A KV dtype the engine refuses (e.g. ``int4`` before it exists) is skipped with the reason printed.
+A KV dtype the engine refuses is skipped with the reason printed. KV dtypes: ``auto``, ``int8``, ``fp8``,
+and KIVI's ``int4`` / ``int2`` (``--kv-cache-dtypes auto int8 int4 int2``; the default grid runs
+``auto int8 fp8 int4 int2``).
 
 kvpress: ``--kvpress-python PATH`` runs NVIDIA's kvpress (``benchmarks/kv_quality.py --kvpress-worker``
 under that interpreter, a venv holding kvpress and its transformers) on the same passkey prompts with
@@ -49,7 +53,7 @@ Usage (the issue's full grid; hours on the 2-core machine):
     python benchmarks/kv_quality.py
 Reduced:
     python benchmarks/kv_quality.py --lengths 1024 2048 --depths 3 --ppl-lengths 2048 \\
-        --methods none streaming_llm snapkv h2o --budgets 0.25 --kv-cache-dtypes auto int8
+        --methods none streaming_llm snapkv h2o --budgets 0.25 --kv-cache-dtypes auto int8 int4 int2
 """
 
 from __future__ import annotations
@@ -264,7 +268,7 @@ def main() -> None:
     ap.add_argument("--depths", type=int, default=10, help="number of evenly spaced depths in [0, 1]")
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="fractions of the context")
-    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "int8", "fp8"])
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "int8", "fp8", "int4", "int2"])
     ap.add_argument("--ppl-lengths", type=int, nargs="+", default=[4096, 8192],
                     help="contexts of the perplexity / decode-speed runs")
     ap.add_argument("--ppl-tokens", type=int, default=256, help="forced (scored) tokens at the end of each text")

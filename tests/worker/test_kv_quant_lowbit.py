@@ -326,7 +326,8 @@ def test_smollm2_fp32_teacher_forced_top1_agreement(smollm2_path, reference):
     """Teacher-forced on the 7 reference sequences (prompt + transformers' fp32 greedy output),
     float32, prefilled in chunks of 16 tokens so every chunk reads its context back from the pool:
     at each output position, does the argmax with int4 / int2 equal the argmax with the float32
-    cache? Measured (2 loaded cores, 2026-12-02): see the asserted bounds' comments."""
+    cache? Measured (2026-12-02, 181 positions, the machine shared): int4 95.0%, int2 81.2%; asserted
+    int4 ≥ 92%, int2 ≥ 72% (~28 s)."""
     seqs = [c["prompt_ids"] + c["greedy_ids"] for c in reference["cases"]]
     starts = [len(c["prompt_ids"]) for c in reference["cases"]]
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
@@ -346,6 +347,6 @@ def test_smollm2_fp32_teacher_forced_top1_agreement(smollm2_path, reference):
     assert agree["int4"] >= INT4_TOP1 and agree["int2"] >= INT2_TOP1, agree
 
 
-#: teacher-forced top-1 agreement bounds with the float32 cache (measured figures in the report)
-INT4_TOP1 = 0.90
-INT2_TOP1 = 0.60
+#: teacher-forced top-1 agreement bounds with the float32 cache (measured 95.0% / 81.2%)
+INT4_TOP1 = 0.92
+INT2_TOP1 = 0.72
