@@ -1457,10 +1457,22 @@ TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cach
 
 /* Codes of channels [i, i + 16) of one token row (row = its first code byte) as float32. */
 INLINE TGT __m512 ld_codes(const uint8_t* row, int64_t i, int64_t hd, int bits) {
-    uint8_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    const int64_t nb = ((hd - i < 16 ? hd - i : 16) * bits + 7) / 8;
-    memcpy(tmp, row + i * bits / 8, (size_t)nb);
-    __m128i b = _mm_loadl_epi64((const __m128i*)tmp);
+    __m128i b;
+    if (i + 16 <= hd) { /* (fixed-size copies: one load each) */
+        if (bits == 4) {
+            uint64_t w;
+            memcpy(&w, row + i / 2, 8);
+            b = _mm_cvtsi64_si128((long long)w);
+        } else {
+            uint32_t w;
+            memcpy(&w, row + i / 4, 4);
+            b = _mm_cvtsi32_si128((int)w);
+        }
+    } else {
+        uint8_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        memcpy(tmp, row + i * bits / 8, (size_t)(((hd - i) * bits + 7) / 8));
+        b = _mm_loadl_epi64((const __m128i*)tmp);
+    }
     __m512i v;
     if (bits == 4) {
         b = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
@@ -1478,42 +1490,51 @@ INLINE TGT __m512 ld_half(const uint16_t* p, __mmask16 m) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
 
+/* One full block's rows [0, n) of one KV head: K (per-channel scale/zero, loaded once per 16
+ * channels) or V (per token and 32-channel group), into dst rows (model dtype, hd apart). */
+INLINE TGT void dequant_block(const uint8_t* blk, int64_t n, int64_t bs, int64_t hd, int bits, int is_key, void* dst,
+                              int bf) {
+    const int64_t cb = bs * hd * bits / 8, rowb = hd * bits / 8, ng = (hd + KV_VGROUP - 1) / KV_VGROUP;
+    const uint16_t* sc = (const uint16_t*)(blk + cb);
+    const uint16_t* zp = sc + (is_key ? hd : bs * ng);
+    if (is_key) {
+        for (int64_t i = 0; i < hd; i += 16) {
+            const __mmask16 m = tail_mask(hd - i);
+            const __m512 s = ld_half(sc + i, m), z = ld_half(zp + i, m);
+            for (int64_t t = 0; t < n; t++)
+                st(dst, t * hd + i, _mm512_add_ps(_mm512_mul_ps(ld_codes(blk + t * rowb, i, hd, bits), s), z), m, bf);
+        }
+        return;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        const uint8_t* row = blk + t * rowb;
+        for (int64_t i = 0; i < hd; i += 16) {
+            const __mmask16 m = tail_mask(hd - i);
+            const int64_t gi = t * ng + i / KV_VGROUP;
+            const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16((short)sc[gi]));
+            const __m512 z = _mm512_cvtph_ps(_mm256_set1_epi16((short)zp[gi]));
+            st(dst, t * hd + i, _mm512_add_ps(_mm512_mul_ps(ld_codes(row, i, hd, bits), s), z), m, bf);
+        }
+    }
+}
+
 /* Rows [0, L) of KV head g of one sequence (block table bt) of a 2-/4-bit pool into dst [Lpad][hd]
  * in the model dtype (rows L .. Lpad - 1 zero): full blocks dequantized, the others copied from
  * their residual slot. */
 INLINE TGT void dequant_ctx_lowbit(const uint8_t* data, const void* res, const int64_t* res_map, const int64_t* bt,
                                    int64_t L, int64_t Lpad, int64_t bs, int64_t KVH, int64_t hd, int64_t g, int bits,
                                    int is_key, void* dst, int bf) {
-    const int64_t es = bf ? 2 : 4, cb = bs * hd * bits / 8, rowb = hd * bits / 8, ng = (hd + KV_VGROUP - 1) / KV_VGROUP;
-    const int64_t np = is_key ? hd : bs * ng;
-    const int64_t bb = cb + 4 * np;
+    const int64_t es = bf ? 2 : 4, ng = (hd + KV_VGROUP - 1) / KV_VGROUP;
+    const int64_t bb = bs * hd * bits / 8 + 4 * (is_key ? hd : bs * ng);
     for (int64_t j0 = 0; j0 < L; j0 += bs) {
         const int64_t b = bt[j0 / bs], n = L - j0 < bs ? L - j0 : bs, r = res_map[b];
         if (r >= 0) {
             for (int64_t t = 0; t < n; t++)
                 memcpy((char*)dst + (j0 + t) * hd * es, (const char*)res + ((r * bs + t) * KVH + g) * hd * es,
                        (size_t)(hd * es));
-            continue;
-        }
-        const uint8_t* blk = data + (b * KVH + g) * bb;
-        const uint16_t* sc = (const uint16_t*)(blk + cb);
-        const uint16_t* zp = sc + np;
-        for (int64_t t = 0; t < n; t++) {
-            const uint8_t* row = blk + t * rowb;
-            for (int64_t i = 0; i < hd; i += 16) {
-                const __mmask16 m = tail_mask(hd - i);
-                __m512 s, z;
-                if (is_key) {
-                    s = ld_half(sc + i, m);
-                    z = ld_half(zp + i, m);
-                } else {
-                    const int64_t gi = t * ng + i / KV_VGROUP;
-                    s = _mm512_cvtph_ps(_mm256_set1_epi16((short)sc[gi]));
-                    z = _mm512_cvtph_ps(_mm256_set1_epi16((short)zp[gi]));
-                }
-                const __m512 x = _mm512_add_ps(_mm512_mul_ps(ld_codes(row, i, hd, bits), s), z);
-                st(dst, (j0 + t) * hd + i, x, m, bf);
-            }
+        } else {
+            if (j0 + bs < L) _mm_prefetch((const char*)(data + (bt[j0 / bs + 1] * KVH + g) * bb), _MM_HINT_T0);
+            dequant_block(data + (b * KVH + g) * bb, n, bs, hd, bits, is_key, (char*)dst + j0 * hd * es, bf);
         }
     }
     if (Lpad > L) memset((char*)dst + L * hd * es, 0, (size_t)((Lpad - L) * hd * es));

@@ -203,6 +203,24 @@ def test_unsupported_combinations_are_refused(kv, extra, what):
     EngineArgs(kv_cache_dtype=kv, swap_space=1.0, preemption_mode="recompute").check()  # recompute: fine
 
 
+def test_sliding_window_models_are_refused(tiny_model_dir):
+    folder = str(tiny_model_dir("gemma3")[0])
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int4' does not support models with sliding-window layers"):
+        LLM(model=folder, dtype="float32", num_blocks=16, kv_cache_dtype="int4")
+
+
+def test_cli_plan_reports_the_lowbit_pool(tiny_model_dir, capsys):
+    from kvserve.entrypoints.cli import main
+
+    folder = str(tiny_model_dir("llama")[0])
+    assert main(["plan", "--model", folder, "--no-measure", "--max-model-len", "256", "--kv-cache-dtype", "int2",
+                 "--kv-cache-memory", "0.01"]) == 0
+    out = capsys.readouterr().out
+    # tiny llama: 2 layers, 2 KV heads, head_dim 16, block 16: K 64 + 64, V 64 + 64 bytes a block and head,
+    # 2 · 2 · 256 / 16 = 64 bytes a token
+    assert "KV cache: 64 bytes/token" in out and "2-bit codes" in out and "144 residual blocks" in out
+
+
 def test_head_dim_must_be_a_multiple_of_4():
     with pytest.raises(ValueError, match=r"kv_cache_dtype='int2' needs a head_dim divisible by 4, the model's is 6"):
         lb.check_head_dim(6, "int2")

@@ -376,6 +376,7 @@ def copy_prefix(pool: LowBitPool, src: list[int], dst: list[int], num_tokens: li
         RuntimeError: a destination block without a residual slot.
     """
     dev = pool.data.device
+    residual_map = residual_map.to(dev)
     s = torch.tensor(src, dtype=torch.long, device=dev)
     d = torch.tensor(dst, dtype=torch.long, device=dev)
     rows = gather(pool, s.unsqueeze(1) * pool.block_size + torch.arange(pool.block_size, device=dev), residual_map)

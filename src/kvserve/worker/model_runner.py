@@ -253,7 +253,10 @@ class ModelRunner:
             meta.prefill_chunks = torch.tensor([[seg.start, seg.end - seg.start, seg.num_past]
                                                 for seg in meta.prefills], dtype=torch.long, device=self.device)
         meta.slot_mapping = torch.cat(slot_parts).to(self.device)
-        meta.residual_map = self.residual_map
+        rmap = self.residual_map
+        if rmap is not None and rmap.device != torch.device(self.device):  # (the KV manager's is on the CPU)
+            rmap = rmap.to(self.device)
+        meta.residual_map = rmap
         meta.kv_probes = self._kv_probes(probe_rows)
         return BatchInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
