@@ -203,10 +203,16 @@ def test_unsupported_combinations_are_refused(kv, extra, what):
     EngineArgs(kv_cache_dtype=kv, swap_space=1.0, preemption_mode="recompute").check()  # recompute: fine
 
 
-def test_sliding_window_models_are_refused(tiny_model_dir):
-    folder = str(tiny_model_dir("gemma3")[0])
+def test_sliding_window_models_are_refused(tmp_path):
+    """Refused from the config, before any weight or tokenizer is read (a folder with config.json only)."""
+    import json
+
+    cfg = dict(architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=384, hidden_size=64,
+               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"kv_cache_dtype='int4' does not support models with sliding-window layers"):
-        LLM(model=folder, dtype="float32", num_blocks=16, kv_cache_dtype="int4")
+        LLM(model=str(tmp_path), dtype="float32", num_blocks=16, kv_cache_dtype="int4")
 
 
 def test_cli_plan_reports_the_lowbit_pool(tiny_model_dir, capsys):
