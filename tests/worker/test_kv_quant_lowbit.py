@@ -248,8 +248,10 @@ def _llm(folder, kv, **kw):
 
 def _slots_back(llm) -> bool:
     """Every residual slot free once nothing runs (after the step that follows the last frees)."""
+    llm.engine.kv.check_invariants()
     r = llm.engine.kv.residual
     r.end_step()
+    llm.engine.kv.check_invariants()
     return r.num_free == r.num_slots and bool((r.map == -1).all())
 
 
@@ -294,7 +296,16 @@ def test_batch_equals_alone(alone):
 def test_batch_equals_alone_under_preemption_and_chunking(alone):
     folder, kv, prompts, params, expected = alone
     llm = _llm(folder, kv, num_blocks=24, max_num_batched_tokens=14, enable_prefix_caching=False)
+    kvm, end_step, steps = llm.engine.kv, llm.engine.kv.end_step, []
+
+    def checked_end_step():  # the books (blocks and residual slots) after every forward
+        end_step()
+        kvm.check_invariants()
+        steps.append(1)
+
+    kvm.end_step = checked_end_step
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert len(steps) > 20
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.num_chunked_prefills > 0
     assert llm.engine.kv.num_free_blocks == 24 and _slots_back(llm)
 

@@ -1241,3 +1241,12 @@ class KVCacheManager:
             raise RuntimeError("empty + cached + in use != num_blocks")
         if pool.num_free != sum(1 for c in pool.ref_counts if c == 0):
             raise RuntimeError("free queue length differs from unreferenced blocks")
+        r = self.residual
+        if r is not None:
+            held = sorted(r._slot.values())
+            if len(set(held)) != len(held) or len(held) + r.num_free != r.num_slots:
+                raise RuntimeError("residual slots: held + free != num_slots, or a slot held twice")
+            if any(pool.ref_counts[b] == 0 and b not in r._pending for b in r._slot):
+                raise RuntimeError("residual slots: a free block holds a slot not marked for release")
+            if sorted(int(x) for x in r.map[r.map >= 0]) != held:
+                raise RuntimeError("residual slots: the map differs from the slots held")
