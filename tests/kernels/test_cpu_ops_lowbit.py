@@ -66,7 +66,7 @@ def test_decode_kernel_matches_the_reference_path(bits, dtype, H, KVH, hd, bs):
     q = torch.randn(len(lens), H, hd, generator=torch.Generator().manual_seed(1)).to(dtype)
     scale = hd ** -0.5
     ref = _reference(q, k_pool, v_pool, rmap, bt, ctx, scale).float()
-    got = cpu_ops.paged_attention_decode_lowbit(q, k_pool, v_pool, rmap, bt, ctx, scale).float()
+    got = cpu_ops.paged_attention_decode_pools(q, k_pool, v_pool, rmap, bt, ctx, scale).float()
     # the same dequantized K/V (float32 math, one rounding to the model dtype); the attention's sums in
     # another order: float32 to ~1e-6 relative, bfloat16 to one bf16 ulp of the largest output
     # (2^-7 relative: outputs up to ~9 differ by at most 0.031 here)
@@ -80,16 +80,29 @@ def test_decode_kernel_reads_the_residual_for_partial_blocks_only():
     block's residual slot (the read map says -1) is never read."""
     k_pool, v_pool, rmap, bt, ctx = _pools(32, 16, 2, 64, 4, torch.float32, [20, 32])
     q = torch.randn(2, 4, 64)
-    base = cpu_ops.paged_attention_decode_lowbit(q, k_pool, v_pool, rmap, bt, ctx, 0.125)
+    base = cpu_ops.paged_attention_decode_pools(q, k_pool, v_pool, rmap, bt, ctx, 0.125)
     slot = int(rmap[bt[0, 1]])
     v_pool.residual[slot, 2] += 1.0  # row 18 of sequence 0 (partial block)
-    after = cpu_ops.paged_attention_decode_lowbit(q, k_pool, v_pool, rmap, bt, ctx, 0.125)
+    after = cpu_ops.paged_attention_decode_pools(q, k_pool, v_pool, rmap, bt, ctx, 0.125)
     assert not torch.equal(after[0], base[0]) and torch.equal(after[1], base[1])
     v_pool.residual[slot + 1 :] = 1e6  # unused slots: never read
-    assert torch.equal(cpu_ops.paged_attention_decode_lowbit(q, k_pool, v_pool, rmap, bt, ctx, 0.125), after)
+    assert torch.equal(cpu_ops.paged_attention_decode_pools(q, k_pool, v_pool, rmap, bt, ctx, 0.125), after)
 
 
 def test_decode_kernel_refuses_a_window():
     k_pool, v_pool, rmap, bt, ctx = _pools(8, 16, 1, 64, 4, torch.float32, [5])
     with pytest.raises(ValueError, match="no sliding window"):
-        cpu_ops.paged_attention_decode_lowbit(torch.randn(1, 1, 64), k_pool, v_pool, rmap, bt, ctx, 0.1, window=4)
+        cpu_ops.paged_attention_decode_pools(torch.randn(1, 1, 64), k_pool, v_pool, rmap, bt, ctx, 0.1, window=4)
+
+
+def test_the_registered_op_runs_the_kernel():
+    """``torch.ops.kvserve.paged_attention_decode_lowbit`` (opcheck: schema, fake, AOT dispatch) writes
+    what the function returns."""
+    k_pool, v_pool, rmap, bt, ctx = _pools(16, 16, 2, 64, 2, torch.float32, [20, 7])
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2))
+    args = (q, k_pool.data, v_pool.data, k_pool.residual, v_pool.residual, rmap, bt, ctx, 0.125, 2)
+    out = torch.empty_like(q)
+    torch.ops.kvserve.paged_attention_decode_lowbit(*args, out)
+    assert torch.equal(out, cpu_ops.paged_attention_decode_lowbit(*args))
+    torch.library.opcheck(torch.ops.kvserve.paged_attention_decode_lowbit, (*args, torch.empty_like(q)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

@@ -337,6 +337,23 @@ def test_forks_and_beams_are_batch_independent(alone):
     assert run(False) == run(True)
 
 
+def test_c_decode_kernel_and_sdpa_decode_give_the_same_tokens(alone, monkeypatch):
+    """The CPU backend's decode rows on the C kernel (the default here) and on SDPA over the PyTorch
+    reference gather (what runs without the kernels, and on CUDA): the same greedy tokens."""
+    from kvserve.kernels import cpu_ops
+
+    folder, kv, prompts, params, expected = alone
+    calls = []
+    real = cpu_ops.paged_attention_decode_pools
+    monkeypatch.setattr(cpu_ops, "paged_attention_decode_pools", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert [o.token_ids for o in _llm(folder, kv).generate(prompts[:4], params)] == expected[:4]
+    assert calls or not cpu_ops.lowbit_available()
+    monkeypatch.setattr(cpu_ops, "lowbit_available", lambda: False)
+    n = len(calls)
+    assert [o.token_ids for o in _llm(folder, kv).generate(prompts[:4], params)] == expected[:4]
+    assert len(calls) == n  # (SDPA this time)
+
+
 def test_residual_slots_run_out_gracefully(tiny_model_dir):
     """max_num_seqs 2 (18 residual slots) and n = 24 samples of a 10-token prompt (each fork copies
     the partial block of position 8 into a slot of its own): the forks that find no slot are

@@ -717,6 +717,81 @@ class DecodeStep:
 # above; the fake (meta) implementations give the output shapes without running anything.
 # Registered for CPU tensors only: another device raises NotImplementedError in the dispatcher
 # instead of handing a device pointer to C.
+def lowbit_available() -> bool:
+    """Whether the C decode kernel over 2-/4-bit pools is here (:func:`paged_attention_decode_lowbit`)."""
+    return available() and hasattr(_lib(), "paged_attention_decode_lowbit")
+
+
+def paged_attention_decode_lowbit(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor, k_residual: torch.Tensor,
+                                  v_residual: torch.Tensor, residual_map: torch.Tensor, block_tables: torch.Tensor,
+                                  context_lens: torch.Tensor, scale: float, bits: int,
+                                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Decode attention (one new token per sequence) over 2-/4-bit pools (KIVI,
+    :mod:`kvserve.worker.kv_quant_lowbit`): for each sequence and KV head the C kernel dequantizes
+    the full blocks (``code · scale + zero`` in float32, rounded to ``q.dtype``; K per channel, V per
+    token and group of 32 channels) and copies the partial ones from their residual slot into a
+    per-thread buffer, then runs the same attention as :func:`paged_attention_decode` over it
+    (GQA, exact float32 softmax). :func:`paged_attention_decode_pools` takes the
+    :class:`~kvserve.worker.kv_quant_lowbit.LowBitPool` s.
+
+    Args:
+        q: ``[D, num_heads, head_dim]`` float32 or bfloat16, heads and values contiguous in a row.
+        k_data, v_data: ``[num_blocks, num_kv_heads, block_bytes]`` uint8 contiguous (the pools' full blocks).
+        k_residual, v_residual: ``[R, block_size, num_kv_heads, head_dim]`` in ``q.dtype``, contiguous.
+        residual_map: ``[num_blocks]`` int64, the step's read map
+            (:func:`kvserve.worker.kv_quant_lowbit.read_map`): a slot for partial blocks, ``-1`` for full ones.
+        block_tables: ``[D, max_blocks]`` int64, unit last stride.
+        context_lens: ``[D]`` int64, tokens to attend to (≥ 1, the new one's K/V written).
+        scale: softmax scale.
+        bits: 4 or 2.
+        out: optional ``[D, num_heads, head_dim]`` destination (heads contiguous in a row).
+
+    Returns:
+        ``out`` (or a new tensor) ``[D, num_heads, head_dim]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: a dtype other than float32/bfloat16, a residual in another dtype, ``bits`` not 2 or 4.
+        MemoryError: a work buffer could not be allocated.
+    """
+    if q.dtype not in (torch.float32, torch.bfloat16) or k_residual.dtype != q.dtype or v_residual.dtype != q.dtype:
+        raise ValueError(f"paged_attention_decode_lowbit: q and the residuals must be float32 or bfloat16 alike, got "
+                         f"{q.dtype}, {k_residual.dtype}, {v_residual.dtype}")
+    if bits not in (2, 4):
+        raise ValueError(f"paged_attention_decode_lowbit: bits must be 2 or 4, got {bits}")
+    D, H, hd = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    ctx = context_lens.contiguous()
+    rmap = residual_map.contiguous()
+    KVH, bs = k_data.shape[1], k_residual.shape[1]
+    maxL = int(ctx.max()) if D else 0
+    nthreads = torch.get_num_threads() if D * KVH * maxL * hd >= _PARALLEL_MIN_ELEMENTS else 1
+    rc = _k().paged_attention_decode_lowbit(
+        q.data_ptr(), q.stride(0), k_data.data_ptr(), v_data.data_ptr(), k_residual.data_ptr(), v_residual.data_ptr(),
+        rmap.data_ptr(), bt.data_ptr(), bt.stride(0), ctx.data_ptr(), out.data_ptr(), out.stride(0), D, H, KVH, hd, bs,
+        float(scale), bits, int(q.dtype == torch.bfloat16), nthreads)
+    if rc:
+        raise MemoryError("paged_attention_decode_lowbit: a work buffer could not be allocated")
+    return out
+
+
+def paged_attention_decode_pools(q: torch.Tensor, k_cache, v_cache, residual_map: torch.Tensor,
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                 out: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
+    """:func:`paged_attention_decode_lowbit` on a layer's K and V
+    :class:`~kvserve.worker.kv_quant_lowbit.LowBitPool` s.
+
+    Raises:
+        ValueError: a ``window`` (sliding windows are refused with 2-/4-bit pools), or as
+            :func:`paged_attention_decode_lowbit`.
+    """
+    if window is not None:
+        raise ValueError("paged_attention_decode_lowbit: no sliding window (kv_cache_dtype int4/int2)")
+    return paged_attention_decode_lowbit(q, k_cache.data, v_cache.data, k_cache.residual, v_cache.residual,
+                                         residual_map, block_tables, context_lens, scale, k_cache.bits, out)
+
+
 # --------------------------------------------------------------------------------------
 
 _Tensor = torch.Tensor
@@ -727,7 +802,7 @@ _py = types.SimpleNamespace(
     apply_token_bitmask_=apply_token_bitmask_, greedy=_greedy, rope_=rope_, gemma_rms_norm=gemma_rms_norm,
     gemma_add_rms_norm_=gemma_add_rms_norm_, gemma_qk_norm_rope_=gemma_qk_norm_rope_,
     reshape_and_cache=reshape_and_cache, paged_attention_decode=paged_attention_decode,
-    paged_attention_prefill=paged_attention_prefill)
+    paged_attention_prefill=paged_attention_prefill, paged_attention_decode_lowbit=paged_attention_decode_lowbit)
 
 
 @torch.library.custom_op("kvserve::rms_norm", mutates_args=("residual",), device_types="cpu")
@@ -873,63 +948,21 @@ def _(q, k_cache, v_cache, block_tables, chunks, scale, out):
     return None
 
 
+@torch.library.custom_op("kvserve::paged_attention_decode_lowbit", mutates_args=("out",), device_types="cpu")
+def _paged_attention_decode_lowbit_op(q: _Tensor, k_data: _Tensor, v_data: _Tensor, k_residual: _Tensor,
+                                      v_residual: _Tensor, residual_map: _Tensor, block_tables: _Tensor,
+                                      context_lens: _Tensor, scale: float, bits: int, out: _Tensor) -> None:
+    _py.paged_attention_decode_lowbit(q, k_data, v_data, k_residual, v_residual, residual_map, block_tables,
+                                      context_lens, scale, bits, out)
+
+
+@_paged_attention_decode_lowbit_op.register_fake
+def _(q, k_data, v_data, k_residual, v_residual, residual_map, block_tables, context_lens, scale, bits, out):
+    return None
+
+
 #: The registered ops (``torch.ops.kvserve.<name>``), by the Python function each wraps.
 OPS = ("rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "log_sum_exp", "apply_token_bitmask_", "greedy", "rope_",
        "gemma_rms_norm", "gemma_add_rms_norm_", "gemma_qk_norm_rope_", "reshape_and_cache", "paged_attention_decode",
-       "paged_attention_prefill")
+       "paged_attention_prefill", "paged_attention_decode_lowbit")
 
-
-def lowbit_available() -> bool:
-    """Whether the C decode kernel over 2-/4-bit pools is here (:func:`paged_attention_decode_lowbit`)."""
-    return available() and hasattr(_lib(), "paged_attention_decode_lowbit")
-
-
-def paged_attention_decode_lowbit(q: torch.Tensor, k_cache, v_cache, residual_map: torch.Tensor,
-                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                  out: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
-    """Decode attention (one new token per sequence) over 2-/4-bit pools (KIVI,
-    :mod:`kvserve.worker.kv_quant_lowbit`): for each sequence and KV head the C kernel dequantizes
-    the full blocks (``code · scale + zero`` in float32, rounded to ``q.dtype``; K per channel, V per
-    token and group of 32 channels) and copies the partial ones from their residual slot into a
-    per-thread buffer, then runs the same attention as :func:`paged_attention_decode` over it
-    (GQA, exact float32 softmax).
-
-    Args:
-        q: ``[D, num_heads, head_dim]`` float32 or bfloat16, heads and values contiguous in a row.
-        k_cache, v_cache: the layer's :class:`~kvserve.worker.kv_quant_lowbit.LowBitPool` s (residual in ``q.dtype``).
-        residual_map: ``[num_blocks]`` int64 contiguous, the step's read map
-            (:func:`kvserve.worker.kv_quant_lowbit.read_map`): ``-1`` for full blocks.
-        block_tables: ``[D, max_blocks]`` int64, unit last stride.
-        context_lens: ``[D]`` int64 contiguous, tokens to attend to (≥ 1, the new one's K/V written).
-        scale: softmax scale.
-        out: optional ``[D, num_heads, head_dim]`` destination.
-        window: must be None (sliding windows are refused with 2-/4-bit pools).
-
-    Returns:
-        ``out`` (or a new tensor) ``[D, num_heads, head_dim]`` in ``q.dtype``.
-
-    Raises:
-        ValueError: a window, a dtype other than float32/bfloat16, or a residual in another dtype.
-        MemoryError: a work buffer could not be allocated.
-    """
-    if window is not None:
-        raise ValueError("paged_attention_decode_lowbit: no sliding window (kv_cache_dtype int4/int2)")
-    if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.residual.dtype != q.dtype:
-        raise ValueError(f"paged_attention_decode_lowbit: q and the residual must be float32 or bfloat16 alike, got "
-                         f"{q.dtype} and {k_cache.residual.dtype}")
-    D, H, hd = q.shape
-    if out is None:
-        out = torch.empty_like(q)
-    bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    ctx = context_lens.contiguous()
-    rmap = residual_map.contiguous()
-    maxL = int(ctx.max()) if D else 0
-    nthreads = torch.get_num_threads() if D * k_cache.num_kv_heads * maxL * hd >= _PARALLEL_MIN_ELEMENTS else 1
-    rc = _k().paged_attention_decode_lowbit(
-        q.data_ptr(), q.stride(0), k_cache.data.data_ptr(), v_cache.data.data_ptr(), k_cache.residual.data_ptr(),
-        v_cache.residual.data_ptr(), rmap.data_ptr(), bt.data_ptr(), bt.stride(0), ctx.data_ptr(), out.data_ptr(),
-        out.stride(0), D, H, k_cache.num_kv_heads, hd, k_cache.block_size, float(scale), k_cache.bits,
-        int(q.dtype == torch.bfloat16), nthreads)
-    if rc:
-        raise MemoryError("paged_attention_decode_lowbit: a work buffer could not be allocated")
-    return out

@@ -495,14 +495,14 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
 
     def _forward_lowbit(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
         """2-/4-bit pools: the write and the prefill chunks in PyTorch (:class:`TorchSDPABackend`),
-        decode rows on the C kernel (:func:`kvserve.kernels.cpu_ops.paged_attention_decode_lowbit`)
+        decode rows on the C kernel (:func:`kvserve.kernels.cpu_ops.paged_attention_decode_pools`)
         where it is built, else on SDPA."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.residual_map)
         out = torch.empty(q.shape, dtype=q.dtype)
         nd = meta.num_decode_tokens
         if nd:
             if meta.decode_block_tables is not None and cpu_ops.lowbit_available():
-                cpu_ops.paged_attention_decode_lowbit(
+                cpu_ops.paged_attention_decode_pools(
                     q[:nd], k_cache, v_cache, read_map(meta, k_cache.block_size), meta.decode_block_tables,
                     meta.decode_context_lens, scale, out=out[:nd], window=window)
             else:
