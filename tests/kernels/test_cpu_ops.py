@@ -33,6 +33,12 @@ def _gemma_add_via_op(x, weight, residual, eps, next_weight=None):
     return None if next_weight is None else out
 
 
+def _decode_lowbit_via_op(q, k_data, v_data, k_res, v_res, rmap, bt, ctx, scale, bits, out=None):
+    out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
+    torch.ops.kvserve.paged_attention_decode_lowbit(q, k_data, v_data, k_res, v_res, rmap, bt, ctx, scale, bits, out)
+    return out
+
+
 #: The module's functions as their registered torch.library ops (torch.ops.kvserve.*).
 VIA_OPS = {
     "rms_norm": lambda x, w, eps, residual=None: torch.ops.kvserve.rms_norm(x, w, eps, residual),
@@ -48,6 +54,7 @@ VIA_OPS = {
     "reshape_and_cache": lambda *a: torch.ops.kvserve.reshape_and_cache(*a),
     "paged_attention_decode": _decode_via_op,
     "paged_attention_prefill": lambda *a: torch.ops.kvserve.paged_attention_prefill(*a),
+    "paged_attention_decode_lowbit": _decode_lowbit_via_op,  # (tested in test_cpu_ops_lowbit.py)
 }
 assert set(VIA_OPS) == set(K.OPS)
 
