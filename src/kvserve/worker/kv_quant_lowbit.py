@@ -27,6 +27,16 @@ Here a key group is one KV block (``block_size`` tokens, 16 by default):
   and the step's new ones), so a token's stored K/V never depend on how the block was filled
   (prefill chunks or decode steps, batch composition); in that step and after, readers see the
   block dequantized (:func:`read_map`), as later steps will.
+* What a query sees is what it would see decoded alone: the blocks before its own dequantized, its
+  own block's rows in the model dtype, unless it is the block's last slot (the step computing it
+  fills the block: then dequantized). Decode rows get this from :func:`read_map`; a prefill chunk,
+  whose queries span several blocks, gets it from a per-query mask over both copies of its blocks
+  (:func:`kvserve.worker.attention.prefill_lowbit`). So a request's tokens are the same alone or
+  batched, in one prefill chunk or many, and after a preemption (recompute).
+* Block copies (:func:`copy_prefix`: a fork's or a beam's copy of a partial block) copy model-dtype
+  rows from the source's residual slot into the destination's. The prefix cache shares full
+  (quantized) blocks only: a partially matching cached block is not copied (its rows would come back
+  dequantized, not as the model-dtype rows a cold run holds), so a hit gives exactly a cold run's tokens.
 
 Error bound (tested in ``tests/worker/test_kv_quant_lowbit.py``): the zero is the group's
 minimum rounded *down* to float16 and the scale ``(max - zero) / qmax`` rounded *up* to float16,
