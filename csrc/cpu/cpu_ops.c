@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* KV_AVX512BF16 (defined by setup.py for the cpu_ops_avx512bf16 variant, which the loader picks
  * on CPUs with AVX512_BF16): float32 -> bf16 rounding by VCVTNEPS2BF16, one instruction instead
@@ -1612,6 +1613,24 @@ typedef struct {
         if (M <= gemv_max || !(WP)) gemv(X, LDX, W, B, Y, LDY, M, N, K, nthreads);        \
         else if (amx(X, LDX, WP, B, Y, LDY, M, N, K, nthreads)) return -1;               \
     } while (0)
+/* The phases kv_decode_step times when given a `prof` array (ns added to prof[phase]); the
+ * order of DecodeStep.PHASES in kvserve/kernels/cpu_ops.py. */
+enum { KV_PH_NORM, KV_PH_QKV, KV_PH_ROPE, KV_PH_KV_WRITE, KV_PH_ATTENTION, KV_PH_O, KV_PH_GATE_UP, KV_PH_SILU,
+       KV_PH_DOWN, KV_PH_LM_HEAD, KV_N_PHASES };
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+#define PROF(ph)                                 \
+    do {                                         \
+        if (prof) {                              \
+            const int64_t t_now_ = now_ns();     \
+            prof[ph] += t_now_ - t_prev;         \
+            t_prev = t_now_;                     \
+        }                                        \
+    } while (0)
+int kv_decode_step_phases(void) { return KV_N_PHASES; }
 /* Row-wise loops run on all threads once there is enough work (results do not depend on it). */
 static inline int rows_nt(int64_t work, int nthreads) { return work >= (1 << 14) ? nthreads : 1; }
 
@@ -1622,8 +1641,9 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
                        const void* cos, const void* sin, const int64_t* slots, const int64_t* bt, int64_t bt_stride,
                        const int64_t* ctx, int64_t max_ctx, int64_t bs, float scale, int64_t window, const void* final_norm,
                        const void* lm_head, const void* lm_head_p, int64_t V, void* logits, int bf, int kv_fmt,
-                       int nthreads, int attn_threads) {
+                       int nthreads, int attn_threads, int64_t* prof) {
     const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4;
+    int64_t t_prev = prof ? now_ns() : 0;
     memcpy(residual, hidden, (size_t)(M * E * es));
     for (int64_t l = 0; l < n_layers; l++) {
         const kv_layer_t* L = layers + l;
@@ -1634,7 +1654,9 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
             else rms_norm_row(l ? at(delta, m * E, 0) : at(residual, m * E, 0), l ? atw(residual, m * E, 0) : NULL,
                               L->ln1, atw(x, m * E, 0), E, eps, 0);
         }
+        PROF(KV_PH_NORM);
         KV_LINEAR(x, E, L->qkv_w, L->qkv_p, L->qkv_b, qkv, NQKV, NQKV, E);
+        PROF(KV_PH_QKV);
 #pragma omp parallel for num_threads(rows_nt(M * NQKV, nthreads)) schedule(static)
         for (int64_t m = 0; m < M; m++) {
             void* row = atw(qkv, m * NQKV, bf);
@@ -1648,34 +1670,44 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
             if (bf) rope_row(row, H + KVH, hd, at(cos, pos[m] * hd, 1), at(sin, pos[m] * hd, 1), 1);
             else rope_row(row, H + KVH, hd, at(cos, pos[m] * hd, 0), at(sin, pos[m] * hd, 0), 0);
         }
+        PROF(KV_PH_ROPE);
         if (kv_fmt)
             kv_reshape_and_cache_q(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache,
                                    L->v_cache, slots, M, KVH, hd, bf, kv_fmt);
         else
             kv_reshape_and_cache(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache, L->v_cache,
                                  slots, M, KVH * hd, es);
+        PROF(KV_PH_KV_WRITE);
         if (kv_paged_attention_decode(qkv, NQKV, L->k_cache, L->v_cache, bt, bt_stride, ctx, attn, H * hd, M, H, KVH,
                                       hd, bs, scale, window, bf, kv_fmt, attn_threads))
             return -1;
+        PROF(KV_PH_ATTENTION);
         KV_LINEAR(attn, H * hd, L->o_w, L->o_p, NULL, delta, E, E, H * hd);
+        PROF(KV_PH_O);
 #pragma omp parallel for num_threads(rows_nt(M * E, nthreads)) schedule(static)
         for (int64_t m = 0; m < M; m++) {
             if (bf) rms_norm_row(at(delta, m * E, 1), atw(residual, m * E, 1), L->ln2, atw(x, m * E, 1), E, eps, 1);
             else rms_norm_row(at(delta, m * E, 0), atw(residual, m * E, 0), L->ln2, atw(x, m * E, 0), E, eps, 0);
         }
+        PROF(KV_PH_NORM);
         KV_LINEAR(x, E, L->gu_w, L->gu_p, NULL, gu, 2 * I, 2 * I, E);
+        PROF(KV_PH_GATE_UP);
 #pragma omp parallel for num_threads(rows_nt(M * I, nthreads)) schedule(static)
         for (int64_t m = 0; m < M; m++) {
             if (bf) silu_mul_row(at(gu, m * 2 * I, 1), atw(act, m * I, 1), I, 1);
             else silu_mul_row(at(gu, m * 2 * I, 0), atw(act, m * I, 0), I, 0);
         }
+        PROF(KV_PH_SILU);
         KV_LINEAR(act, I, L->down_w, L->down_p, NULL, delta, E, E, I);
+        PROF(KV_PH_DOWN);
     }
 #pragma omp parallel for num_threads(rows_nt(M * E, nthreads)) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         if (bf) rms_norm_row(at(delta, m * E, 1), atw(residual, m * E, 1), final_norm, atw(x, m * E, 1), E, eps, 1);
         else rms_norm_row(at(delta, m * E, 0), atw(residual, m * E, 0), final_norm, atw(x, m * E, 0), E, eps, 0);
     }
+    PROF(KV_PH_NORM);
     KV_LINEAR(x, E, lm_head, lm_head_p, NULL, logits, V, V, E);
+    PROF(KV_PH_LM_HEAD);
     return 0;
 }

@@ -635,7 +635,17 @@ class DecodeStep:
         shapes: ``(dtype, vocab_size, intermediate_size)`` when the weights are not plain
             tensors: GGUF-quantized linears pass ``kvserve.worker.layers.quant.gemv_descriptor``
             tensors as weights and ``kv_q_gemv`` as ``gemv`` (biases in the descriptors).
+
+    Attributes:
+        profile: None (the default), or an int64 tensor ``[len(PHASES)]`` to which each call
+            adds the wall time in ns it spent in each phase (``PHASES``, summed over the
+            layers; two clock reads per phase, ~1 us per step on SmolLM2); for
+            ``benchmarks/decode_breakdown.py``.
     """
+
+    #: The phases :attr:`profile` times, in its order ("norm": the RMSNorms with their residual
+    #: adds, and the embedding copy; "rope": RoPE and Qwen3's QK-norm).
+    PHASES = ("norm", "qkv", "rope", "kv_write", "attention", "o_proj", "gate_up", "silu_mul", "down", "lm_head")
 
     def __init__(self, layers: list[dict], final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, gemv, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
@@ -669,9 +679,29 @@ class DecodeStep:
         i64, vp, cf, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self.kv_format = _kv_format(layers[0]["k_cache"])
         fn.argtypes = [vp, i64, vp, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, cf, vp,
-                       vp, vp, vp, vp, i64, vp, i64, i64, cf, i64, vp, vp, vp, i64, vp, ci, ci, ci, ci]
+                       vp, vp, vp, vp, i64, vp, i64, i64, cf, i64, vp, vp, vp, i64, vp, ci, ci, ci, ci, vp]
         fn.restype = ctypes.c_int
         self._fn = fn
+        self._profile: Optional[torch.Tensor] = None
+        phases = getattr(_k().lib, "kv_decode_step_phases", None)  # (absent from libraries built before it)
+        self._profile_phases = None if phases is None else int(phases())
+
+    @property
+    def profile(self) -> Optional[torch.Tensor]:
+        return self._profile
+
+    @profile.setter
+    def profile(self, t: Optional[torch.Tensor]) -> None:
+        """Raises ValueError unless ``t`` is None or a contiguous CPU int64 tensor ``[len(PHASES)]``;
+        RuntimeError when the loaded library predates the profile (rebuild: ``pip install -e .``)."""
+        if t is not None and self._profile_phases != len(self.PHASES):
+            raise RuntimeError("DecodeStep.profile: the loaded cpu_ops library does not time phases "
+                               "(built before they were added); rebuild it with `pip install -e .`")
+        if t is not None and (t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous()
+                              or tuple(t.shape) != (len(self.PHASES),)):
+            raise ValueError(f"DecodeStep.profile must be None or a contiguous CPU int64 tensor of shape "
+                             f"({len(self.PHASES)},), got {t.dtype} {tuple(t.shape)} on {t.device}")
+        self._profile = t
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int) -> torch.Tensor:
@@ -705,7 +735,8 @@ class DecodeStep:
                       slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                       context_lens.data_ptr(), max_context_len, self.block_size, self.hd**-0.5, self.window or 0,
                       fin, head, head_p, self.V, logits.data_ptr(), int(self.dtype == torch.bfloat16), self.kv_format,
-                      nt, _threads(M * self.H * read * self.hd // 64))
+                      nt, _threads(M * self.H * read * self.hd // 64),
+                      None if self._profile is None else self._profile.data_ptr())
         if rc:
             raise MemoryError("decode step: could not allocate attention or linear work buffers")
         return logits
