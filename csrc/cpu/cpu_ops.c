@@ -5,7 +5,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
+#include <omp.h>
 
 /* KV_AVX512BF16 (defined by setup.py for the cpu_ops_avx512bf16 variant, which the loader picks
  * on CPUs with AVX512_BF16): float32 -> bf16 rounding by VCVTNEPS2BF16, one instruction instead
@@ -1634,6 +1636,175 @@ int kv_decode_step_phases(void) { return KV_N_PHASES; }
 /* Row-wise loops run on all threads once there is enough work (results do not depend on it). */
 static inline int rows_nt(int64_t work, int nthreads) { return work >= (1 << 14) ? nthreads : 1; }
 
+/* ---- The decode step on one team of threads ------------------------------------------------
+ * For a few tokens a step is ~150 small GEMVs (0.6-4 MB of weights each) and as many short
+ * serial pieces (norms, RoPE, the KV write, attention). Run as one OpenMP region per piece, the
+ * team's threads fall asleep in libgomp whenever a serial piece or an imbalance outlasts
+ * GOMP_SPINCOUNT (kvserve sets 1000, ~20 us, for shared machines), and waking one on a VM costs
+ * tens of us, paid at every GEMV; each region also waits for its slowest thread, so a thread
+ * that another process holds up stalls every one of them. Here the whole step is one region in
+ * which thread 0 runs the step in order: it does the serial pieces, and for each GEMV it
+ * publishes the GEMV, takes chunks of its rows from a counter like the other threads, and waits
+ * until every chunk is done. The other threads only wait for the next GEMV to be published
+ * (spinning, then yielding the CPU; never asleep) and take chunks of it; one that is held up
+ * takes fewer chunks and delays nothing but a chunk it has started. Each output row is computed
+ * by the same kernel code as on the per-piece path (a row's dot product does not depend on which
+ * rows share a call), so the logits are bit-identical. */
+typedef void (*gemv_rows_fn)(const void*, int64_t, const void*, const void*, void*, int64_t, int64_t, int64_t, int64_t,
+                             int64_t, int64_t);
+
+typedef struct {
+    const void *X, *W, *B;
+    void* Y;
+    int64_t LDX, LDY, N, K, chunk, nchunks;
+    int64_t next, done; /* chunks claimed, chunks finished (atomics) */
+} team_gemv_t;
+#define KV_TEAM_SPINS 4096 /* pause instructions between sched_yield calls while waiting (~0.1 ms on Zen 4) */
+
+static inline void team_pause(int* spins) {
+    if (++*spins < KV_TEAM_SPINS) _mm_pause();
+    else {
+        sched_yield();
+        *spins = 0;
+    }
+}
+
+/* Take and compute chunks of g until none is left. A dense weight (row-major [N, K], es bytes a
+ * value) is sliced here; a packed one by `rows`. */
+static inline void team_gemv_work(team_gemv_t* g, gemv_fn gemv, gemv_rows_fn rows, int64_t M, int64_t es) {
+    for (;;) {
+        const int64_t c = __atomic_fetch_add(&g->next, 1, __ATOMIC_RELAXED);
+        if (c >= g->nchunks) return;
+        const int64_t n0 = c * g->chunk, n1 = n0 + g->chunk < g->N ? n0 + g->chunk : g->N;
+        if (rows) rows(g->X, g->LDX, g->W, g->B, g->Y, g->LDY, M, g->N, g->K, n0, n1);
+        else gemv(g->X, g->LDX, (const char*)g->W + n0 * g->K * es, g->B ? (const char*)g->B + n0 * es : NULL,
+                  (char*)g->Y + n0 * es, g->LDY, M, n1 - n0, g->K, 1);
+        __atomic_add_fetch(&g->done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static inline void team_gemv_set(team_gemv_t* g, const void* X, int64_t LDX, const void* W, const void* B, void* Y,
+                                 int64_t LDY, int64_t N, int64_t K, int nt) {
+    int64_t c = (N + 8 * nt - 1) / (8 * nt); /* ~8 chunks a thread, whole groups of 4 rows, >= 16 rows */
+    c = (c + 3) & ~(int64_t)3;
+    c = c < 16 ? 16 : c;
+    *g = (team_gemv_t){.X = X, .W = W, .B = B, .Y = Y, .LDX = LDX, .LDY = LDY, .N = N, .K = K, .chunk = c,
+                       .nchunks = (N + c - 1) / c};
+}
+
+/* EXPR with BF the constant 1 (bf16) or 0 (float32), so the always-inline row helpers specialise as in
+ * kv_decode_step. */
+#define BFSPEC(EXPR)          \
+    do {                      \
+        if (bf) {             \
+            const int BF = 1; \
+            EXPR;             \
+        } else {              \
+            const int BF = 0; \
+            EXPR;             \
+        }                     \
+    } while (0)
+
+TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv, gemv_rows_fn gemv_rows,
+                                int64_t M, const void* hidden, void* residual, void* delta, void* x, void* qkv,
+                                void* attn, void* gu, void* act, int64_t E, int64_t H, int64_t KVH, int64_t hd,
+                                int64_t I, float eps, const int64_t* pos, const void* cos, const void* sin,
+                                const int64_t* slots, const int64_t* bt, int64_t bt_stride, const int64_t* ctx,
+                                int64_t bs, float scale, int64_t window, const void* final_norm, const void* lm_head,
+                                int64_t V, void* logits, int bf, int kv_fmt, int nthreads, int64_t* prof) {
+    const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4, n_gemv = 4 * n_layers + 1;
+    team_gemv_t* g = (team_gemv_t*)malloc(sizeof(team_gemv_t) * (size_t)n_gemv);
+    if (!g) return 1;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const kv_layer_t* L = layers + l;
+        team_gemv_set(g + 4 * l, x, E, L->qkv_w, L->qkv_b, qkv, NQKV, NQKV, E, nthreads);
+        team_gemv_set(g + 4 * l + 1, attn, H * hd, L->o_w, NULL, delta, E, E, H * hd, nthreads);
+        team_gemv_set(g + 4 * l + 2, x, E, L->gu_w, NULL, gu, 2 * I, 2 * I, E, nthreads);
+        team_gemv_set(g + 4 * l + 3, act, I, L->down_w, NULL, delta, E, E, I, nthreads);
+    }
+    team_gemv_set(g + 4 * n_layers, x, E, lm_head, NULL, logits, V, V, E, nthreads);
+    int64_t published = -1; /* the GEMV the threads may work on; n_gemv: the step is over */
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    if (omp_get_thread_num() != 0) {
+        int64_t seen = -1;
+        for (int spins = 0;;) {
+            const int64_t p = __atomic_load_n(&published, __ATOMIC_ACQUIRE);
+            if (p >= n_gemv) break;
+            if (p > seen) {
+                team_gemv_work(g + p, gemv, gemv_rows, M, es);
+                seen = p;
+                spins = 0;
+            } else team_pause(&spins);
+        }
+    } else {
+        int64_t t_prev = prof ? now_ns() : 0, cur = 0;
+        /* publish the next GEMV, work on it, wait for its last chunk */
+#define RUN_GEMV(ph)                                                                 \
+    do {                                                                             \
+        team_gemv_t* g_ = g + cur;                                                   \
+        __atomic_store_n(&published, cur++, __ATOMIC_RELEASE);                       \
+        team_gemv_work(g_, gemv, gemv_rows, M, es);                                  \
+        for (int spins = 0; __atomic_load_n(&g_->done, __ATOMIC_ACQUIRE) < g_->nchunks;) \
+            team_pause(&spins);                                                      \
+        PROF(ph);                                                                    \
+    } while (0)
+        memcpy(residual, hidden, (size_t)(M * E * es));
+        for (int64_t l = 0; l < n_layers && !failed; l++) {
+            const kv_layer_t* L = layers + l;
+            for (int64_t m = 0; m < M; m++) /* layer 0 normalizes the embeddings themselves */
+                BFSPEC(rms_norm_row(l ? at(delta, m * E, BF) : at(residual, m * E, BF),
+                                    l ? atw(residual, m * E, BF) : NULL, L->ln1, atw(x, m * E, BF), E, eps, BF));
+            PROF(KV_PH_NORM);
+            RUN_GEMV(KV_PH_QKV);
+            for (int64_t m = 0; m < M; m++) {
+                void* row = atw(qkv, m * NQKV, bf);
+                if (L->q_norm)
+                    for (int64_t h = 0; h < H + KVH; h++) {
+                        void* hp = atw(row, h * hd, bf);
+                        BFSPEC(rms_norm_row(hp, NULL, h < H ? L->q_norm : L->k_norm, hp, hd, eps, BF));
+                    }
+                BFSPEC(rope_row(row, H + KVH, hd, at(cos, pos[m] * hd, BF), at(sin, pos[m] * hd, BF), BF));
+            }
+            PROF(KV_PH_ROPE);
+            if (kv_fmt)
+                kv_reshape_and_cache_q(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache,
+                                       L->v_cache, slots, M, KVH, hd, bf, kv_fmt);
+            else
+                kv_reshape_and_cache(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache,
+                                     L->v_cache, slots, M, KVH * hd, es);
+            PROF(KV_PH_KV_WRITE);
+            if (kv_paged_attention_decode(qkv, NQKV, L->k_cache, L->v_cache, bt, bt_stride, ctx, attn, H * hd, M, H,
+                                          KVH, hd, bs, scale, window, bf, kv_fmt, 1)) {
+                failed = 1;
+                break;
+            }
+            PROF(KV_PH_ATTENTION);
+            RUN_GEMV(KV_PH_O);
+            for (int64_t m = 0; m < M; m++)
+                BFSPEC(rms_norm_row(at(delta, m * E, BF), atw(residual, m * E, BF), L->ln2, atw(x, m * E, BF), E, eps,
+                                    BF));
+            PROF(KV_PH_NORM);
+            RUN_GEMV(KV_PH_GATE_UP);
+            for (int64_t m = 0; m < M; m++) BFSPEC(silu_mul_row(at(gu, m * 2 * I, BF), atw(act, m * I, BF), I, BF));
+            PROF(KV_PH_SILU);
+            RUN_GEMV(KV_PH_DOWN);
+        }
+        if (!failed) {
+            for (int64_t m = 0; m < M; m++)
+                BFSPEC(rms_norm_row(at(delta, m * E, BF), atw(residual, m * E, BF), final_norm, atw(x, m * E, BF), E,
+                                    eps, BF));
+            PROF(KV_PH_NORM);
+            RUN_GEMV(KV_PH_LM_HEAD);
+        }
+        __atomic_store_n(&published, n_gemv, __ATOMIC_RELEASE); /* (also after a failure: the threads leave) */
+#undef RUN_GEMV
+    }
+    free(g);
+    return failed ? -1 : 0;
+}
+#undef BFSPEC
+
 TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv, amx_fn amx, int64_t gemv_max,
                        int64_t M, const void* hidden,
                        void* residual, void* delta, void* x, void* qkv, void* attn, void* gu, void* act,
@@ -1641,8 +1812,14 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
                        const void* cos, const void* sin, const int64_t* slots, const int64_t* bt, int64_t bt_stride,
                        const int64_t* ctx, int64_t max_ctx, int64_t bs, float scale, int64_t window, const void* final_norm,
                        const void* lm_head, const void* lm_head_p, int64_t V, void* logits, int bf, int kv_fmt,
-                       int nthreads, int attn_threads, int64_t* prof) {
+                       int nthreads, int attn_threads, int64_t* prof, int team, gemv_rows_fn gemv_rows) {
     const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4;
+    if (team && nthreads > 1 && M <= gemv_max) {
+        const int rc = decode_step_team(layers, n_layers, gemv, gemv_rows, M, hidden, residual, delta, x, qkv, attn, gu,
+                                        act, E, H, KVH, hd, I, eps, pos, cos, sin, slots, bt, bt_stride, ctx, bs, scale,
+                                        window, final_norm, lm_head, V, logits, bf, kv_fmt, nthreads, prof);
+        if (rc != 1) return rc; /* (1: its counters could not be allocated: the path below) */
+    }
     int64_t t_prev = prof ? now_ns() : 0;
     memcpy(residual, hidden, (size_t)(M * E * es));
     for (int64_t l = 0; l < n_layers; l++) {

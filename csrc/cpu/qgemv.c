@@ -453,3 +453,19 @@ TGT_F32 int kv_q_dequant(const uint8_t* qs, const float* d, const float* m, int 
     }
     return failed ? -1 : 0;
 }
+
+/* kv_q_gemv for the output rows [n0, n1) of the weight only (n0 a multiple of 4: the packed
+ * weight's row groups; n1 a multiple of 4 or N), on the calling thread: the one-call decode
+ * step (cpu_ops.c, decode_step_team) splits each GEMV's rows between its threads with it. */
+TGT_BF16 void kv_q_gemv_rows(const void* x, int64_t ldx, const void* w, const void* bias, void* y, int64_t ldy,
+                             int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+    (void)N;
+    const kv_qweight_t* q = (const kv_qweight_t*)w;
+    const int64_t KB = K / 32, g0 = n0 / 4, gbytes = KB * (q->bits == 4 ? 64 : 128);
+    kv_qweight_t part = *q;
+    part.qs = q->qs + g0 * gbytes;
+    part.d = q->d + g0 * KB * 4;
+    part.m = q->m + g0 * KB * 4;
+    part.bias = q->bias ? q->bias + n0 : NULL;
+    kv_q_gemv(x, ldx, &part, bias, (char*)y + n0 * (q->bf16 ? 2 : 4), ldy, M, n1 - n0, K, 1);
+}

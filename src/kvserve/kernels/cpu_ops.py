@@ -148,8 +148,15 @@ def supports_attention_shape(num_heads: int, num_kv_heads: int, head_dim: int) -
             and num_heads // num_kv_heads <= MAX_GQA_GROUP)
 
 
-def _threads(work: int) -> int:
-    return torch.get_num_threads() if work >= _PARALLEL_MIN_ELEMENTS else 1
+def _threads(work: int, items: int) -> int:
+    """OpenMP threads for a kernel whose parallel loop has ``items`` iterations (rows, or
+    attention's (sequence, KV head) pairs) over ``work`` elements in all: one below
+    ``_PARALLEL_MIN_ELEMENTS``, else torch's thread count, but never more than ``items``. A
+    thread with no iteration still has to wake up and join, which on a 2-vCPU VM costs ~60 us
+    (e.g. the greedy sampler's one logits row: 98 against 31 us)."""
+    if work < _PARALLEL_MIN_ELEMENTS:
+        return 1
+    return max(1, min(torch.get_num_threads(), items))
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -184,7 +191,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         ldr = residual.stride(0)
     _k().rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), ldr,
                   weight.data_ptr(), out.data_ptr(), dim, M, dim, float(eps), int(x.dtype == torch.bfloat16),
-                  _threads(M * dim))
+                  _threads(M * dim, M))
     return out
 
 
@@ -198,7 +205,7 @@ def _gated(x: torch.Tensor, kernel) -> torch.Tensor:
     inter = two_i // 2
     out = torch.empty((M, inter), dtype=x.dtype)
     kernel(x.data_ptr(), x.stride(0), out.data_ptr(), inter, M, inter, int(x.dtype == torch.bfloat16),
-           _threads(M * inter))
+           _threads(M * inter, M))
     return out
 
 
@@ -233,7 +240,7 @@ def log_sum_exp(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     if mx.numel() != M:
         raise ValueError(f"row_max must have {M} elements (one per row of x), got {mx.numel()}")
     out = torch.empty((M, 1), dtype=torch.float32)
-    _k().log_sum_exp(x.data_ptr(), x.stride(0), mx.data_ptr(), out.data_ptr(), M, V, _threads(M * V))
+    _k().log_sum_exp(x.data_ptr(), x.stride(0), mx.data_ptr(), out.data_ptr(), M, V, _threads(M * V, M))
     return out
 
 
@@ -263,7 +270,7 @@ def apply_token_bitmask_(x: torch.Tensor, bitmask: torch.Tensor, rows: Optional[
     if M and x.shape[1]:
         _k().apply_token_bitmask(x.data_ptr(), x.stride(0), bitmask.data_ptr(), W,
                                  None if rows is None else rows.data_ptr(), M, x.shape[1],
-                                 _threads(M * x.shape[1]))
+                                 _threads(M * x.shape[1], M))
 
 
 def greedy(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -296,7 +303,7 @@ def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     log_z = torch.empty(M, dtype=torch.float32)
     if M and V:
         _k().greedy(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), tokens.data_ptr(),
-                  row_max.data_ptr(), log_z.data_ptr(), M, V, _threads(M * V))
+                  row_max.data_ptr(), log_z.data_ptr(), M, V, _threads(M * V, M))
     return tokens, row_max, log_z
 
 
@@ -316,7 +323,7 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tenso
     _rows(x, "x")
     T = x.shape[0]
     _k().rope(x.data_ptr(), x.stride(0), T, num_heads, head_dim, positions.data_ptr(), cos.data_ptr(),
-              sin.data_ptr(), int(x.dtype == torch.bfloat16), _threads(T * num_heads * head_dim))
+              sin.data_ptr(), int(x.dtype == torch.bfloat16), _threads(T * num_heads * head_dim, T))
 
 
 def _same_dtype(dtype: torch.dtype, **tensors: torch.Tensor) -> None:
@@ -352,7 +359,7 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     _same_dtype(x.dtype, weight=weight)
     out = torch.empty((M, dim), dtype=x.dtype)
     _k().gemma_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), None, 0, None, out.data_ptr(), dim, M, dim,
-                        float(eps), int(x.dtype == torch.bfloat16), _threads(M * dim))
+                        float(eps), int(x.dtype == torch.bfloat16), _threads(M * dim, M))
     return out
 
 
@@ -395,7 +402,7 @@ def gemma_add_rms_norm_(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
         out = torch.empty((M, dim), dtype=x.dtype)
     _k().gemma_rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), residual.data_ptr(), residual.stride(0),
                         None if out is None else next_weight.data_ptr(), None if out is None else out.data_ptr(),
-                        dim, M, dim, float(eps), int(x.dtype == torch.bfloat16), _threads(M * dim))
+                        dim, M, dim, float(eps), int(x.dtype == torch.bfloat16), _threads(M * dim, M))
     return out
 
 
@@ -438,7 +445,7 @@ def gemma_qk_norm_rope_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, he
     _k().gemma_qk_norm_rope(qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, head_dim,
                             q_weight.data_ptr(), k_weight.data_ptr(), float(eps), positions.data_ptr(),
                             cos.data_ptr(), sin.data_ptr(), int(qkv.dtype == torch.bfloat16),
-                            _threads(T * (num_heads + num_kv_heads) * head_dim))
+                            _threads(T * (num_heads + num_kv_heads) * head_dim, T))
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -542,7 +549,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), out.stride(0), D, H, KVH, hd, bs,
         float(scale), window or 0, int(q.dtype == torch.bfloat16), _kv_format(k_cache),
-        _threads(D * H * read * hd // 64))
+        _threads(D * H * read * hd // 64, D * KVH))
     if rc:
         raise MemoryError("paged_attention_decode: could not allocate work buffers")
     return out
@@ -635,8 +642,17 @@ class DecodeStep:
         shapes: ``(dtype, vocab_size, intermediate_size)`` when the weights are not plain
             tensors: GGUF-quantized linears pass ``kvserve.worker.layers.quant.gemv_descriptor``
             tensors as weights and ``kv_q_gemv`` as ``gemv`` (biases in the descriptors).
+        gemv_rows: for such weights, the ctypes function computing output rows ``[n0, n1)`` of
+            ``gemv`` on the calling thread (``kv_q_gemv_rows``), which the team path needs (see
+            ``team``); plain tensors are split by the step itself.
 
     Attributes:
+        team: run batches of at most ``gemv_max_tokens`` tokens as one OpenMP region whose
+            threads split every GEMV's rows between them and wait for each other at a
+            spin-then-yield barrier, instead of one region per operation, whose idle threads fall
+            asleep between operations (``decode_step_team`` in ``csrc/cpu/cpu_ops.c``); the
+            logits are bit-identical either way. True by default where it applies (more than one
+            thread; plain weights, or packed ones with ``gemv_rows``).
         profile: None (the default), or an int64 tensor ``[len(PHASES)]`` to which each call
             adds the wall time in ns it spent in each phase (``PHASES``, summed over the
             layers; two clock reads per phase, ~1 us per step on SmolLM2); for
@@ -651,7 +667,7 @@ class DecodeStep:
                  sin: torch.Tensor, gemv, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  max_tokens: int, gemv_max_tokens: Optional[int] = None, amx=None,
                  lm_head_packed: Optional[torch.Tensor] = None, window: Optional[int] = None,
-                 shapes: Optional[tuple[torch.dtype, int, int]] = None) -> None:
+                 shapes: Optional[tuple[torch.dtype, int, int]] = None, gemv_rows=None) -> None:
         self._keep = (layers, final_norm, lm_head, cos, sin, lm_head_packed)  # the C side holds raw pointers
         self.window = window
         self.dtype = lm_head.dtype if shapes is None else shapes[0]
@@ -679,12 +695,26 @@ class DecodeStep:
         i64, vp, cf, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self.kv_format = _kv_format(layers[0]["k_cache"])
         fn.argtypes = [vp, i64, vp, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, cf, vp,
-                       vp, vp, vp, vp, i64, vp, i64, i64, cf, i64, vp, vp, vp, i64, vp, ci, ci, ci, ci, vp]
+                       vp, vp, vp, vp, i64, vp, i64, i64, cf, i64, vp, vp, vp, i64, vp, ci, ci, ci, ci, vp, ci, vp]
         fn.restype = ctypes.c_int
         self._fn = fn
         self._profile: Optional[torch.Tensor] = None
+        self._gemv_rows = None if gemv_rows is None else ctypes.cast(gemv_rows, ctypes.c_void_p).value
+        self._team_ok = shapes is None or gemv_rows is not None
+        self._team = self._team_ok
         phases = getattr(_k().lib, "kv_decode_step_phases", None)  # (absent from libraries built before it)
         self._profile_phases = None if phases is None else int(phases())
+
+    @property
+    def team(self) -> bool:
+        return self._team
+
+    @team.setter
+    def team(self, on: bool) -> None:
+        """Raises ValueError when turned on for packed weights given without ``gemv_rows``."""
+        if on and not self._team_ok:
+            raise ValueError("DecodeStep.team needs gemv_rows for weights that are not plain tensors")
+        self._team = bool(on)
 
     @property
     def profile(self) -> Optional[torch.Tensor]:
@@ -735,8 +765,9 @@ class DecodeStep:
                       slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                       context_lens.data_ptr(), max_context_len, self.block_size, self.hd**-0.5, self.window or 0,
                       fin, head, head_p, self.V, logits.data_ptr(), int(self.dtype == torch.bfloat16), self.kv_format,
-                      nt, _threads(M * self.H * read * self.hd // 64),
-                      None if self._profile is None else self._profile.data_ptr())
+                      nt, _threads(M * self.H * read * self.hd // 64, M * self.KVH),
+                      None if self._profile is None else self._profile.data_ptr(),
+                      int(self._team), self._gemv_rows)
         if rc:
             raise MemoryError("decode step: could not allocate attention or linear work buffers")
         return logits

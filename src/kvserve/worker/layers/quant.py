@@ -448,6 +448,11 @@ class _QKernels:
         self.gemv = lib.kv_q_gemv
         self.gemv.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i64, c_int]
         self.gemv.restype = None
+        # kv_q_gemv on a range of output rows, on the calling thread (None: a library built before it)
+        self.gemv_rows = getattr(lib, "kv_q_gemv_rows", None)
+        if self.gemv_rows is not None:
+            self.gemv_rows.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64]
+            self.gemv_rows.restype = None
         self.linear = lib.kv_q_linear
         self.linear.argtypes = [vp, i64, c_int, i64, i64, vp, vp, vp, c_int, c_int, i64, vp, vp, i64, c_int, c_int]
         self.linear.restype = c_int

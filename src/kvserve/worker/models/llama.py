@@ -414,7 +414,8 @@ class LlamaForCausalLM(nn.Module):
             layers, self.norm.weight, desc[id(self.lm_head)], self.rotary_emb.cos_table, self.rotary_emb.sin_table,
             q_kernels().gemv, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps,
             max_tokens=gemv_max, window=self.cfg.uniform_window,
-            shapes=(self.dtype, self.lm_head.out_features, self.cfg.intermediate_size // self.tp_size))
+            shapes=(self.dtype, self.lm_head.out_features, self.cfg.intermediate_size // self.tp_size),
+            gemv_rows=q_kernels().gemv_rows)
         step._keep_desc = (desc, lins)  # (the descriptors point into the layers' packed weights)
         return step
 
