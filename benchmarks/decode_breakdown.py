@@ -154,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3, help="runs per mode, interleaved")
+    ap.add_argument("--compare-team", action="store_true",
+                    help="also run each mode with the C decode step's team path off (DecodeStep.team = False: "
+                         "one OpenMP region per operation, as before it), interleaved with the default")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     modes = a.modes.split(",")
@@ -173,10 +176,17 @@ def main(argv=None) -> int:
         llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
     timers = Timers()
     install(timers)
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    # (label, mode, team path) of each configuration, run in this order in every round
+    configs = [(m, m, True) for m in modes]
+    if a.compare_team:
+        configs = [c for m in modes for c in ((m, m, True), (f"{m} (team off)", m, False))]
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
     for _ in range(a.runs):
+        for label, m, team in configs:
+            llms[m].engine.core.model._decode_step.team = team
+            runs[label].append(one_run(llms[m], prompt, a.max_tokens, timers))
         for m in modes:
-            runs[m].append(one_run(llms[m], prompt, a.max_tokens, timers))
+            llms[m].engine.core.model._decode_step.team = True
     bw1 = measure_memory_bandwidth()
     load1 = os.getloadavg()
     bw = max(bw0, bw1)
@@ -186,22 +196,22 @@ def main(argv=None) -> int:
     print(f"memory bandwidth {bw0 / 1e9:.1f} GB/s before, {bw1 / 1e9:.1f} after (roofline uses the larger); "
           f"load average {load0[0]:.2f} before, {load1[0]:.2f} after")
     result = {"bandwidth_GBps": [bw0 / 1e9, bw1 / 1e9], "load_avg": [load0[0], load1[0]], "modes": {}}
-    for m in modes:
-        rows = [r for run in runs[m] for r in run["rows"]]
+    for label, m, _ in configs:
+        rows = [r for run in runs[label] for r in run["rows"]]
         keys = list(rows[0])
         med = {k: statistics.median(r[k] for r in rows) for k in keys}
         step = med["step"]
         wb = decode_weight_bytes(llms[m])
         roof = bw / wb
         tok_s = 1e3 / step
-        tok_s_metrics = statistics.median(run["decode_tok_s"] for run in runs[m])
-        result["modes"][m] = {"median_ms": med, "weight_bytes": wb, "roofline_tok_s": roof,
+        tok_s_metrics = statistics.median(run["decode_tok_s"] for run in runs[label])
+        result["modes"][label] = {"median_ms": med, "weight_bytes": wb, "roofline_tok_s": roof,
                               "tok_s_from_median_step": tok_s, "decode_tok_s_metrics": tok_s_metrics,
-                              "decode_tok_s_runs": [run["decode_tok_s"] for run in runs[m]]}
-        print(f"\n{m}: weights read per token {wb / 1e6:.1f} MB, roofline {roof:.1f} tok/s; median step "
+                              "decode_tok_s_runs": [run["decode_tok_s"] for run in runs[label]]}
+        print(f"\n{label}: weights read per token {wb / 1e6:.1f} MB, roofline {roof:.1f} tok/s; median step "
               f"{step:.2f} ms = {tok_s:.1f} tok/s = {tok_s / roof:.1%} of the roofline (engine metrics: "
-              f"{tok_s_metrics:.1f} tok/s median of runs {[round(r['decode_tok_s'], 1) for r in runs[m]]})")
-        print(f"| {m} part of a decode step | ms (median) | % of step |")
+              f"{tok_s_metrics:.1f} tok/s median of runs {[round(r['decode_tok_s'], 1) for r in runs[label]]})")
+        print(f"| {label} part of a decode step | ms (median) | % of step |")
         print("|---|---:|---:|")
         for k in keys:
             if k != "step":

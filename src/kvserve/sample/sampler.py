@@ -652,8 +652,38 @@ class SamplerOutput:
 
 
 # ------------------------------------------------------------------------ sampler
+def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when a row with these parameters, ``num_output_tokens`` into its output, gets the
+    bare argmax from :class:`Sampler`: greedy, no logprobs asked, and none of steps 1-3 (logit
+    bias, allowed ids, bad words, ``min_tokens`` not reached yet, penalties; a grammar is the
+    caller's to check). A batch of such rows can skip :class:`SamplingRow` and
+    :meth:`SamplingMetadata.build` (:meth:`Sampler.greedy`)."""
+    p = params
+    return (p.greedy and p.logprobs is None and not p.logit_bias and p.allowed_token_ids is None and not p.bad_words
+            and num_output_tokens >= p.min_tokens and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0)
+
+
 class Sampler:
     """Stateless sampler; see the module docstring for the order of processing."""
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> Optional[SamplerOutput]:
+        """What :meth:`__call__` returns for a batch of :func:`plain_greedy` rows, from the fused
+        kernel (one pass over the logits in their dtype: the first argmax, and its raw logprob
+        ``-log_z``); None where that kernel does not apply (not a CPU float32/bfloat16 tensor with
+        unit last stride, or a row whose maximum is not finite): call :meth:`__call__` then.
+
+        Args:
+            logits: ``[B, V]``, ``B > 0``.
+        """
+        if logits.dim() != 2 or logits.shape[0] == 0 or not cpu_ops.supports(logits) or logits.stride(-1) != 1:
+            return None
+        fast = cpu_ops.greedy(logits.detach())
+        if fast is None:
+            return None
+        tokens, _, log_z = fast
+        return SamplerOutput(tokens, 0.0 - log_z, torch.zeros_like(tokens), None, None)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row.

@@ -29,7 +29,8 @@ import torch
 
 from kvserve.worker.attention import AttentionMetadata, KVProbe, PrefillSegment
 from kvserve.core.request import Request, TokenLogprob
-from kvserve.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenHistory, compute_logprobs
+from kvserve.sample.sampler import (Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenHistory, compute_logprobs,
+                                    plain_greedy)
 from kvserve.core.scheduler import SchedulerOutput
 from kvserve.structured_output.manager import grammar_bitmask, speculative_bitmask
 from kvserve.spec_decode.rejection_sampler import DraftBatch, rejection_sample
@@ -325,7 +326,12 @@ class ModelRunner:
         if batch.spec_requests:
             spec_logits = logits[torch.tensor(batch.spec_rows, dtype=torch.long, device=logits.device)]
             out.spec = self._verify(spec_logits, batch.spec_requests)
-        if batch.sample_requests:
+        if batch.sample_requests and all(r.grammar is None and not r.sampling_params.use_beam_search
+                                         and plain_greedy(r.sampling_params, len(r.output_token_ids))
+                                         for r in batch.sample_requests):
+            # every row takes the bare argmax: the sampler's own fast path, without its rows and metadata
+            out.sampler_output = self.sampler.greedy(sample_logits)
+        if batch.sample_requests and out.sampler_output is None:
             rows = [
                 SamplingRow(
                     params=r.sampling_params,
