@@ -1814,7 +1814,9 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
                        const void* lm_head, const void* lm_head_p, int64_t V, void* logits, int bf, int kv_fmt,
                        int nthreads, int attn_threads, int64_t* prof, int team, gemv_rows_fn gemv_rows) {
     const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4;
-    if (team && nthreads > 1 && M <= gemv_max) {
+    /* (attention runs on thread 0 alone in the team path: where it would take several threads,
+     * many sequences or long contexts, the per-operation path below runs the step) */
+    if (team && nthreads > 1 && M <= gemv_max && attn_threads <= 1) {
         const int rc = decode_step_team(layers, n_layers, gemv, gemv_rows, M, hidden, residual, delta, x, qkv, attn, gu,
                                         act, E, H, KVH, hd, I, eps, pos, cos, sin, slots, bt, bt_stride, ctx, bs, scale,
                                         window, final_norm, lm_head, V, logits, bf, kv_fmt, nthreads, prof);

@@ -652,7 +652,9 @@ class DecodeStep:
             spin-then-yield barrier, instead of one region per operation, whose idle threads fall
             asleep between operations (``decode_step_team`` in ``csrc/cpu/cpu_ops.c``); the
             logits are bit-identical either way. True by default where it applies (more than one
-            thread; plain weights, or packed ones with ``gemv_rows``).
+            thread; plain weights, or packed ones with ``gemv_rows``); a call whose attention
+            would take more than one thread (many sequences, long contexts: its thread 0 runs
+            attention alone) takes the per-operation path.
         profile: None (the default), or an int64 tensor ``[len(PHASES)]`` to which each call
             adds the wall time in ns it spent in each phase (``PHASES``, summed over the
             layers; two clock reads per phase, ~1 us per step on SmolLM2); for
