@@ -460,12 +460,19 @@ TGT_F32 int kv_q_dequant(const uint8_t* qs, const float* d, const float* m, int 
 TGT_BF16 void kv_q_gemv_rows(const void* x, int64_t ldx, const void* w, const void* bias, void* y, int64_t ldy,
                              int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
     (void)N;
+    (void)bias;
     const kv_qweight_t* q = (const kv_qweight_t*)w;
-    const int64_t KB = K / 32, g0 = n0 / 4, gbytes = KB * (q->bits == 4 ? 64 : 128);
+    const int64_t es = q->bf16 ? 2 : 4;
+    if (q->dense) { /* a float [N, K] weight (and bias) in the activations' dtype: rows n0..n1 */
+        q->dense(x, ldx, q->qs + n0 * K * es, q->bias ? (const char*)q->bias + n0 * es : NULL, (char*)y + n0 * es, ldy,
+                 M, n1 - n0, K, 1);
+        return;
+    }
+    const int64_t KB = K / 32, g0 = n0 / 4, gbytes = KB * (q->bits == 4 ? 64 : 128), gsc = KB * (q->sub16 ? 8 : 4);
     kv_qweight_t part = *q;
     part.qs = q->qs + g0 * gbytes;
-    part.d = q->d + g0 * KB * 4;
-    part.m = q->m + g0 * KB * 4;
+    part.d = q->d + g0 * gsc;
+    part.m = q->m + g0 * gsc;
     part.bias = q->bias ? q->bias + n0 : NULL;
-    kv_q_gemv(x, ldx, &part, bias, (char*)y + n0 * (q->bf16 ? 2 : 4), ldy, M, n1 - n0, K, 1);
+    kv_q_gemv(x, ldx, &part, bias, (char*)y + n0 * es, ldy, M, n1 - n0, K, 1);
 }

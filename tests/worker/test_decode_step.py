@@ -136,24 +136,37 @@ def test_team_path_on_quantized_smollm2_is_bit_identical(smollm2_path, quantizat
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("bits,int8", [(4, False), (8, False), (4, True)])
+@pytest.mark.parametrize("qtype,int8", [("Q4_1", False), ("Q8_0", False), ("Q4_1", True), ("Q6_K", False),
+                                        ("Q6_K", True), ("Q2_K", False), ("dense", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q_gemv_rows_computes_exactly_its_rows_of_q_gemv(bits, int8, dtype):
+def test_q_gemv_rows_computes_exactly_its_rows_of_q_gemv(qtype, int8, dtype):
+    """Every packed layout (32-value blocks of 4 and 8 bits, the per-16 ``sub16`` form of the
+    K-quants) and a dense descriptor (an int4 model's float LM head)."""
+    from test_gguf_quant import random_weight
+
     k = Q.q_kernels()
     if k is None or k.gemv_rows is None:
         pytest.skip("needs the qgemv kernels")
     if dtype == torch.bfloat16 and not k.has_bf16:
         pytest.skip("needs AVX512_BF16")
     g = torch.Generator().manual_seed(0)
-    N, K, M = 70, 96, 2  # N not a multiple of 4: a partial last row group
-    qtype = "Q4_1" if bits == 4 else "Q8_0"
-    raw = torch.randint(0, 256, (N, K // 32, Q.BLOCK[qtype][1]), dtype=torch.uint8, generator=g)
-    raw[..., 0:2] = (torch.rand(N, K // 32, generator=g) * 0.02).half().view(torch.uint8).view(N, K // 32, 2)
-    if bits == 4:
-        raw[..., 2:4] = (torch.rand(N, K // 32, generator=g) * -0.1).half().view(torch.uint8).view(N, K // 32, 2)
-    p = Q.pack_gguf([Q.GGUFWeight(qtype, raw.reshape(N, -1), (N, K))])
-    bias = torch.randn(N, generator=g)
-    desc = Q.gemv_descriptor(p, bias, dtype, int8)
+    N = 70  # not a multiple of 4: a partial last row group
+    K = 512 if qtype.endswith("_K") else 96
+    M = 2
+    if qtype == "dense":
+        from kvserve.worker.layers import linear as L
+
+        weight = torch.randn(N, K, generator=g).to(dtype)
+        bias = torch.randn(N, generator=g).to(dtype)
+        gk = L.cpu_kernels()
+        if gk is None:
+            pytest.skip("needs the gemv kernels")
+        desc = Q.dense_descriptor(weight, bias, gk.bf16 if dtype == torch.bfloat16 else gk.f32)
+    else:
+        p = Q.pack_gguf([random_weight(qtype, N, K)])
+        assert (p.sub == 16) == qtype.endswith("_K")
+        bias = torch.randn(N, generator=g)
+        desc = Q.gemv_descriptor(p, bias, dtype, int8)
     x = torch.randn(M, K, generator=g).to(dtype)
     full = torch.empty(M, N, dtype=dtype)
     k.gemv(x.data_ptr(), K, desc.data_ptr(), None, full.data_ptr(), N, M, N, K, 1)
