@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvserve.worker.layers import quant as Q
 from kvserve.worker.layers.linear import Linear
+from decode_step_check import assert_c_decode_step_equals_modules
 
 needs_wo = pytest.mark.skipif(not Q.weight_only_available(), reason="needs the qgemv kernel and AVX512_BF16")
 GROUPS = [16, 32, 64, 128, 256]
@@ -161,7 +162,6 @@ def test_int4_decode_step_with_a_float_head_equals_the_modules(tiny_model_dir, m
     """int4 linears with the float LM head: the one-call C decode step runs (the head as a dense
     descriptor over the gemv kernel) and gives the module path's tokens and logprobs exactly."""
     from kvserve import LLM, SamplingParams
-    from kvserve.worker.models.llama import LlamaForCausalLM
 
     folder, _ = tiny_model_dir("llama")
     llm = LLM(model=str(folder), dtype=dtype, max_model_len=256, kv_cache_memory=0.05, device="cpu",
@@ -174,16 +174,4 @@ def test_int4_decode_step_with_a_float_head_equals_the_modules(tiny_model_dir, m
         return [(o.outputs[0].token_ids, [(t.logprob, t.top) for t in o.outputs[0].token_logprobs])
                 for o in llm.generate(prompts, params)]
 
-    calls = []
-    orig = LlamaForCausalLM._get_decode_step
-
-    def spy(self, kv_caches, n):
-        step = orig(self, kv_caches, n)
-        calls.append(step is not None)
-        return step
-
-    monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", spy)
-    fast = run()
-    assert calls and all(calls)
-    monkeypatch.setattr(LlamaForCausalLM, "_get_decode_step", lambda self, kv, n: None)
-    assert run() == fast
+    assert_c_decode_step_equals_modules(monkeypatch, run)
