@@ -323,6 +323,19 @@ class _Relay:
                 track = eng._tracks.get(self.rid)
                 if handle is not None and track is not None:  # its queue time was the prefill replica's
                     track.queue_time_seen = True
+        except EngineStoppedError:
+            # the replica died before it accepted the request (it was chosen while still up):
+            # nothing ran, so the request goes to another one, as after a death mid-run
+            self._uncount()
+            if (owner._healthy(name) or self.done or owner._stopped or self.attempts >= MAX_RETRIES
+                    or not owner.healthy(names)):
+                raise
+            self.attempts += 1
+            owner.num_retries += 1
+            logger.warning("request %s: replica %s died before it accepted it; sending it again (try %d)",
+                           self.rid, name, self.attempts + 1)
+            await self._send(phase, handle, exclude=(*exclude, name))
+            return
         except BaseException:
             self._uncount()
             raise
