@@ -1380,6 +1380,86 @@ TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k
     return rc;
 }
 
+/* Whether kv_paged_attention_decode runs the AMX kernel (bf16 pools on a CPU with AMX-BF16). */
+static inline int decode_uses_amx(int bf, int64_t hd, int64_t bs, int64_t G) {
+    return bf && kv_amx && hd % 32 == 0 && bs % 16 == 0 && G <= 16;
+}
+
+/* The keys the longest sequence of a decode batch reads: from its window's first block. */
+static inline int64_t decode_max_keys(int64_t D, const int64_t* ctx, int64_t window, int64_t bs) {
+    int64_t maxL = 0;
+    for (int64_t d = 0; d < D; d++) {
+        const int64_t Ld = ctx[d] - kv_window_first_block(ctx[d], window, bs) * bs;
+        maxL = Ld > maxL ? Ld : maxL;
+    }
+    return maxL;
+}
+
+/* A thread's work buffers for decode_item: `sc` floats (scores, the query, a key tile) and, for
+ * 8-bit pools, `kd` bytes (one KV head's dequantized K, then V). */
+typedef struct {
+    float* sc;
+    char* kd;
+} decode_scratch_t;
+
+static inline int decode_scratch_alloc(decode_scratch_t* s, int64_t G, int64_t hd, int64_t maxL, int bf, int fmt) {
+    const int64_t nv = (hd + 15) / 16, maxLp = (maxL + 15) & ~(int64_t)15, es = bf ? 2 : 4;
+    s->sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + G * nv * 16 + 16 * nv * 16 + 16));
+    s->kd = fmt ? (char*)malloc((size_t)(2 * maxLp * hd * es + 64)) : NULL;
+    return s->sc && (!fmt || s->kd);
+}
+
+static inline void decode_scratch_free(decode_scratch_t* s) {
+    free(s->sc);
+    free(s->kd);
+    s->sc = NULL;
+    s->kd = NULL;
+}
+
+/* The arguments of a non-AMX decode attention call (kv_paged_attention_decode), for its items. */
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int64_t *block_tables, *ctx;
+    void* out;
+    int64_t ldq, bt_stride, ldo, KVH, G, hd, bs, window, maxL;
+    float scale;
+    int bf, fmt;
+} decode_attn_t;
+
+/* Item i = (sequence i / KVH, KV head i % KVH): its G query heads over the sequence's context,
+ * on the calling thread with its buffers `s`. An item's output does not depend on which thread
+ * runs it or on the other items. */
+INLINE TGT void decode_item(const decode_attn_t* a, int64_t i, const decode_scratch_t* s) {
+    const int64_t KVH = a->KVH, G = a->G, hd = a->hd, bs = a->bs, nv = (hd + 15) / 16, es = a->bf ? 2 : 4;
+    const int64_t d = i / KVH, g = i % KVH, maxLp = (a->maxL + 15) & ~(int64_t)15;
+    float* sc = s->sc;
+    float* qf = sc + G * a->maxL;
+    float* kt = qf + G * nv * 16;
+    const int64_t zero_bt = 0;
+    /* the walk starts at the window's first block b0; keys [J, L) of it on are attended */
+    const int64_t b0 = kv_window_first_block(a->ctx[d], a->window, bs);
+    const int64_t* bt = a->block_tables + d * a->bt_stride + b0;
+    const int64_t L = a->ctx[d] - b0 * bs, J = a->window > 0 && a->ctx[d] > a->window ? a->ctx[d] - a->window - b0 * bs : 0;
+    if (a->fmt) {
+        const int64_t Lp = (L + 15) & ~(int64_t)15;
+        char* kd = s->kd;
+        char* vd = kd + maxLp * hd * es;
+        dequant_ctx((const uint8_t*)a->k_cache, bt, L, Lp, bs, KVH, hd, g, 1, kd, a->bf, a->fmt);
+        dequant_ctx((const uint8_t*)a->v_cache, bt, L, Lp, bs, KVH, hd, g, 1, vd, a->bf, a->fmt);
+        if (a->bf)
+            attn_one(at(a->q, d * a->ldq + g * G * hd, 1), kd, vd, &zero_bt, J, L, atw(a->out, d * a->ldo + g * G * hd, 1),
+                     G, 1, 0, hd, Lp, a->scale, sc, qf, kt, 1);
+        else
+            attn_one(at(a->q, d * a->ldq + g * G * hd, 0), kd, vd, &zero_bt, J, L, atw(a->out, d * a->ldo + g * G * hd, 0),
+                     G, 1, 0, hd, Lp, a->scale, sc, qf, kt, 0);
+    } else if (a->bf)
+        attn_one(at(a->q, d * a->ldq, 1), a->k_cache, a->v_cache, bt, J, L, atw(a->out, d * a->ldo, 1), G, KVH, g, hd,
+                 bs, a->scale, sc, qf, kt, 1);
+    else
+        attn_one(at(a->q, d * a->ldq, 0), a->k_cache, a->v_cache, bt, J, L, atw(a->out, d * a->ldo, 0), G, KVH, g, hd,
+                 bs, a->scale, sc, qf, kt, 0);
+}
+
 /* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete).
  * fmt: 0 for caches in the model dtype, 1 / 2 for 8-bit pools [.., KVH, hd + 4] (int8 / fp8
  * e4m3 codes and a scale per row): each work item then dequantizes its context to the model
@@ -1388,8 +1468,8 @@ TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cach
                                   const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
                                   int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs, float scale,
                                   int64_t window, int bf, int fmt, int nthreads) {
-    const int64_t G = H / KVH, nv = (hd + 15) / 16;
-    if (bf && kv_amx && hd % 32 == 0 && bs % 16 == 0 && G <= 16) {
+    const int64_t G = H / KVH;
+    if (decode_uses_amx(bf, hd, bs, G)) {
         /* the most KV heads per work item, fewer when that would leave threads idle */
         int64_t ns = 1;
         for (int64_t c = KVH; c > 1; c--)
@@ -1397,52 +1477,23 @@ TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cach
         return attention_amx((const uint16_t*)q, ldq, k_cache, v_cache, block_tables, bt_stride, ctx, (uint16_t*)out,
                              ldo, D, KVH, G, hd, bs, scale, window, ns, fmt, nthreads);
     }
-    int64_t maxL = 0; /* keys read by one sequence: from its window's first block */
-    for (int64_t d = 0; d < D; d++) {
-        const int64_t Ld = ctx[d] - kv_window_first_block(ctx[d], window, bs) * bs;
-        maxL = Ld > maxL ? Ld : maxL;
-    }
-    const int64_t maxLp = (maxL + 15) & ~(int64_t)15, es = bf ? 2 : 4;
-    const int64_t zero_bt = 0;
+    const decode_attn_t a = {.q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .ctx = ctx,
+                             .out = out, .ldq = ldq, .bt_stride = bt_stride, .ldo = ldo, .KVH = KVH, .G = G, .hd = hd,
+                             .bs = bs, .window = window, .maxL = decode_max_keys(D, ctx, window, bs), .scale = scale,
+                             .bf = bf, .fmt = fmt};
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + G * nv * 16 + 16 * nv * 16 + 16));
-        char* kd = fmt ? (char*)malloc((size_t)(2 * maxLp * hd * es + 64)) : NULL; /* K, then V, one KV head */
-        if (!sc || (fmt && !kd)) {
+        decode_scratch_t s;
+        const int ok = decode_scratch_alloc(&s, G, hd, a.maxL, bf, fmt);
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < D * KVH; i++) {
-            if (!sc || (fmt && !kd)) continue;
-            const int64_t d = i / KVH, g = i % KVH;
-            float* qf = sc + G * maxL;
-            float* kt = qf + G * nv * 16;
-            /* the walk starts at the window's first block b0; keys [J, L) of it on are attended */
-            const int64_t b0 = kv_window_first_block(ctx[d], window, bs);
-            const int64_t* bt = block_tables + d * bt_stride + b0;
-            const int64_t L = ctx[d] - b0 * bs, J = window > 0 && ctx[d] > window ? ctx[d] - window - b0 * bs : 0;
-            if (fmt) {
-                const int64_t Lp = (L + 15) & ~(int64_t)15;
-                char* vd = kd + maxLp * hd * es;
-                dequant_ctx((const uint8_t*)k_cache, bt, L, Lp, bs, KVH, hd, g, 1, kd, bf, fmt);
-                dequant_ctx((const uint8_t*)v_cache, bt, L, Lp, bs, KVH, hd, g, 1, vd, bf, fmt);
-                if (bf)
-                    attn_one(at(q, d * ldq + g * G * hd, 1), kd, vd, &zero_bt, J, L, atw(out, d * ldo + g * G * hd, 1),
-                             G, 1, 0, hd, Lp, scale, sc, qf, kt, 1);
-                else
-                    attn_one(at(q, d * ldq + g * G * hd, 0), kd, vd, &zero_bt, J, L, atw(out, d * ldo + g * G * hd, 0),
-                             G, 1, 0, hd, Lp, scale, sc, qf, kt, 0);
-            } else if (bf)
-                attn_one(at(q, d * ldq, 1), k_cache, v_cache, bt, J, L,
-                         atw(out, d * ldo, 1), G, KVH, g, hd, bs, scale, sc, qf, kt, 1);
-            else
-                attn_one(at(q, d * ldq, 0), k_cache, v_cache, bt, J, L,
-                         atw(out, d * ldo, 0), G, KVH, g, hd, bs, scale, sc, qf, kt, 0);
-        }
-        free(sc);
-        free(kd);
+        for (int64_t i = 0; i < D * KVH; i++)
+            if (ok) decode_item(&a, i, &s);
+        decode_scratch_free(&s);
     }
     return failed ? -1 : 0;
 }
@@ -1657,7 +1708,8 @@ typedef struct {
     const void *X, *W, *B;
     void* Y;
     int64_t LDX, LDY, N, K, chunk, nchunks;
-    int64_t next, done; /* chunks claimed, chunks finished (atomics) */
+    int64_t next, done;          /* chunks claimed, chunks finished (atomics) */
+    const decode_attn_t* attn;   /* not NULL: a layer's decode attention, chunk i its item i (decode_item) */
 } team_gemv_t;
 #define KV_TEAM_SPINS 4096 /* pause instructions between sched_yield calls while waiting (~0.1 ms on Zen 4) */
 
@@ -1670,13 +1722,17 @@ static inline void team_pause(int* spins) {
 }
 
 /* Take and compute chunks of g until none is left. A dense weight (row-major [N, K], es bytes a
- * value) is sliced here; a packed one by `rows`. */
-static inline void team_gemv_work(team_gemv_t* g, gemv_fn gemv, gemv_rows_fn rows, int64_t M, int64_t es) {
+ * value) is sliced here; a packed one by `rows`; an attention job's items run with the thread's
+ * buffers `s` (a thread without them takes none: thread 0 always has them). */
+TGT static inline void team_gemv_work(team_gemv_t* g, gemv_fn gemv, gemv_rows_fn rows, int64_t M, int64_t es,
+                                      const decode_scratch_t* s) {
+    if (g->attn && !s->sc) return;
     for (;;) {
         const int64_t c = __atomic_fetch_add(&g->next, 1, __ATOMIC_RELAXED);
         if (c >= g->nchunks) return;
         const int64_t n0 = c * g->chunk, n1 = n0 + g->chunk < g->N ? n0 + g->chunk : g->N;
-        if (rows) rows(g->X, g->LDX, g->W, g->B, g->Y, g->LDY, M, g->N, g->K, n0, n1);
+        if (g->attn) decode_item(g->attn, c, s);
+        else if (rows) rows(g->X, g->LDX, g->W, g->B, g->Y, g->LDY, M, g->N, g->K, n0, n1);
         else gemv(g->X, g->LDX, (const char*)g->W + n0 * g->K * es, g->B ? (const char*)g->B + n0 * es : NULL,
                   (char*)g->Y + n0 * es, g->LDY, M, n1 - n0, g->K, 1);
         __atomic_add_fetch(&g->done, 1, __ATOMIC_RELEASE);
@@ -1712,39 +1768,59 @@ TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv
                                 const int64_t* slots, const int64_t* bt, int64_t bt_stride, const int64_t* ctx,
                                 int64_t bs, float scale, int64_t window, const void* final_norm, const void* lm_head,
                                 int64_t V, void* logits, int bf, int kv_fmt, int nthreads, int64_t* prof) {
-    const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4, n_gemv = 4 * n_layers + 1;
-    team_gemv_t* g = (team_gemv_t*)malloc(sizeof(team_gemv_t) * (size_t)n_gemv);
-    if (!g) return 1;
+    /* jobs 5 l .. 5 l + 4: layer l's QKV GEMV, attention, O, gate-up and down GEMVs; 5 n_layers:
+     * the LM head. Attention is a job of (sequence, KV head) items where it runs the vector
+     * kernel; the AMX kernel runs on thread 0 alone (its job is then never published). */
+    const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4, n_gemv = 5 * n_layers + 1, G = H / KVH;
+    const int team_attn = !decode_uses_amx(bf, hd, bs, G);
+    const int64_t maxL = decode_max_keys(M, ctx, window, bs);
+    team_gemv_t* g = (team_gemv_t*)calloc((size_t)n_gemv, sizeof(team_gemv_t));
+    decode_attn_t* A = (decode_attn_t*)malloc(sizeof(decode_attn_t) * (size_t)(n_layers > 0 ? n_layers : 1));
+    decode_scratch_t s0 = {NULL, NULL}; /* thread 0's attention buffers */
+    if (!g || !A || (team_attn && !decode_scratch_alloc(&s0, G, hd, maxL, bf, kv_fmt))) {
+        free(g);
+        free(A);
+        decode_scratch_free(&s0);
+        return 1;
+    }
     for (int64_t l = 0; l < n_layers; l++) {
         const kv_layer_t* L = layers + l;
-        team_gemv_set(g + 4 * l, x, E, L->qkv_w, L->qkv_b, qkv, NQKV, NQKV, E, nthreads);
-        team_gemv_set(g + 4 * l + 1, attn, H * hd, L->o_w, NULL, delta, E, E, H * hd, nthreads);
-        team_gemv_set(g + 4 * l + 2, x, E, L->gu_w, NULL, gu, 2 * I, 2 * I, E, nthreads);
-        team_gemv_set(g + 4 * l + 3, act, I, L->down_w, NULL, delta, E, E, I, nthreads);
+        team_gemv_set(g + 5 * l, x, E, L->qkv_w, L->qkv_b, qkv, NQKV, NQKV, E, nthreads);
+        A[l] = (decode_attn_t){.q = qkv, .k_cache = L->k_cache, .v_cache = L->v_cache, .block_tables = bt, .ctx = ctx,
+                               .out = attn, .ldq = NQKV, .bt_stride = bt_stride, .ldo = H * hd, .KVH = KVH, .G = G,
+                               .hd = hd, .bs = bs, .window = window, .maxL = maxL, .scale = scale, .bf = bf,
+                               .fmt = kv_fmt};
+        g[5 * l + 1] = (team_gemv_t){.N = M * KVH, .chunk = 1, .nchunks = M * KVH, .attn = A + l};
+        team_gemv_set(g + 5 * l + 2, attn, H * hd, L->o_w, NULL, delta, E, E, H * hd, nthreads);
+        team_gemv_set(g + 5 * l + 3, x, E, L->gu_w, NULL, gu, 2 * I, 2 * I, E, nthreads);
+        team_gemv_set(g + 5 * l + 4, act, I, L->down_w, NULL, delta, E, E, I, nthreads);
     }
-    team_gemv_set(g + 4 * n_layers, x, E, lm_head, NULL, logits, V, V, E, nthreads);
-    int64_t published = -1; /* the GEMV the threads may work on; n_gemv: the step is over */
+    team_gemv_set(g + 5 * n_layers, x, E, lm_head, NULL, logits, V, V, E, nthreads);
+    int64_t published = -1; /* the job the threads may work on; n_gemv: the step is over */
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     if (omp_get_thread_num() != 0) {
+        decode_scratch_t s = {NULL, NULL};
+        if (team_attn && !decode_scratch_alloc(&s, G, hd, maxL, bf, kv_fmt)) decode_scratch_free(&s); /* (takes no attention item) */
         int64_t seen = -1;
         for (int spins = 0;;) {
             const int64_t p = __atomic_load_n(&published, __ATOMIC_ACQUIRE);
             if (p >= n_gemv) break;
             if (p > seen) {
-                team_gemv_work(g + p, gemv, gemv_rows, M, es);
+                team_gemv_work(g + p, gemv, gemv_rows, M, es, &s);
                 seen = p;
                 spins = 0;
             } else team_pause(&spins);
         }
+        decode_scratch_free(&s);
     } else {
-        int64_t t_prev = prof ? now_ns() : 0, cur = 0;
-        /* publish the next GEMV, work on it, wait for its last chunk */
-#define RUN_GEMV(ph)                                                                 \
+        int64_t t_prev = prof ? now_ns() : 0;
+        /* publish job j, work on it, wait for its last chunk */
+#define RUN_GEMV(j, ph)                                                              \
     do {                                                                             \
-        team_gemv_t* g_ = g + cur;                                                   \
-        __atomic_store_n(&published, cur++, __ATOMIC_RELEASE);                       \
-        team_gemv_work(g_, gemv, gemv_rows, M, es);                                  \
+        team_gemv_t* g_ = g + (j);                                                   \
+        __atomic_store_n(&published, (j), __ATOMIC_RELEASE);                         \
+        team_gemv_work(g_, gemv, gemv_rows, M, es, &s0);                             \
         for (int spins = 0; __atomic_load_n(&g_->done, __ATOMIC_ACQUIRE) < g_->nchunks;) \
             team_pause(&spins);                                                      \
         PROF(ph);                                                                    \
@@ -1756,7 +1832,7 @@ TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv
                 BFSPEC(rms_norm_row(l ? at(delta, m * E, BF) : at(residual, m * E, BF),
                                     l ? atw(residual, m * E, BF) : NULL, L->ln1, atw(x, m * E, BF), E, eps, BF));
             PROF(KV_PH_NORM);
-            RUN_GEMV(KV_PH_QKV);
+            RUN_GEMV(5 * l, KV_PH_QKV);
             for (int64_t m = 0; m < M; m++) {
                 void* row = atw(qkv, m * NQKV, bf);
                 if (L->q_norm)
@@ -1774,33 +1850,38 @@ TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv
                 kv_reshape_and_cache(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache,
                                      L->v_cache, slots, M, KVH * hd, es);
             PROF(KV_PH_KV_WRITE);
-            if (kv_paged_attention_decode(qkv, NQKV, L->k_cache, L->v_cache, bt, bt_stride, ctx, attn, H * hd, M, H,
-                                          KVH, hd, bs, scale, window, bf, kv_fmt, 1)) {
-                failed = 1;
-                break;
+            if (team_attn) RUN_GEMV(5 * l + 1, KV_PH_ATTENTION);
+            else {
+                if (kv_paged_attention_decode(qkv, NQKV, L->k_cache, L->v_cache, bt, bt_stride, ctx, attn, H * hd, M, H,
+                                              KVH, hd, bs, scale, window, bf, kv_fmt, 1)) {
+                    failed = 1;
+                    break;
+                }
+                PROF(KV_PH_ATTENTION);
             }
-            PROF(KV_PH_ATTENTION);
-            RUN_GEMV(KV_PH_O);
+            RUN_GEMV(5 * l + 2, KV_PH_O);
             for (int64_t m = 0; m < M; m++)
                 BFSPEC(rms_norm_row(at(delta, m * E, BF), atw(residual, m * E, BF), L->ln2, atw(x, m * E, BF), E, eps,
                                     BF));
             PROF(KV_PH_NORM);
-            RUN_GEMV(KV_PH_GATE_UP);
+            RUN_GEMV(5 * l + 3, KV_PH_GATE_UP);
             for (int64_t m = 0; m < M; m++) BFSPEC(silu_mul_row(at(gu, m * 2 * I, BF), atw(act, m * I, BF), I, BF));
             PROF(KV_PH_SILU);
-            RUN_GEMV(KV_PH_DOWN);
+            RUN_GEMV(5 * l + 4, KV_PH_DOWN);
         }
         if (!failed) {
             for (int64_t m = 0; m < M; m++)
                 BFSPEC(rms_norm_row(at(delta, m * E, BF), atw(residual, m * E, BF), final_norm, atw(x, m * E, BF), E,
                                     eps, BF));
             PROF(KV_PH_NORM);
-            RUN_GEMV(KV_PH_LM_HEAD);
+            RUN_GEMV(5 * n_layers, KV_PH_LM_HEAD);
         }
         __atomic_store_n(&published, n_gemv, __ATOMIC_RELEASE); /* (also after a failure: the threads leave) */
 #undef RUN_GEMV
     }
     free(g);
+    free(A);
+    decode_scratch_free(&s0);
     return failed ? -1 : 0;
 }
 #undef BFSPEC
@@ -1814,9 +1895,10 @@ TGT int kv_decode_step(const kv_layer_t* layers, int64_t n_layers, gemv_fn gemv,
                        const void* lm_head, const void* lm_head_p, int64_t V, void* logits, int bf, int kv_fmt,
                        int nthreads, int attn_threads, int64_t* prof, int team, gemv_rows_fn gemv_rows) {
     const int64_t NQKV = (H + 2 * KVH) * hd, es = bf ? 2 : 4;
-    /* (attention runs on thread 0 alone in the team path: where it would take several threads,
-     * many sequences or long contexts, the per-operation path below runs the step) */
-    if (team && nthreads > 1 && M <= gemv_max && attn_threads <= 1) {
+    /* (the team path runs the vector attention kernel's items on all its threads, the AMX one on
+     * thread 0 alone: where that would take several threads, many sequences or long contexts,
+     * the per-operation path below runs the step) */
+    if (team && nthreads > 1 && M <= gemv_max && (attn_threads <= 1 || !decode_uses_amx(bf, hd, bs, H / KVH))) {
         const int rc = decode_step_team(layers, n_layers, gemv, gemv_rows, M, hidden, residual, delta, x, qkv, attn, gu,
                                         act, E, H, KVH, hd, I, eps, pos, cos, sin, slots, bt, bt_stride, ctx, bs, scale,
                                         window, final_norm, lm_head, V, logits, bf, kv_fmt, nthreads, prof);

@@ -66,8 +66,9 @@ def test_profile_rejects_a_buffer_of_the_wrong_kind(tiny_model_dir):
     assert step.profile is None
 
 
-def _replay(llm, prompt_len: int = 40):
-    """The decode step and the arguments of one of its calls, captured from a short generation."""
+def _replay(llm, prompt_len: int = 40, prompts=None):
+    """The decode step and the arguments of its last call, captured from a short generation
+    (of ``prompts``, default one prompt of ``prompt_len`` tokens)."""
     cap = {}
     orig = cpu_ops.DecodeStep.__call__
 
@@ -77,7 +78,8 @@ def _replay(llm, prompt_len: int = 40):
 
     cpu_ops.DecodeStep.__call__ = spy
     try:
-        llm.generate([list(range(3, 3 + prompt_len))], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        llm.generate(prompts or [list(range(3, 3 + prompt_len))],
+                     SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     finally:
         cpu_ops.DecodeStep.__call__ = orig
     return cap["call"]
@@ -114,6 +116,26 @@ def test_team_path_is_bit_identical_to_the_per_operation_path(tiny_model_dir, ar
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="DecodeStep.team"):  # (packed weights need gemv_rows)
         _packed_without_rows().team = True
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral_window"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_team_attention_over_several_sequences_is_bit_identical(tiny_model_dir, arch, kv_cache_dtype, dtype):
+    """Where attention runs the vector kernel, the team's threads share its (sequence, KV head)
+    items: three sequences of 7, 45 and 90 tokens (a 16-token window on ``mistral_window``, 8-bit
+    rows with ``int8``) give the per-operation path's logits bit for bit."""
+    if not cpu_ops.available():
+        pytest.skip("needs the CPU kernels")
+    folder, _ = tiny_model_dir(arch)
+    llm = LLM(model=str(folder), dtype=dtype, num_blocks=96, block_size=4, device="cpu", enable_prefix_caching=False,
+              kv_cache_dtype=kv_cache_dtype)
+    prompts = [list(range(3, 3 + n)) for n in (7, 45, 90)]
+    step, args = _replay(llm, prompts=prompts)
+    assert args[0].shape[0] == 3  # three decode tokens in the call
+    a, b = _team_vs_pieces(step, args)
+    assert torch.isfinite(a.float()).all()
+    assert torch.equal(a, b)
 
 
 def _packed_without_rows():
