@@ -1601,10 +1601,9 @@ TGT int kv_paged_attention_decode_lowbit(const void* q, int64_t ldq, const void*
                                          const void* k_res, const void* v_res, const int64_t* res_map,
                                          const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
                                          int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
-                                         float scale, int bits, int bf, int nthreads) {
+                                         float scale, int64_t window, int bits, int bf, int nthreads) {
     const int64_t G = H / KVH, nv = (hd + 15) / 16;
-    int64_t maxL = 0;
-    for (int64_t d = 0; d < D; d++) maxL = ctx[d] > maxL ? ctx[d] : maxL;
+    const int64_t maxL = decode_max_keys(D, ctx, window, bs);
     const int64_t maxLp = (maxL + 15) & ~(int64_t)15, es = bf ? 2 : 4;
     const int64_t zero_bt = 0;
     int failed = 0;
@@ -1619,18 +1618,21 @@ TGT int kv_paged_attention_decode_lowbit(const void* q, int64_t ldq, const void*
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < D * KVH; i++) {
             if (!sc || !kd) continue;
-            const int64_t d = i / KVH, g = i % KVH, L = ctx[d], Lp = (L + 15) & ~(int64_t)15;
-            const int64_t* bt = block_tables + d * bt_stride;
+            /* from the window's first block b0 on (window 0: all); keys [J, L) of it are attended */
+            const int64_t d = i / KVH, g = i % KVH, b0 = kv_window_first_block(ctx[d], window, bs);
+            const int64_t L = ctx[d] - b0 * bs, Lp = (L + 15) & ~(int64_t)15;
+            const int64_t J = window > 0 && ctx[d] > window ? ctx[d] - window - b0 * bs : 0;
+            const int64_t* bt = block_tables + d * bt_stride + b0;
             float* qf = sc + G * maxL;
             float* kt = qf + G * nv * 16;
             char* vd = kd + maxLp * hd * es;
             dequant_ctx_lowbit((const uint8_t*)k_data, k_res, res_map, bt, L, Lp, bs, KVH, hd, g, bits, 1, kd, bf);
             dequant_ctx_lowbit((const uint8_t*)v_data, v_res, res_map, bt, L, Lp, bs, KVH, hd, g, bits, 0, vd, bf);
             if (bf)
-                attn_one(at(q, d * ldq + g * G * hd, 1), kd, vd, &zero_bt, 0, L, atw(out, d * ldo + g * G * hd, 1),
+                attn_one(at(q, d * ldq + g * G * hd, 1), kd, vd, &zero_bt, J, L, atw(out, d * ldo + g * G * hd, 1),
                          G, 1, 0, hd, Lp, scale, sc, qf, kt, 1);
             else
-                attn_one(at(q, d * ldq + g * G * hd, 0), kd, vd, &zero_bt, 0, L, atw(out, d * ldo + g * G * hd, 0),
+                attn_one(at(q, d * ldq + g * G * hd, 0), kd, vd, &zero_bt, J, L, atw(out, d * ldo + g * G * hd, 0),
                          G, 1, 0, hd, Lp, scale, sc, qf, kt, 0);
         }
         free(sc);

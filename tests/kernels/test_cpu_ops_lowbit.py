@@ -2,7 +2,7 @@
 against the PyTorch reference path (kvserve.worker.kv_quant_lowbit.gather + SDPA, what
 TorchSDPABackend.decode runs) on the same pools: several sequences of different lengths, each
 with a partial last block in its residual slot (or a full one), GQA, bfloat16 and float32, int4
-and int2, head_dim 64 / 128 / 48 (a short value group)."""
+and int2, head_dim 64 / 128 / 48 (a short value group); sliding windows."""
 
 from __future__ import annotations
 
@@ -89,10 +89,35 @@ def test_decode_kernel_reads_the_residual_for_partial_blocks_only():
     assert torch.equal(cpu_ops.paged_attention_decode_pools(q, k_pool, v_pool, rmap, bt, ctx, 0.125), after)
 
 
-def test_decode_kernel_refuses_a_window():
-    k_pool, v_pool, rmap, bt, ctx = _pools(8, 16, 1, 64, 4, torch.float32, [5])
-    with pytest.raises(ValueError, match="no sliding window"):
-        cpu_ops.paged_attention_decode_pools(torch.randn(1, 1, 64), k_pool, v_pool, rmap, bt, ctx, 0.1, window=4)
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_over_a_sliding_window_matches_the_reference_path(window, dtype):
+    """Only the last ``window`` keys of each sequence attended; the blocks before the window's first
+    one are never read (their table entries point at a block of NaN scales)."""
+    bs, lens = 16, [1, 5, 16, 20, 47, 150]
+    k_pool, v_pool, rmap, bt, ctx = _pools(64, bs, 3, 64, 4, dtype, lens)
+    q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    scale = 0.125
+    D, L = len(lens), int(ctx.max())
+    grid = torch.arange(L)
+    slots = bt.gather(1, (grid // bs).expand(D, -1)) * bs + grid % bs
+    valid = (grid.unsqueeze(0) < ctx.unsqueeze(1)) & (grid.unsqueeze(0) >= ctx.unsqueeze(1) - window)
+    slots = torch.where(valid, slots, 0)
+    kc = lb.gather(k_pool, slots, rmap, dtype).transpose(1, 2)
+    vc = lb.gather(v_pool, slots, rmap, dtype).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=valid.view(D, 1, 1, L), scale=scale,
+                                         enable_gqa=True).squeeze(2).float()
+    before = (ctx - window).clamp(min=0) // bs  # blocks wholly before each window
+    for d in range(D):
+        bt[d, : int(before[d])] = 0  # block 0: never written; make it poison
+    k_pool.data[0].view(torch.uint8).fill_(0xFF)  # (NaN scales and zeros)
+    v_pool.data[0].view(torch.uint8).fill_(0xFF)
+    got = cpu_ops.paged_attention_decode_pools(q, k_pool, v_pool, rmap, bt, ctx, scale, window=window).float()
+    assert torch.isfinite(got).all()
+    err = (got - ref).abs().max().item()
+    assert err <= (2e-6 if dtype == torch.float32 else 2**-7) * ref.abs().max().item(), err
+    with pytest.raises(ValueError, match="window must be ≥ 1"):
+        cpu_ops.paged_attention_decode_pools(q, k_pool, v_pool, rmap, bt, ctx, scale, window=0)
 
 
 def test_the_registered_op_runs_the_kernel():

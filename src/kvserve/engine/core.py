@@ -219,9 +219,6 @@ class EngineCore:
                 raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {torch.cuda.device_count()} CUDA devices")
         kv_quant.check_head_dim(cfg.head_dim, args.kv_cache_dtype)
         self.kv_cache_dtype = kv_quant.storage_dtype(args.kv_cache_dtype, self.dtype)
-        if kv_quant.is_lowbit(self.kv_cache_dtype) and cfg.sliding_window is not None:
-            raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r} does not support models with sliding-window "
-                             f"layers (this one: {cfg.sliding_window} tokens); use 'int8' or 'auto'")
         if args.max_model_len is not None and not 2 <= args.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the model's context length), "

@@ -77,7 +77,7 @@ class _Lib:
                                           ci, ci],
             "kv_paged_attention_prefill": [vp, i64, vp, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, cf, ci, ci],
             "kv_paged_attention_decode_lowbit": [vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64,
-                                                 i64, i64, cf, ci, ci, ci],
+                                                 i64, i64, cf, i64, ci, ci, ci],
         }
         for name, args in spec.items():
             if name == "kv_paged_attention_decode_lowbit" and not hasattr(lib, name):
@@ -789,13 +789,14 @@ def lowbit_available() -> bool:
 def paged_attention_decode_lowbit(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor, k_residual: torch.Tensor,
                                   v_residual: torch.Tensor, residual_map: torch.Tensor, block_tables: torch.Tensor,
                                   context_lens: torch.Tensor, scale: float, bits: int,
-                                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                  out: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over 2-/4-bit pools (KIVI,
     :mod:`kvserve.worker.kv_quant_lowbit`): for each sequence and KV head the C kernel dequantizes
     the full blocks (``code · scale + zero`` in float32, rounded to ``q.dtype``; K per channel, V per
     token and group of 32 channels) and copies the partial ones from their residual slot into a
     per-thread buffer, then runs the same attention as :func:`paged_attention_decode` over it
-    (GQA, exact float32 softmax). :func:`paged_attention_decode_pools` takes the
+    (GQA, exact float32 softmax; with ``window``, over the last ``window`` keys only, the blocks
+    before the window's first one never read). :func:`paged_attention_decode_pools` takes the
     :class:`~kvserve.worker.kv_quant_lowbit.LowBitPool` s.
 
     Args:
@@ -809,12 +810,14 @@ def paged_attention_decode_lowbit(q: torch.Tensor, k_data: torch.Tensor, v_data:
         scale: softmax scale.
         bits: 4 or 2.
         out: optional ``[D, num_heads, head_dim]`` destination (heads contiguous in a row).
+        window: a sliding window (tokens, ≥ 1), or None for all keys.
 
     Returns:
         ``out`` (or a new tensor) ``[D, num_heads, head_dim]`` in ``q.dtype``.
 
     Raises:
-        ValueError: a dtype other than float32/bfloat16, a residual in another dtype, ``bits`` not 2 or 4.
+        ValueError: a dtype other than float32/bfloat16, a residual in another dtype, ``bits`` not 2 or 4,
+            a ``window`` below 1.
         MemoryError: a work buffer could not be allocated.
     """
     if q.dtype not in (torch.float32, torch.bfloat16) or k_residual.dtype != q.dtype or v_residual.dtype != q.dtype:
@@ -822,6 +825,8 @@ def paged_attention_decode_lowbit(q: torch.Tensor, k_data: torch.Tensor, v_data:
                          f"{q.dtype}, {k_residual.dtype}, {v_residual.dtype}")
     if bits not in (2, 4):
         raise ValueError(f"paged_attention_decode_lowbit: bits must be 2 or 4, got {bits}")
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention_decode_lowbit: window must be ≥ 1 or None, got {window}")
     D, H, hd = q.shape
     if out is None:
         out = torch.empty_like(q)
@@ -830,11 +835,13 @@ def paged_attention_decode_lowbit(q: torch.Tensor, k_data: torch.Tensor, v_data:
     rmap = residual_map.contiguous()
     KVH, bs = k_data.shape[1], k_residual.shape[1]
     maxL = int(ctx.max()) if D else 0
+    if window is not None:
+        maxL = min(maxL, window + bs - 1)  # (keys read from the window's first block on)
     nthreads = torch.get_num_threads() if D * KVH * maxL * hd >= _PARALLEL_MIN_ELEMENTS else 1
     rc = _k().paged_attention_decode_lowbit(
         q.data_ptr(), q.stride(0), k_data.data_ptr(), v_data.data_ptr(), k_residual.data_ptr(), v_residual.data_ptr(),
         rmap.data_ptr(), bt.data_ptr(), bt.stride(0), ctx.data_ptr(), out.data_ptr(), out.stride(0), D, H, KVH, hd, bs,
-        float(scale), bits, int(q.dtype == torch.bfloat16), nthreads)
+        float(scale), window or 0, bits, int(q.dtype == torch.bfloat16), nthreads)
     if rc:
         raise MemoryError("paged_attention_decode_lowbit: a work buffer could not be allocated")
     return out
@@ -847,13 +854,10 @@ def paged_attention_decode_pools(q: torch.Tensor, k_cache, v_cache, residual_map
     :class:`~kvserve.worker.kv_quant_lowbit.LowBitPool` s.
 
     Raises:
-        ValueError: a ``window`` (sliding windows are refused with 2-/4-bit pools), or as
-            :func:`paged_attention_decode_lowbit`.
+        ValueError: as :func:`paged_attention_decode_lowbit`.
     """
-    if window is not None:
-        raise ValueError("paged_attention_decode_lowbit: no sliding window (kv_cache_dtype int4/int2)")
     return paged_attention_decode_lowbit(q, k_cache.data, v_cache.data, k_cache.residual, v_cache.residual,
-                                         residual_map, block_tables, context_lens, scale, k_cache.bits, out)
+                                         residual_map, block_tables, context_lens, scale, k_cache.bits, out, window)
 
 
 # --------------------------------------------------------------------------------------
@@ -1015,13 +1019,15 @@ def _(q, k_cache, v_cache, block_tables, chunks, scale, out):
 @torch.library.custom_op("kvserve::paged_attention_decode_lowbit", mutates_args=("out",), device_types="cpu")
 def _paged_attention_decode_lowbit_op(q: _Tensor, k_data: _Tensor, v_data: _Tensor, k_residual: _Tensor,
                                       v_residual: _Tensor, residual_map: _Tensor, block_tables: _Tensor,
-                                      context_lens: _Tensor, scale: float, bits: int, out: _Tensor) -> None:
+                                      context_lens: _Tensor, scale: float, bits: int, out: _Tensor,
+                                      window: Optional[int] = None) -> None:
     _py.paged_attention_decode_lowbit(q, k_data, v_data, k_residual, v_residual, residual_map, block_tables,
-                                      context_lens, scale, bits, out)
+                                      context_lens, scale, bits, out, window)
 
 
 @_paged_attention_decode_lowbit_op.register_fake
-def _(q, k_data, v_data, k_residual, v_residual, residual_map, block_tables, context_lens, scale, bits, out):
+def _(q, k_data, v_data, k_residual, v_residual, residual_map, block_tables, context_lens, scale, bits, out,
+      window=None):
     return None
 
 

@@ -282,10 +282,8 @@ class TorchSDPABackend(AttentionBackend):
         starts at (positions from ``num_past - window + 1``: earlier blocks may be freed).
         """
         if isinstance(k_cache, LowBitPool):
-            if window is not None:
-                raise ValueError("kv_cache_dtype int4/int2 does not support sliding-window layers")
             for seg in meta.prefills:
-                out[seg.start : seg.end] = prefill_lowbit(q, k, v, k_cache, v_cache, meta, seg, scale)
+                out[seg.start : seg.end] = prefill_lowbit(q, k, v, k_cache, v_cache, meta, seg, scale, window)
             return
         quantized = kv_quant.is_quantized(k_cache)
         for i, seg in enumerate(meta.prefills):
@@ -330,7 +328,8 @@ def read_cache(cache, slots: torch.Tensor, dtype: torch.dtype, meta: AttentionMe
 
 
 def prefill_lowbit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: LowBitPool, v_cache: LowBitPool,
-                   meta: AttentionMetadata, seg: PrefillSegment, scale: float) -> torch.Tensor:
+                   meta: AttentionMetadata, seg: PrefillSegment, scale: float,
+                   window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of one prefill chunk over 2-/4-bit pools (K/V already written), with the
     keys each query would see had it been decoded alone, so that a token's K/V never depend on
     how its prompt was chunked: the query at position ``p`` sees the blocks before its own
@@ -341,7 +340,9 @@ def prefill_lowbit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: L
     Keys: the context ``[0, num_past + n)`` as :func:`read_cache` reads it (full blocks dequantized,
     the trailing partial block from its residual slot), then the model-dtype rows of the blocks the
     chunk touches (the first block's earlier rows from its residual slot, the chunk's own ``k``/``v``);
-    a boolean mask picks, per query, which copy of each key it sees.
+    a boolean mask picks, per query, which copy of each key it sees. With ``window``, the query at
+    ``p`` sees keys ``(p - window, p]`` only, and the context is read from the first block the
+    chunk's first query sees (earlier blocks may be freed).
 
     Returns:
         ``[n, num_heads, head_dim]`` (``n = seg.end - seg.start``).
@@ -350,17 +351,19 @@ def prefill_lowbit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: L
     n, past = seg.end - seg.start, seg.num_past
     L = past + n
     dev = q.device
-    slots = seg.context_slots if past else meta.slot_mapping[seg.start : seg.end]
-    kq = read_cache(k_cache, slots, q.dtype, meta)  # [L, KVH, hd]
+    lo = max(0, past - window + 1) // bs * bs if window is not None else 0  # first context position read
+    slots = seg.context_slots[lo:] if past else meta.slot_mapping[seg.start : seg.end]
+    kq = read_cache(k_cache, slots, q.dtype, meta)  # [L - lo, KVH, hd]
     vq = read_cache(v_cache, slots, q.dtype, meta)
     b0 = past // bs * bs  # first position of the chunk's first block
     if past > b0:  # its earlier rows: the residual slot (the raw map: the block may fill now)
-        kf = torch.cat([kv_quant_lowbit.gather(k_cache, slots[b0:past], meta.residual_map, q.dtype), k[seg.start : seg.end]])
-        vf = torch.cat([kv_quant_lowbit.gather(v_cache, slots[b0:past], meta.residual_map, q.dtype), v[seg.start : seg.end]])
+        own = slots[b0 - lo : past - lo]
+        kf = torch.cat([kv_quant_lowbit.gather(k_cache, own, meta.residual_map, q.dtype), k[seg.start : seg.end]])
+        vf = torch.cat([kv_quant_lowbit.gather(v_cache, own, meta.residual_map, q.dtype), v[seg.start : seg.end]])
     else:
         kf, vf = k[seg.start : seg.end], v[seg.start : seg.end]
     p = torch.arange(past, L, device=dev).unsqueeze(1)  # [n, 1] query positions
-    j = torch.arange(L, device=dev).unsqueeze(0)  # [1, L]
+    j = torch.arange(lo, L, device=dev).unsqueeze(0)  # [1, L - lo]
     jf = torch.arange(b0, L, device=dev).unsqueeze(0)  # [1, L - b0]
     # the query's own block is sealed by the step computing it (its last slot) or, for the chunk's
     # trailing block, only if the chunk ends at a block boundary: read_cache gives that block's
@@ -369,7 +372,10 @@ def prefill_lowbit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: L
     fp_own = (p % bs != bs - 1) & own_full  # sees its own block in the model dtype, not as read_cache gives it
     mask_q = (j <= p) & ~((j // bs == p // bs) & fp_own)
     mask_f = (jf <= p) & (jf // bs == p // bs) & fp_own
-    mask = torch.cat([mask_q, mask_f], 1).unsqueeze(0).unsqueeze(0)  # [1, 1, n, L + L - b0]
+    if window is not None:
+        mask_q &= j > p - window
+        mask_f &= jf > p - window
+    mask = torch.cat([mask_q, mask_f], 1).unsqueeze(0).unsqueeze(0)  # [1, 1, n, (L - lo) + (L - b0)]
     ks = torch.cat([kq, kf]).transpose(0, 1).unsqueeze(0)
     vs = torch.cat([vq, vf]).transpose(0, 1).unsqueeze(0)
     qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
