@@ -324,6 +324,7 @@ class ResidualSlots:
         self._slot: dict[int, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
         self._pending: set[int] = set()
+        self._detached: list[int] = []  # slots taken from blocks that now hold loaded data (freed at end_step)
         self.num_short = 0  # allocations, forks and clones refused for want of a slot (a counter)
 
     @property
@@ -358,12 +359,26 @@ class ResidualSlots:
         if block in self._slot:
             self._pending.add(block)
 
+    def detach(self, blocks) -> None:
+        """Blocks whose full, quantized contents were just written by a move (a disk-tier or KV
+        connector load, a swap-in) rather than by a forward: unmap any slot they still hold (a slot
+        a freed block marked for release, which readers would otherwise take for the block's rows);
+        the slot itself comes back at :meth:`end_step`, like the marked ones."""
+        for b in blocks:
+            s = self._slot.pop(b, None)
+            if s is not None:
+                self._pending.discard(b)
+                self.map[b] = -1
+                self._detached.append(s)
+
     def end_step(self) -> None:
         """Release the marked slots (call after each forward)."""
         for b in self._pending:
             self._free.append(self._slot.pop(b))
             self.map[b] = -1
         self._pending.clear()
+        self._free.extend(self._detached)
+        self._detached.clear()
 
 
 @dataclass(slots=True)
@@ -892,6 +907,8 @@ class KVCacheManager:
         index, the request recomputes those tokens)."""
         assert self.offload is not None
         self.ops.load(self.offload.handle(keys), list(range(len(keys))), new)
+        if self.residual is not None:  # (full quantized blocks: read from the pools' data, not a stale slot)
+            self.residual.detach(new)
         err = self._apply_load()
         if err is not None:
             self.offload.failed(keys)
@@ -1244,7 +1261,7 @@ class KVCacheManager:
         r = self.residual
         if r is not None:
             held = sorted(r._slot.values())
-            if len(set(held)) != len(held) or len(held) + r.num_free != r.num_slots:
+            if len(set(held)) != len(held) or len(held) + r.num_free + len(r._detached) != r.num_slots:
                 raise RuntimeError("residual slots: held + free != num_slots, or a slot held twice")
             if any(pool.ref_counts[b] == 0 and b not in r._pending for b in r._slot):
                 raise RuntimeError("residual slots: a free block holds a slot not marked for release")

@@ -279,10 +279,13 @@ class EngineArgs:
     def _check_lowbit(self, name) -> None:
         """The combinations a 2-/4-bit KV cache does not support (yet).
 
+        The prefix cache's disk tier (``kv_offload_dir``) is supported: it holds full blocks
+        only, written and read as the pools' packed codes and scales.
+
         Raises:
             ValueError: naming ``kv_cache_dtype`` and the option it cannot run with: speculative
-                decoding, tensor parallelism, swap preemption, the disk tier, a KV connector, KV
-                compression (their block moves and the draft's pool know only whole-row formats).
+                decoding, tensor parallelism, swap preemption, a KV connector, KV compression
+                (their block moves and the draft's pool know only whole-row formats).
         """
         kd = f"{name('kv_cache_dtype')}={self.kv_cache_dtype!r}"
         refused = [
@@ -290,14 +293,13 @@ class EngineArgs:
             (self.tensor_parallel_size > 1, name("tensor_parallel_size") + " > 1"),
             (check_swap_options(self.swap_space, self.preemption_mode, name) == "swap",
              name("preemption_mode") + "='swap'"),
-            (self.kv_offload_dir is not None, name("kv_offload_dir")),
             (self.kv_connector is not None, name("kv_connector")),
             (self.kv_compression is not None, name("kv_compression")),
         ]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"{kd} is not supported with {what} (2-/4-bit KV runs with recompute preemption, "
-                                 f"one rank, no speculative decoding, disk tier, KV transfer or KV compression); "
+                                 f"one rank, no speculative decoding, KV transfer or KV compression); "
                                  f"use kv_cache_dtype 'int8' or 'auto' for that")
 
 

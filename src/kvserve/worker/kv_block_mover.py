@@ -41,6 +41,12 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
+def _store(c) -> torch.Tensor:
+    """The tensor a pool's blocks are stored in, indexed by block on dim 0: a 2-/4-bit pool's
+    packed ``data`` (uint8 ``[num_blocks, num_kv_heads, block_bytes]``), other pools themselves."""
+    return c.data if isinstance(c, LowBitPool) else c
+
+
 class KVBlockMover:
     """Applies :class:`~kvserve.core.kv_ops.KVCacheOps` to one worker's pools.
 
@@ -142,9 +148,11 @@ class KVBlockMover:
         """The K/V of device blocks ``blocks`` copied out to the CPU (one gather per pool, the only
         copy): ``2 · num_layers`` tensors ``[len(blocks), block_size, num_kv_heads, row]``, layer
         ``l``'s K at ``2l`` and V at ``2l + 1`` (the parts of the disk tier's files,
-        :meth:`DiskKVConnector.put`)."""
+        :meth:`DiskKVConnector.put`). From 2-/4-bit pools, the quantized blocks as stored: uint8
+        ``[len(blocks), num_kv_heads, block_bytes]`` (:class:`~kvserve.worker.kv_quant_lowbit.LowBitPool`
+        ``data``; a block's residual rows are not part of it: only full blocks are saved)."""
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
-        return [c.index_select(0, idx).to("cpu") for pair in self.kv_caches for c in pair]
+        return [_store(c).index_select(0, idx).to("cpu") for pair in self.kv_caches for c in pair]
 
     def _offload(self, device_blocks: list[int], key_index: list[int], keys: tuple, drop: tuple) -> None:
         """Copy device blocks out and queue their files to the disk tier's writer, then queue the
@@ -163,7 +171,9 @@ class KVBlockMover:
     def _load(self, handle, payload_blocks: list[int], device_blocks: list[int]) -> None:
         """Write blocks ``payload_blocks`` of a KV connector's saved payload (``handle``: its
         :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`) into device blocks; only those
-        blocks are fetched (:meth:`KVConnector.fetch`).
+        blocks are fetched (:meth:`KVConnector.fetch`). Into 2-/4-bit pools the payload's blocks
+        are packed ones (uint8 ``[n, num_kv_heads, block_bytes]``, full blocks: the destination
+        blocks have no residual slot) written into the pools' ``data``.
 
         Raises:
             KVTransferError: the fetch failed (the blocks are gone, their owner died, the fetch
@@ -181,16 +191,16 @@ class KVBlockMover:
             raise KVTransferError(f"KV transfer: {type(e).__name__}: {e}") from e
         n = len(device_blocks)
         if len(payload) != len(self.kv_caches) or any(
-                t.shape != (n, *c.shape[1:]) or t.dtype != c.dtype
+                t.shape != (n, *_store(c).shape[1:]) or t.dtype != _store(c).dtype
                 for dev, saved in zip(self.kv_caches, payload) for c, t in zip(dev, saved)):
             first = f", {tuple(payload[0][0].shape)} {payload[0][0].dtype}" if payload else ""
+            k0 = _store(self.kv_caches[0][0])
             raise KVTransferError(f"KV transfer: a payload of {len(payload)} layers{first} does not fit {n} blocks of "
-                                  f"pools of {len(self.kv_caches)} layers, {tuple(self.kv_caches[0][0].shape[1:])} "
-                                  f"{self.kv_caches[0][0].dtype}")
+                                  f"pools of {len(self.kv_caches)} layers, {tuple(k0.shape[1:])} {k0.dtype}")
         dst = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
         for dev, saved in zip(self.kv_caches, payload):
             for c, t in zip(dev, saved):
-                _raw(c).index_copy_(0, dst, _raw(t).to(self.device))
+                _raw(_store(c)).index_copy_(0, dst, _raw(t).to(self.device))
 
     def _copy(self, src: list[int], dst: list[int], num_tokens: list[int]) -> None:
         """Copy slots ``0 .. num_tokens[i] - 1`` of device block ``src[i]`` into ``dst[i]``, all at

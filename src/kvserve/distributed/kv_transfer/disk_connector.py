@@ -17,12 +17,17 @@ dtype, KV dtype, block size, layer/head shapes, tensor-parallel size:
 chain over fingerprint, namespace and every token up to this block's end), the rank and the
 shapes, the payload's length and CRC-32, and the CRC-32 of the header itself. The payload is the
 block's K/V in the pools' row format, ``[2 · num_layers, block_size, num_kv_heads, row]`` (layer
-``l``'s K at ``2l``, V at ``2l + 1``) of the pools' dtype, raw bytes. Files are written to a
-temporary name and renamed, so a crash leaves no half file under a real name.
+``l``'s K at ``2l``, V at ``2l + 1``) of the pools' dtype, raw bytes. For the 2-/4-bit caches
+(dtype ``uint4`` / ``uint2``, :mod:`kvserve.worker.kv_quant_lowbit`) each of the ``2 · num_layers``
+parts is instead the block's packed codes and float16 scales and zeros as the pool holds them,
+uint8 ``[num_kv_heads, block_bytes]`` (K and V parts differ in size: :meth:`BlockFileLayout.part_shapes`);
+only full (quantized) blocks enter the prefix cache, so no residual rows are ever written. Files
+are written to a temporary name and renamed, so a crash leaves no half file under a real name.
 
 Refused files (never loaded): a bad magic, version or header CRC (corrupt: deleted), another
 fingerprint or other shapes (foreign: another model's, or this model at another dtype or block
-size; skipped, never deleted, so engines of several models can share a directory), a size that
+size, or this model with another ``kv_cache_dtype``: an int4 file is never read into an int2 or
+bfloat16 pool; skipped, never deleted, so engines of several models can share a directory), a size that
 is not header + payload (truncated: deleted), a payload whose CRC-32 differs (flipped bytes:
 deleted, found when the block is read). Each is logged with a warning.
 """
@@ -30,6 +35,7 @@ deleted, found when the block is read). Each is logged with a warning.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import struct
@@ -79,8 +85,9 @@ class BlockFileLayout:
         rank, tp_size: the tensor-parallel rank whose shard the file holds, and the rank count.
         num_layers, block_size, num_kv_heads, row: the payload's shape ``[2 · num_layers,
             block_size, num_kv_heads, row]`` (``num_kv_heads`` this rank's; ``row`` is
-            ``head_dim``, or ``head_dim + 4`` for 8-bit pools).
-        dtype: the pools' dtype.
+            ``head_dim``, or ``head_dim + 4`` for 8-bit pools); for 2-/4-bit pools ``row`` is
+            ``head_dim`` and the parts are packed blocks (:meth:`part_shapes`).
+        dtype: the pools' dtype (``torch.uint4`` / ``torch.uint2``: the 2-/4-bit formats' markers).
     """
 
     fingerprint: bytes
@@ -93,15 +100,48 @@ class BlockFileLayout:
     dtype: torch.dtype
 
     @property
+    def lowbit(self) -> bool:
+        """The pools are 2-/4-bit ones (:mod:`kvserve.worker.kv_quant_lowbit`): packed parts."""
+        return self.dtype in (torch.uint4, torch.uint2)
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
+        """The payload ``[2 · num_layers, block_size, num_kv_heads, row]`` of a whole-row layout.
+
+        Raises:
+            ValueError: a 2-/4-bit layout, whose K and V parts differ in size (:meth:`part_shapes`).
+        """
+        if self.lowbit:
+            raise ValueError(f"a {self.dtype_name.decode()} block file has K and V parts of different shapes: "
+                             f"use part_shapes")
         return (2 * self.num_layers, self.block_size, self.num_kv_heads, self.row)
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of the payload's parts: uint8 for 2-/4-bit pools, else the pools' dtype."""
+        return torch.uint8 if self.lowbit else self.dtype
+
+    def part_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of one block's K part and V part (each layer has one of each, K first): ``(block_size,
+        num_kv_heads, row)`` both, or for 2-/4-bit pools the packed blocks ``(num_kv_heads,
+        block_bytes)`` uint8 (:func:`kvserve.worker.kv_quant_lowbit.block_bytes`, K and V)."""
+        if self.lowbit:
+            from kvserve.worker.kv_quant_lowbit import bits_of, block_bytes
+
+            bits = bits_of(self.dtype)
+            return tuple((self.num_kv_heads, block_bytes(self.block_size, self.row, bits, is_key))
+                         for is_key in (True, False))
+        one = (self.block_size, self.num_kv_heads, self.row)
+        return one, one
+
+    def part_bytes(self) -> list[int]:
+        """Bytes of each of the ``2 · num_layers`` parts of one block, in file order."""
+        k, v = (math.prod(sh) * self.storage_dtype.itemsize for sh in self.part_shapes())
+        return [k, v] * self.num_layers
+
+    @property
     def payload_bytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+        return sum(self.part_bytes())
 
     @property
     def file_bytes(self) -> int:
@@ -315,15 +355,20 @@ class DiskKVConnector(KVConnector):
         the layout's dtype, on the CPU. Returns at once unless more than ``max_pending_bytes`` are
         queued (then waits for the writer). The tensors must not change until written.
 
+        For a 2-/4-bit layout only the parts form is accepted: layer ``l``'s K part ``[len(keys),
+        num_kv_heads, block_bytes_K]`` and V part ``[len(keys), num_kv_heads, block_bytes_V]`` uint8
+        (:meth:`BlockFileLayout.part_shapes`).
+
         Raises:
             ValueError: shapes that do not match ``keys`` and the layout.
         """
         lay = self.layout
         parts = list(blocks.unbind(1)) if isinstance(blocks, torch.Tensor) else list(blocks)
-        if len(parts) != lay.shape[0] or any(tuple(p.shape) != (len(keys), *lay.shape[1:]) for p in parts):
+        want = [(len(keys), *sh) for sh in lay.part_shapes()] * lay.num_layers
+        if len(parts) != len(want) or any(tuple(p.shape) != w for p, w in zip(parts, want)):
             got = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else [tuple(p.shape) for p in parts[:2]]
-            raise ValueError(f"put: {len(keys)} keys for blocks of shape {got}, expected "
-                             f"[{len(keys)}, {', '.join(map(str, lay.shape))}] (or its {lay.shape[0]} parts)")
+            raise ValueError(f"put: {len(keys)} keys for blocks of shape {got}, expected {len(want)} parts "
+                             f"{want[0]} (K), {want[1]} (V)")
         arrays = [p.view(torch.uint8).numpy() for p in parts]  # (the writer slices these: no tensor per block)
         nbytes = lay.payload_bytes
         items = [_Pending(arrays, i) for i in range(len(keys))]  # (one object per block: dropped by identity)
@@ -407,12 +452,36 @@ class DiskKVConnector(KVConnector):
         Raises:
             KVTransferError: a file is missing or refused (corrupt, truncated, foreign: deleted
                 unless foreign, with a warning); nothing is returned then.
+            ValueError: a 2-/4-bit layout (its parts differ in shape: :meth:`read_parts`).
         """
         lay = self.layout
         parts, rest = lay.shape[0], lay.shape[1:]
         out = torch.empty((parts, len(keys), *rest), dtype=lay.dtype)
         # [parts, n, bytes of one part] (numpy: these small copies stay on this thread)
         raw = out.view(parts, len(keys), -1).view(torch.uint8).numpy()
+        self._read_into(keys, [raw[j] for j in range(parts)])
+        return out
+
+    def read_parts(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """The blocks of ``keys`` as ``2 · num_layers`` tensors, layer ``l``'s K at ``2l`` and V at
+        ``2l + 1``, each ``[len(keys), *part_shape]`` (:meth:`BlockFileLayout.part_shapes`) of the
+        layout's storage dtype, on the CPU; any layout, 2-/4-bit ones included. Checks and errors
+        as :meth:`read`."""
+        lay = self.layout
+        n = len(keys)
+        out = [torch.empty((n, *sh), dtype=lay.storage_dtype) for _ in range(lay.num_layers)
+               for sh in lay.part_shapes()]
+        self._read_into(keys, [t.view(n, -1).view(torch.uint8).numpy() for t in out])
+        return out
+
+    def _read_into(self, keys: Sequence[bytes], dests: list) -> None:
+        """Read the blocks of ``keys`` into ``dests``, one uint8 array ``[len(keys), part bytes]``
+        per part (file order); the checks of :meth:`read`."""
+        lay = self.layout
+        sizes = lay.part_bytes()
+        offsets = [0]
+        for b in sizes:
+            offsets.append(offsets[-1] + b)
         buf = np.empty(lay.payload_bytes, dtype=np.uint8)  # one file's payload, then spread out
         header = bytearray(HEADER_BYTES)
         for i, key in enumerate(keys):
@@ -420,7 +489,7 @@ class DiskKVConnector(KVConnector):
                 block = self._pending.get(key)
             if block is not None:
                 for j, piece in enumerate(block.pieces()):
-                    raw[j, i] = piece.reshape(-1)
+                    dests[j][i] = piece.reshape(-1)
                 continue
             path = self.path(key)
             try:
@@ -434,7 +503,8 @@ class DiskKVConnector(KVConnector):
                         raise BlockFileError("truncated", "payload shorter than the header says")
                     if zlib.crc32(buf) != crc:
                         raise BlockFileError("corrupt", "payload checksum mismatch")
-                raw[:, i] = buf.reshape(parts, -1)
+                for j, d in enumerate(dests):
+                    d[i] = buf[offsets[j]:offsets[j + 1]]
             except BlockFileError as e:
                 self.num_failed += 1
                 logger.warning("KV disk tier: block file %s refused (%s: %s)%s", path, e.kind, e,
@@ -452,19 +522,19 @@ class DiskKVConnector(KVConnector):
                 pass
         self.num_loaded_blocks += len(keys)
         self.num_loaded_bytes += len(keys) * lay.payload_bytes
-        return out
 
     # ------------------------------------------------------------------ KVConnector
     def fetch(self, key: Any, rank: int, blocks: Sequence[int]) -> KVPayload:
         """Blocks ``blocks`` (indices into ``key``, a tuple of block keys) of this rank's shard as
-        a payload: per layer ``(K, V)``, each ``[len(blocks), block_size, num_kv_heads, row]``.
+        a payload: per layer ``(K, V)``, each ``[len(blocks), block_size, num_kv_heads, row]``, or
+        for a 2-/4-bit layout uint8 ``[len(blocks), num_kv_heads, block_bytes]`` (:meth:`read_parts`).
 
         Raises:
             KVTransferError: as :meth:`read`; or ``rank`` is not this connector's.
         """
         if rank != self.layout.rank:
             raise KVTransferError(f"KV disk tier: rank {rank} asked the connector of rank {self.layout.rank}")
-        x = self.read([key[b] for b in blocks])
+        x = self.read_parts([key[b] for b in blocks])
         return [(x[2 * i], x[2 * i + 1]) for i in range(self.layout.num_layers)]
 
     def save(self, payloads: Sequence[KVPayload]) -> Any:
