@@ -74,8 +74,9 @@ class EngineArgs:
             tokens in the same ``kv_cache_memory``; ``"int4"``/``"int2"``: KIVI's 4-/2-bit K/V (keys
             per channel over each block, values per token in groups of 32 channels, partial blocks in
             the model dtype: :mod:`kvserve.worker.kv_quant_lowbit`), ~2.9x / ~4.6x the tokens of bf16
-            at head_dim 64 and block_size 16; not with speculative decoding, tensor parallelism, swap
-            preemption, the disk tier, a KV connector or KV compression.
+            at head_dim 64 and block_size 16; with the disk tier (its files hold the packed blocks);
+            not with speculative decoding, tensor parallelism, swap preemption, a KV connector or KV
+            compression.
         device: "cpu", "cuda" or None (CUDA when available).
         kv_cache_memory: KV pool budget in GiB; None (default): ``kv_cache_memory_fraction`` of the
             memory available once the model is loaded, at most 2 GiB and at least one
