@@ -250,9 +250,9 @@ def test_swap_in_allowance_per_step(llama):
     steps: list[list[int]] = []  # per scheduling pass, the blocks of each swap-in
     orig_swap_in, orig_schedule = eng.swap.swap_in, eng.scheduler.schedule
 
-    def swap_in(rid, blocks):
+    def swap_in(rid, blocks, residual_slot=None):
         steps[-1].append(eng.swap.num_blocks_of(rid))
-        return orig_swap_in(rid, blocks)
+        return orig_swap_in(rid, blocks, residual_slot)
 
     def schedule():
         steps.append([])

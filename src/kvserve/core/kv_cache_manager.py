@@ -733,7 +733,9 @@ class KVCacheManager:
         """Give a request that holds no blocks (a swapped-out request coming back,
         :mod:`kvserve.core.kv_swap`) a fresh block table for ``num_computed_tokens + num_new_tokens``
         tokens and set its ``num_computed_tokens``; the caller copies its K/V into the first
-        blocks. No cache lookup: with prefix caching it locks its namespace's root, and its
+        blocks. With a 2-/4-bit cache the partial block of token ``num_computed_tokens`` (if any)
+        gets a residual slot (the caller copies its rows there) and the step's as allocate_slots
+        gives them; None when the slots are short. No cache lookup: with prefix caching it locks its namespace's root, and its
         blocks enter the cache after the step as any request's do (where the tree already holds
         them, it switches to the tree's blocks).
 
@@ -744,11 +746,16 @@ class KVCacheManager:
         rid = request.request_id
         if rid in self.block_tables:
             raise RuntimeError(f"request {rid} already holds blocks")
-        need = self.blocks_needed(num_computed_tokens - request.num_dropped_tokens + num_new_tokens)
-        if not self._make_room(need, headroom):
+        before = num_computed_tokens - request.num_dropped_tokens
+        need = self.blocks_needed(before + num_new_tokens)
+        if not self._residual_room([], before, before + num_new_tokens) or not self._make_room(need, headroom):
             return None
         table = self.pool.allocate(need)
         self.block_tables[rid] = table
+        if self.residual is not None:  # 2-/4-bit: the full blocks copied in are read from the packed
+            # data (not from a slot a freed block left); the partial one's rows come into a slot of its own
+            self.residual.detach(table[: before // self.block_size])
+            self._residual_step(table, before, before + num_new_tokens)
         if self.cache is not None:
             node = self.cache.match_prefix(self.namespace(request), [], max_tokens=0, update_stats=False).node
             self.cache.lock(node)

@@ -115,7 +115,11 @@ class BlockMoves:
         source: :data:`LOAD`: the :class:`~kvserve.distributed.kv_transfer.KVTransferHandle`
             of the payload (one batch per handle). :data:`OFFLOAD`: ``(keys, drop)``, the file
             keys of the blocks written (``keys[dst[i]]`` for ``src[i]``) and those of the files to
-            delete after the writes (tuples of 16-byte keys).
+            delete after the writes (tuples of 16-byte keys). :data:`SWAP_OUT` / :data:`SWAP_IN`
+            of 2-/4-bit pools: None, or ``[src_slots, dst_slots]``, the residual slots moved with
+            the blocks (a sequence's partial last block, whose rows are in a model-dtype residual
+            slot: :mod:`kvserve.worker.kv_quant_lowbit`), device → host slots for a swap-out,
+            host → device for a swap-in, pairwise.
     """
 
     kind: str
@@ -165,13 +169,18 @@ class KVCacheOps:
         b.num_tokens.append(num_tokens)
         self._written.add(dst)
 
-    def swap_out(self, device_blocks: Sequence[int], host_blocks: Sequence[int]) -> None:
-        """Record the copy of whole device blocks into host blocks, pairwise."""
-        self._swap(SWAP_OUT, device_blocks, host_blocks)
+    def swap_out(self, device_blocks: Sequence[int], host_blocks: Sequence[int],
+                 residual: Optional[tuple[int, int]] = None) -> None:
+        """Record the copy of whole device blocks into host blocks, pairwise; with ``residual``
+        ``(device_slot, host_slot)``, also the copy of a 2-/4-bit pool's residual slot into the
+        host pool's (:attr:`BlockMoves.source`)."""
+        self._swap(SWAP_OUT, device_blocks, host_blocks, residual)
 
-    def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
-        """Record the copy of whole host blocks into device blocks, pairwise."""
-        self._swap(SWAP_IN, host_blocks, device_blocks)
+    def swap_in(self, host_blocks: Sequence[int], device_blocks: Sequence[int],
+                residual: Optional[tuple[int, int]] = None) -> None:
+        """Record the copy of whole host blocks into device blocks, pairwise; with ``residual``
+        ``(host_slot, device_slot)``, also the copy of a host residual slot into a device one."""
+        self._swap(SWAP_IN, host_blocks, device_blocks, residual)
 
     def load(self, source, payload_blocks: Sequence[int], device_blocks: Sequence[int]) -> None:
         """Record the copy of blocks ``payload_blocks`` of a connector's payload (``source``: its
@@ -208,7 +217,8 @@ class KVCacheOps:
         self.batches.append(BlockMoves(FORGET, [0], [0], source=request_id))
         self._written.clear()
 
-    def _swap(self, kind: str, src: Sequence[int], dst: Sequence[int]) -> None:
+    def _swap(self, kind: str, src: Sequence[int], dst: Sequence[int],
+              residual: Optional[tuple[int, int]] = None) -> None:
         if len(src) != len(dst):
             raise ValueError(f"{kind}: {len(src)} source blocks for {len(dst)} destination blocks")
         if len(set(dst)) != len(dst):
@@ -216,9 +226,18 @@ class KVCacheOps:
         if not src:
             return
         b = self._batch(kind, (), dst)  # (sources are in the other space: never written by this batch)
+        if residual is not None and b.source is not None and residual[1] in b.source[1]:
+            b = BlockMoves(kind)  # (a residual slot this batch writes already: in order, a new batch)
+            self.batches.append(b)
+            self._written.clear()
         b.src.extend(src)
         b.dst.extend(dst)
         self._written.update(dst)
+        if residual is not None:
+            if b.source is None:
+                b.source = [[], []]
+            b.source[0].append(int(residual[0]))
+            b.source[1].append(int(residual[1]))
 
     # ------------------------------------------------------------------ handing over
     def take(self) -> "KVCacheOps":

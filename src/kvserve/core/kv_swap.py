@@ -18,6 +18,13 @@ in RAM (the device pool is RAM too: swapping then trades recomputation for two m
 lets a small pool serve more requests at once). A request's swap is one ``index_select`` and one
 ``index_copy_`` per layer and K/V.
 
+2-/4-bit caches (``kv_cache_dtype`` int4/int2, :mod:`kvserve.worker.kv_quant_lowbit`): a request's
+full blocks move as their packed codes and scales; its last block, when partial, has its rows in
+a model-dtype residual slot, which moves too, into a *host residual slot* (a small area of the
+host pool, :func:`plan_host_pool`; its own allocator here) and back into a device residual slot
+the KV manager gives the swapped-in block. A victim with a partial block when every host residual
+slot is taken is recomputed (counted in ``swap_num_recompute_fallbacks``).
+
 Host blocks are owned by one swapped request each (no sharing, no prefix cache): a request whose
 prompt blocks were shared swaps out its own copy of them, and gets its own device copy back.
 Invariant after every operation: ``num_free + num_used == num_blocks``, and the blocks the swapped
@@ -87,6 +94,30 @@ def num_host_blocks(swap_space: float, bytes_per_token: int, block_size: int) ->
     return n
 
 
+def plan_host_pool(swap_space: float, block_bytes: int, residual_bytes: int, max_residual: int) -> tuple[int, int]:
+    """Split ``swap_space`` GiB into host blocks and (2-/4-bit caches) host residual slots:
+    ``R = min(max_residual, floor(swap_space / 2 / residual_bytes))`` residual slots (at most
+    half the budget), then ``floor((swap_space − R · residual_bytes) / block_bytes)`` blocks.
+
+    Args:
+        block_bytes: one host block, all layers, K and V (packed for 2-/4-bit pools), > 0.
+        residual_bytes: one residual slot, all layers, K and V (model dtype); 0: none (other formats).
+        max_residual: most residual slots worth having (one per swapped request: ``max_num_seqs``).
+
+    Returns:
+        ``(num_blocks, num_residual)``.
+
+    Raises:
+        ValueError: the budget holds no block (naming ``swap_space``).
+    """
+    budget = int(swap_space * GiB)
+    r = min(max_residual, budget // 2 // residual_bytes) if residual_bytes > 0 else 0
+    n = (budget - r * residual_bytes) // block_bytes
+    if n < 1:
+        raise ValueError(f"swap_space={swap_space} GiB holds no KV block of {block_bytes} bytes; raise swap_space")
+    return n, r
+
+
 class HostBlockAllocator:
     """The host pool's blocks: a free queue and the set of used blocks (each owned by one request).
 
@@ -151,6 +182,8 @@ class SwappedKV:
 
     host_blocks: list[int]
     num_computed_tokens: int
+    #: 2-/4-bit caches: the host residual slot holding the last (partial) block's rows, or None
+    host_residual: Optional[int] = None
 
 
 class KVSwapSpace:
@@ -169,6 +202,7 @@ class KVSwapSpace:
             keep one order); a new one if None.
         block_bytes: bytes of one block, all layers, K and V (for :meth:`stats` readers and the
             log; taken from ``kv_caches`` when given).
+        num_residual: host residual slots (2-/4-bit caches: :func:`plan_host_pool`); 0: none.
 
     Raises:
         ValueError: ``num_blocks`` below 1; with ``kv_caches``, the host pool (``num_blocks ·
@@ -177,14 +211,16 @@ class KVSwapSpace:
     """
 
     def __init__(self, kv_caches: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]], num_blocks: int,
-                 ops: Optional[KVCacheOps] = None, block_bytes: int = 0) -> None:
+                 ops: Optional[KVCacheOps] = None, block_bytes: int = 0, num_residual: int = 0) -> None:
         self._mover = None
         if kv_caches is not None:  # (the host pool is allocated, and checked, before the allocator's queue)
             from kvserve.worker.kv_block_mover import KVBlockMover
 
             self._mover = KVBlockMover(kv_caches)
-            self._mover.allocate_host(num_blocks)
+            self._mover.allocate_host(num_blocks, num_residual)
             block_bytes = self._mover.block_bytes
+        self.num_residual = num_residual
+        self._free_residual: deque[int] = deque(range(num_residual))
         self.block_bytes = block_bytes
         self.ops = ops if ops is not None else KVCacheOps()
         self.allocator = HostBlockAllocator(num_blocks)
@@ -196,6 +232,7 @@ class KVSwapSpace:
         self.num_swapped_in_blocks = 0
         self.num_swap_fallbacks = 0  # preemptions that recomputed because the host pool was full
         self.num_swap_drops = 0  # swapped requests brought back by recompute instead
+        self.num_swapped_residuals = 0  # partial blocks (residual slots) swapped out
 
     def _flush_local(self) -> None:
         """With pools in this process, apply what was just recorded."""
@@ -220,15 +257,22 @@ class KVSwapSpace:
         return self.allocator.num_used / self.allocator.num_blocks
 
     # ------------------------------------------------------------------ moves
-    def swap_out(self, request_id: str, device_blocks: Sequence[int], num_computed_tokens: int) -> bool:
+    def swap_out(self, request_id: str, device_blocks: Sequence[int], num_computed_tokens: int,
+                 residual_slot: Optional[int] = None) -> bool:
         """Copy ``device_blocks`` (the request's block table up to its computed tokens) into new
         host blocks and remember them with ``num_computed_tokens``. The copy is recorded in
         ``ops``, to be applied before anything recorded later (or the next forward) can
         overwrite the device blocks, which the caller frees afterwards.
 
+        Args:
+            residual_slot: 2-/4-bit caches: the device residual slot of the last block (partial:
+                its rows are there, not in the packed block), moved to a host residual slot; None
+                when the last block is full (or another format).
+
         Returns:
-            False, copying nothing, when the host pool has too few free blocks (the caller then
-            recomputes the request) or there is nothing to copy.
+            False, copying nothing, when the host pool has too few free blocks (or no free host
+            residual slot for ``residual_slot``: the caller then recomputes the request) or there
+            is nothing to copy.
 
         Raises:
             RuntimeError: the request is already swapped out.
@@ -236,33 +280,50 @@ class KVSwapSpace:
         if request_id in self.swapped:
             raise RuntimeError(f"request {request_id} is already swapped out")
         n = len(device_blocks)
+        if n and residual_slot is not None and not self._free_residual:
+            self.num_swap_fallbacks += 1
+            return False
         host = self.allocator.allocate(n) if n else None
         if host is None:
             if n:
                 self.num_swap_fallbacks += 1
             return False
-        self.ops.swap_out(device_blocks, host)
+        host_res = None
+        if residual_slot is not None:
+            host_res = self._free_residual.popleft()
+            self.num_swapped_residuals += 1
+        self.ops.swap_out(device_blocks, host, None if host_res is None else (residual_slot, host_res))
         self._flush_local()
-        self.swapped[request_id] = SwappedKV(host, num_computed_tokens)
+        self.swapped[request_id] = SwappedKV(host, num_computed_tokens, host_res)
         self.num_swap_outs += 1
         self.num_swapped_out_blocks += n
         return True
 
-    def swap_in(self, request_id: str, device_blocks: Sequence[int]) -> int:
+    def swap_in(self, request_id: str, device_blocks: Sequence[int], residual_slot: Optional[int] = None) -> int:
         """Copy a swapped request's host blocks into ``device_blocks`` (at least as many, freshly
         allocated by the caller; the first ones get the copies), free its host blocks and return
         its ``num_computed_tokens``. The copy is recorded in ``ops`` (the host blocks are read
         before anything recorded later reuses them).
 
+        Args:
+            residual_slot: 2-/4-bit caches: the device residual slot the caller gave the last
+                swapped-in block, needed when the request's host copy has a host residual slot
+                (:attr:`SwappedKV.host_residual`, :meth:`needs_residual`); its rows go there.
+
         Raises:
             KeyError: the request is not swapped out.
-            ValueError: fewer device blocks than host blocks.
+            ValueError: fewer device blocks than host blocks, or no ``residual_slot`` for a
+                partial last block.
         """
         s = self.swapped[request_id]
         n = len(s.host_blocks)
         if len(device_blocks) < n:
             raise ValueError(f"swap_in of {n} blocks into {len(device_blocks)} device blocks")
-        self.ops.swap_in(s.host_blocks, list(device_blocks[:n]))
+        if s.host_residual is not None and residual_slot is None:
+            raise ValueError(f"swap_in of request {request_id}: its last block is partial (host residual slot "
+                             f"{s.host_residual}) and needs a device residual_slot")
+        self.ops.swap_in(s.host_blocks, list(device_blocks[:n]),
+                         None if s.host_residual is None else (s.host_residual, residual_slot))
         self._flush_local()
         self.discard(request_id)
         self.num_swap_ins += 1
@@ -276,13 +337,23 @@ class KVSwapSpace:
         if s is None:
             return False
         self.allocator.free(s.host_blocks)
+        if s.host_residual is not None:
+            self._free_residual.append(s.host_residual)
         return True
+
+    def needs_residual(self, request_id: str) -> bool:
+        """Whether a swapped request's last block is partial (a 2-/4-bit cache's residual slot
+        moved with it): its swap-in needs a device residual slot."""
+        s = self.swapped.get(request_id)
+        return s is not None and s.host_residual is not None
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> dict:
         """Swap counters: swap-outs and swap-ins (requests), blocks moved each way, preemptions that
         recomputed because the host pool was full, swapped requests brought back by recompute
-        instead (``swap_num_dropped``), and the host pool's blocks and usage (0..1)."""
+        instead (``swap_num_dropped``), and the host pool's blocks and usage (0..1); 2-/4-bit
+        caches: partial blocks swapped out with their residual rows, and the host residual slots
+        (total, in use)."""
         a = self.allocator
         return {
             "swap_num_swap_outs": self.num_swap_outs,
@@ -293,6 +364,9 @@ class KVSwapSpace:
             "swap_num_dropped": self.num_swap_drops,
             "swap_blocks_total": a.num_blocks,
             "swap_blocks_used": a.num_used,
+            "swap_num_swapped_residuals": self.num_swapped_residuals,
+            "swap_residual_slots_total": self.num_residual,
+            "swap_residual_slots_used": self.num_residual - len(self._free_residual),
             "swap_usage": self.usage(),
             "num_swapped": len(self.swapped),
         }
@@ -310,3 +384,8 @@ class KVSwapSpace:
             raise RuntimeError("a host block is held by two swapped requests")
         if set(held) != self.allocator._used:
             raise RuntimeError("host blocks in use differ from the swapped requests' host block tables")
+        res = [s.host_residual for s in self.swapped.values() if s.host_residual is not None]
+        free = list(self._free_residual)
+        if len(set(res)) != len(res) or set(res) & set(free) or len(res) + len(free) != self.num_residual \
+                or set(res) | set(free) != set(range(self.num_residual)):
+            raise RuntimeError("host residual slots: held + free != num_residual, or a slot held twice")

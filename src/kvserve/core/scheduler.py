@@ -284,8 +284,9 @@ class Scheduler:
 
     def _swap_out(self, victim: Request) -> None:
         """With a swap space, copy the victim's computed blocks to the host pool (it keeps its
-        ``num_computed_tokens`` there); a beam, a victim the pool cannot hold, or one that has freed
-        blocks before its sliding window (their K/V is gone), is recomputed."""
+        ``num_computed_tokens`` there; with a 2-/4-bit cache its partial last block's residual slot
+        too); a beam, a victim the pool cannot hold (blocks, or a host residual slot), or one that
+        has freed blocks before its sliding window (their K/V is gone), is recomputed."""
         if self.swap is None or victim.sampling_params.use_beam_search or victim.num_computed_tokens == 0:
             return
         table = self.kv.block_tables.get(victim.request_id, [])
@@ -293,7 +294,13 @@ class Scheduler:
         if FREED_BLOCK in blocks:
             self.swap.num_swap_fallbacks += 1
             return
-        self.swap.swap_out(victim.request_id, blocks, victim.num_computed_tokens)
+        slot = None
+        if self.kv.residual is not None and victim.num_kv_tokens % self.kv.block_size:
+            slot = int(self.kv.residual.map[blocks[-1]])  # (2-/4-bit: the partial last block's rows)
+            if slot < 0:  # (cannot happen: a partial block holds a slot; recompute rather than lose rows)
+                self.swap.num_swap_fallbacks += 1
+                return
+        self.swap.swap_out(victim.request_id, blocks, victim.num_computed_tokens, slot)
 
     def _swap_in(self, req: Request, budget: int, headroom: int) -> int:
         """Bring a swapped request back: fresh blocks for its computed tokens plus its next
@@ -305,7 +312,10 @@ class Scheduler:
         table = self.kv.admit_swapped(req, s.num_computed_tokens, num_new, headroom)
         if table is None:
             return 0
-        req.num_computed_tokens = self.swap.swap_in(req.request_id, table)
+        slot = None
+        if s.host_residual is not None:  # (2-/4-bit: the partial last block's rows into its new residual slot)
+            slot = int(self.kv.residual.map[table[len(s.host_blocks) - 1]])
+        req.num_computed_tokens = self.swap.swap_in(req.request_id, table, slot)
         return num_new
 
     def _release_waiting_blocks(self, keep: Request | None = None) -> bool:

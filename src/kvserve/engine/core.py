@@ -32,7 +32,7 @@ from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.core.kv_compression import KVCompressionConfig, streaming_keep
 from kvserve.core.kv_cache_manager import KVCacheManager, available_memory, default_kv_cache_memory, plan_kv_cache
 from kvserve.core.kv_ops import KVCacheOpsError
-from kvserve.core.kv_swap import KVSwapSpace, check_swap_options, num_host_blocks
+from kvserve.core.kv_swap import KVSwapSpace, check_swap_options, num_host_blocks, plan_host_pool
 from kvserve.core.request import Request, RequestStatus, TokenLogprob
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.args import EngineArgs, parse_device, parse_dtype
@@ -320,13 +320,18 @@ class EngineCore:
         self.preemption_mode = check_swap_options(args.swap_space, args.preemption_mode)
         self.swap: Optional[KVSwapSpace] = None
         if self.preemption_mode == "swap":
-            host_blocks = num_host_blocks(args.swap_space, self.kv_spec.bytes_per_token, args.block_size)
-            pinned = self.executor.collective_rpc("initialize_swap_space", (host_blocks,))[0]
-            self.swap = KVSwapSpace(None, host_blocks, ops=self.kv.ops,
-                                    block_bytes=self.kv_spec.bytes_per_token * args.block_size)
-            logger.info("swap space: %d host blocks of %d tokens (%.2f GiB%s)", self.swap.num_blocks,
+            block_bytes = self.kv_spec.bytes_per_token * args.block_size
+            if self.kv_spec.residual_blocks:  # 2-/4-bit: a host residual area for partial last blocks
+                host_blocks, host_res = plan_host_pool(args.swap_space, block_bytes, self.kv_spec.residual_bytes
+                                                       // self.kv_spec.residual_blocks, args.max_num_seqs)
+            else:
+                host_blocks, host_res = num_host_blocks(args.swap_space, self.kv_spec.bytes_per_token,
+                                                        args.block_size), 0
+            pinned = self.executor.collective_rpc("initialize_swap_space", (host_blocks, host_res))[0]
+            self.swap = KVSwapSpace(None, host_blocks, ops=self.kv.ops, block_bytes=block_bytes, num_residual=host_res)
+            logger.info("swap space: %d host blocks of %d tokens (%.2f GiB%s)%s", self.swap.num_blocks,
                         args.block_size, self.swap.num_blocks * self.swap.block_bytes / (1 << 30),
-                        ", pinned" if pinned else "")
+                        ", pinned" if pinned else "", f", {host_res} host residual slots" if host_res else "")
         self.scheduler = Scheduler(self.scheduler_config, self.kv, swap=self.swap)
         self.executor.collective_rpc("init_model_runner", (self.kv.block_tables, args.block_size, window,
                                                            self.kv.residual.map if self.kv.residual else None))

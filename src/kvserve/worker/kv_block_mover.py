@@ -11,7 +11,12 @@ The host pool has the device pool's row format: per layer one K and one V tensor
 ``[num_host_blocks, block_size, num_kv_heads, row]`` of the device pools' dtype (``row`` is
 ``head_dim``, or ``head_dim + 4`` for the 8-bit caches, whose rows carry their float32 scale:
 :mod:`kvserve.worker.kv_quant`), so a block moves as raw bytes. On CUDA it is pinned CPU memory
-and the copies are ``non_blocking``; on CPU it is one more tensor in RAM.
+and the copies are ``non_blocking``; on CPU it is one more tensor in RAM. With 2-/4-bit pools
+(:class:`~kvserve.worker.kv_quant_lowbit.LowBitPool`) the host pool is LowBitPools too: the packed
+blocks ``[num_host_blocks, num_kv_heads, block_bytes]`` uint8 and a host residual area
+``[num_host_residual, block_size, num_kv_heads, head_dim]`` of the model dtype, into which a
+swapped sequence's partial last block (its rows in a device residual slot) moves with it; the
+swap ops name the slots (:attr:`kvserve.core.kv_ops.BlockMoves.source`).
 
 Each batch of moves (:class:`kvserve.core.kv_ops.BlockMoves`) is one ``index_select`` and one
 ``index_copy_`` per layer and K/V: swaps index whole blocks, copies index the token slots of the
@@ -60,7 +65,8 @@ class KVBlockMover:
             ``[num_host_blocks, block_size, num_kv_heads, row]`` of the device pools' dtype on
             the CPU; None without a swap space.
         pin: the host pool is pinned memory (a CUDA device).
-        block_bytes: bytes of one block, all layers, K and V.
+        block_bytes: bytes of one block, all layers, K and V (2-/4-bit pools: packed).
+        residual_bytes: bytes of one residual slot, all layers, K and V (2-/4-bit pools; else 0).
         disk: the disk tier's connector of this rank
             (:class:`~kvserve.distributed.kv_transfer.disk_connector.DiskKVConnector`), which
             ``offload`` ops write to and loads of the ``"disk"`` connector read from; None without one.
@@ -73,36 +79,56 @@ class KVBlockMover:
         self.device = k0.device
         self.block_size = k0.shape[1]
         self.pin = self.device.type == "cuda"
-        self.block_bytes = math.prod(k0.shape[1:]) * k0.element_size() * 2 * len(kv_caches)
+        if isinstance(k0, LowBitPool):  # (packed K and V blocks differ in size; a residual slot apart)
+            self.block_bytes = sum(math.prod(c.data.shape[1:]) for pair in kv_caches for c in pair)
+            self.residual_bytes = sum(math.prod(c.residual.shape[1:]) * c.residual.element_size()
+                                      for pair in kv_caches for c in pair)
+        else:
+            self.block_bytes = math.prod(k0.shape[1:]) * k0.element_size() * 2 * len(kv_caches)
+            self.residual_bytes = 0
         self.host_caches: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
         self.disk = None
         self.compressor = KVCompressor(kv_caches)  # KV compression: scores and compactions
         #: 2-/4-bit pools: the KV manager's ``block → residual slot`` map (set with the model runner)
         self.residual_map: Optional[torch.Tensor] = None
 
-    def allocate_host(self, num_blocks: int) -> None:
-        """Allocate the host pool of ``num_blocks`` blocks (zero-filled; pinned on CUDA).
+    def allocate_host(self, num_blocks: int, num_residual: int = 0) -> None:
+        """Allocate the host pool of ``num_blocks`` blocks (zero-filled; pinned on CUDA); for
+        2-/4-bit pools with ``num_residual`` host residual slots (0: a swap of a partial block
+        has nowhere to go; the core then recomputes such victims).
 
         Raises:
-            ValueError: ``num_blocks`` below 1, or the host pool (``num_blocks · block_bytes``) is
-                larger than the memory available (``MemAvailable``), or cannot be allocated; the
-                message names ``swap_space``.
+            ValueError: ``num_blocks`` below 1 or ``num_residual`` below 0, or the host pool
+                (``num_blocks · block_bytes + num_residual · residual_bytes``) is larger than the
+                memory available (``MemAvailable``), or cannot be allocated; the message names
+                ``swap_space``.
         """
         from kvserve.core.kv_cache_manager import available_memory
 
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be ≥ 1, got {num_blocks}")
-        need = num_blocks * self.block_bytes
+        if num_residual < 0:
+            raise ValueError(f"num_residual must be ≥ 0, got {num_residual}")
+        lowbit = isinstance(self.kv_caches[0][0], LowBitPool)
+        need = num_blocks * self.block_bytes + (num_residual * self.residual_bytes if lowbit else 0)
         have = available_memory(torch.device("cpu"))
         if have is not None and need > have:
             raise ValueError(f"swap_space: the host pool needs {need / GiB:.2f} GiB ({num_blocks} blocks), but only "
                              f"{have / GiB:.2f} GiB of host memory is available; lower swap_space (--swap-space)")
+        def zeros(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=self.pin)
+
         try:
-            self.host_caches = [
-                tuple(torch.zeros((num_blocks, *c.shape[1:]), dtype=c.dtype, device="cpu", pin_memory=self.pin)
-                      for c in pair)
-                for pair in self.kv_caches
-            ]
+            if lowbit:
+                self.host_caches = [
+                    tuple(LowBitPool(zeros((num_blocks, *c.data.shape[1:]), torch.uint8),
+                                     zeros((num_residual, *c.residual.shape[1:]), c.residual.dtype),
+                                     c.bits, c.is_key, c.block_size, c.head_dim) for c in pair)
+                    for pair in self.kv_caches
+                ]
+            else:
+                self.host_caches = [tuple(zeros((num_blocks, *c.shape[1:]), c.dtype) for c in pair)
+                                    for pair in self.kv_caches]
         except (RuntimeError, MemoryError) as e:
             raise ValueError(f"swap_space: could not allocate the host pool of {need / GiB:.2f} GiB ({e}); lower "
                              f"swap_space (--swap-space)") from e
@@ -126,6 +152,8 @@ class KVBlockMover:
                 if self.host_caches is None:
                     raise ValueError(f"{b.kind} of {len(b.src)} blocks, but this worker has no host pool")
                 (self._swap_out if b.kind == SWAP_OUT else self._swap_in)(b.src, b.dst)
+                if b.source is not None:
+                    self._swap_residual(b.kind == SWAP_OUT, *b.source)
             elif b.kind == LOAD:
                 self._load(b.source, b.src, b.dst)
             elif b.kind == OFFLOAD:
@@ -223,13 +251,27 @@ class KVBlockMover:
                 rows = _raw(c).view(-1, *c.shape[2:])
                 rows.index_copy_(0, dst_i, rows.index_select(0, src_i))
 
+    def _swap_residual(self, out: bool, src: list[int], dst: list[int]) -> None:
+        """2-/4-bit pools: copy residual slots ``src`` into ``dst`` (device → host slots for a
+        swap-out, host → device for a swap-in), every layer, K and V: a swapped sequence's partial
+        last block, whose rows live in a model-dtype residual slot, not in the packed blocks."""
+        sdev, ddev = (self.device, torch.device("cpu")) if out else (torch.device("cpu"), self.device)
+        s = torch.tensor(src, dtype=torch.long, device=sdev)
+        d = torch.tensor(dst, dtype=torch.long, device=ddev)
+        for dev, host in zip(self.kv_caches, self.host_caches):
+            for c, h in zip(dev, host):
+                a, b = (c, h) if out else (h, c)
+                b.residual.index_copy_(0, d, a.residual.index_select(0, s).to(ddev))
+
     def _swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
         """Copy whole device blocks into host blocks (on CUDA: gathered into pinned staging
-        buffers asynchronously, one wait, then the host scatter)."""
+        buffers asynchronously, one wait, then the host scatter); 2-/4-bit pools: their packed
+        blocks (the residual slots: :meth:`_swap_residual`)."""
         n = len(device_blocks)
         src = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
         dst = torch.tensor(host_blocks, dtype=torch.long)
-        pairs = [(_raw(c), _raw(h)) for dev, host in zip(self.kv_caches, self.host_caches) for c, h in zip(dev, host)]
+        pairs = [(_raw(_store(c)), _raw(_store(h)))
+                 for dev, host in zip(self.kv_caches, self.host_caches) for c, h in zip(dev, host)]
         if self.pin:
             staged = []
             for c, _ in pairs:
@@ -252,7 +294,7 @@ class KVBlockMover:
         dst = torch.tensor(device_blocks, dtype=torch.long, device=self.device)
         for dev, host in zip(self.kv_caches, self.host_caches):
             for c, h in zip(dev, host):
-                c, h = _raw(c), _raw(h)
+                c, h = _raw(_store(c)), _raw(_store(h))
                 if self.pin:
                     buf = torch.empty((n, *h.shape[1:]), dtype=h.dtype, pin_memory=True)
                     rows = torch.index_select(h, 0, src, out=buf).to(self.device, non_blocking=True)

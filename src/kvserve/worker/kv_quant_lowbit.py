@@ -264,7 +264,7 @@ class LowBitPool:
         return self.data.device
 
     def element_size(self) -> int:
-        """Bytes per logical element, rounded up (for sizes only: swaps are refused)."""
+        """Bytes per logical element, rounded up (for sizes only; moves use ``data`` and ``residual``)."""
         return 1
 
     @property

@@ -135,17 +135,17 @@ class Worker:
         self.kv_mover = KVBlockMover(self.kv_caches, self.rank)
         return self.kv_caches
 
-    def initialize_swap_space(self, num_blocks: int) -> bool:
+    def initialize_swap_space(self, num_blocks: int, num_residual: int = 0) -> bool:
         """Allocate the swap space's host pool of ``num_blocks`` blocks beside the KV pools
         (:meth:`KVBlockMover.allocate_host`: per layer ``(K, V)``, each ``[num_blocks,
-        block_size, num_kv_heads, row]`` in the pools' dtype, on the CPU); returns whether it is
-        pinned (a CUDA device).
+        block_size, num_kv_heads, row]`` in the pools' dtype, on the CPU; 2-/4-bit pools: packed
+        blocks and ``num_residual`` host residual slots); returns whether it is pinned (a CUDA device).
 
         Raises:
             ValueError: naming ``swap_space``: the pool is larger than the memory available, or
                 its allocation failed.
         """
-        self.kv_mover.allocate_host(num_blocks)
+        self.kv_mover.allocate_host(num_blocks, num_residual)
         return self.kv_mover.pin
 
     def initialize_kv_offload(self, directory: str, layout) -> None:
