@@ -60,6 +60,7 @@ def test_lowbit_swapped_outputs_equal_a_run_without_preemption(llama, kv):
     assert _run(eng, prompts, params) == ref
     s = _assert_swapped(eng, ref_engine)  # (no recompute: the same tokens ran through the model)
     assert s["swap_num_recompute_fallbacks"] == 0 and s["swap_num_swapped_residuals"] > 0
+    assert set(ref_engine.stats()) == set(s)  # (an engine without swap space reports the same counters, 0)
     _residuals_back(eng)
 
 

@@ -64,6 +64,8 @@ Beam-search groups are recomputed (their beams share blocks copy-on-write: swapp
 beam would need its own copy of the shared ones), and so is a victim the host pool cannot hold
 or one that has freed blocks before its sliding window; a swapped request that cannot be
 swapped in while nothing else runs drops its host copy and is recomputed: none waits forever.
+With a 2-/4-bit cache a victim's partial last block moves with its residual slot (a host
+residual slot, then a device slot its new block gets; a victim when none is free is recomputed).
 
 Speculative decoding: a decoding request may carry draft tokens (``spec_token_ids``); it
 is then owed its last token plus the drafts, verified in one multi-token chunk. Drafts

@@ -1079,7 +1079,8 @@ class EngineCore:
             return self.swap.stats()
         return {"swap_num_swap_outs": 0, "swap_num_swap_ins": 0, "swap_num_swapped_out_blocks": 0,
                 "swap_num_swapped_in_blocks": 0, "swap_num_recompute_fallbacks": 0, "swap_num_dropped": 0,
-                "swap_blocks_total": 0, "swap_blocks_used": 0, "swap_usage": 0.0, "num_swapped": 0}
+                "swap_blocks_total": 0, "swap_blocks_used": 0, "swap_num_swapped_residuals": 0,
+                "swap_residual_slots_total": 0, "swap_residual_slots_used": 0, "swap_usage": 0.0, "num_swapped": 0}
 
     def stats(self) -> dict:
         """Engine counters: running/waiting requests, KV usage, preemptions, swaps, tokens."""
