@@ -216,3 +216,22 @@ def test_swap_ops_carry_residual_slots_and_keep_their_order():
         ("swap_out", [1, 2, 3, 4], [0, 1, 2, 3], [[5, 6], [0, 1]]),
         ("swap_out", [7], [4], [[8], [0]]),
         ("swap_in", [0], [9], [[1], [2]])]
+
+
+@pytest.mark.parametrize("kv", LOWBIT)
+def test_lowbit_swap_with_prefix_cache_and_disk_tier(llama, kv, tmp_path):
+    """Swaps, prefix-cache hits and disk-tier reads in one engine: 6 prompts sharing a 24-token
+    prefix in 20 blocks of 4 (swapped), then 6 sharing another (evicting the first prefix to disk),
+    then the first 6 again (read back from disk): each wave the tokens of a run without preemption."""
+    a = _prompts(6, lo=2, hi=10, seed=3, prefix=tuple(range(40, 64)))
+    b = _prompts(6, lo=2, hi=10, seed=4, prefix=tuple(range(100, 124)))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ref = _engine(llama, num_blocks=256, kv_cache_dtype=kv)
+    want = {"a": _run(ref, a, params), "b": _run(ref, b, params)}
+    eng = _engine(llama, num_blocks=20, swap_space=1e-4, kv_cache_dtype=kv, enable_prefix_caching=True,
+                  kv_offload_dir=str(tmp_path), kv_offload_gib=0.01)
+    for wave, prompts in (("a", a), ("b", b), ("a", a)):
+        assert _run(eng, prompts, params) == want[wave], wave
+    s = _assert_swapped(eng)
+    assert s["swap_num_swapped_residuals"] > 0 and s["kv_offload_read_blocks"] > 0 and s["prefix_cache_hits"] > 0
+    _residuals_back(eng)
