@@ -191,7 +191,6 @@ def test_bad_kv_cache_dtype_lists_the_allowed_values(bad):
 @pytest.mark.parametrize("extra,what", [
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size"),
-    (dict(kv_connector="local"), "kv_connector"),
     (dict(kv_compression={"method": "streaming_llm", "sink_tokens": 4, "window": 64}), "kv_compression"),
 ])
 @pytest.mark.parametrize("kv", LOWBIT)

@@ -950,6 +950,8 @@ class KVCacheManager:
         if end <= first:
             return True  # the cache held every transferred block
         self.ops.load(transfer, list(range(first, end)), new[: end - first])
+        if self.residual is not None:  # (full quantized blocks: read from the pools' data, not a stale slot)
+            self.residual.detach(new[: end - first])
         t0 = time.perf_counter()
         err = self._apply_load()
         ok = err is None

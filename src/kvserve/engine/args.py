@@ -74,9 +74,10 @@ class EngineArgs:
             tokens in the same ``kv_cache_memory``; ``"int4"``/``"int2"``: KIVI's 4-/2-bit K/V (keys
             per channel over each block, values per token in groups of 32 channels, partial blocks in
             the model dtype: :mod:`kvserve.worker.kv_quant_lowbit`), ~2.9x / ~4.6x the tokens of bf16
-            at head_dim 64 and block_size 16; with the disk tier and swap preemption (they move the
-            packed blocks, and a partial block's model-dtype rows); not with speculative decoding,
-            tensor parallelism, a KV connector or KV compression.
+            at head_dim 64 and block_size 16; with the disk tier, swap preemption and a KV connector
+            (they move the packed blocks; a swap also a partial block's model-dtype rows, a
+            transfer leaves the prompt's last partial block to the decode engine); not with
+            speculative decoding, tensor parallelism or KV compression.
         device: "cpu", "cuda" or None (CUDA when available).
         kv_cache_memory: KV pool budget in GiB; None (default): ``kv_cache_memory_fraction`` of the
             memory available once the model is loaded, at most 2 GiB and at least one
@@ -281,26 +282,27 @@ class EngineArgs:
         """The combinations a 2-/4-bit KV cache does not support (yet).
 
         Supported: the prefix cache's disk tier (``kv_offload_dir``: it holds full blocks only,
-        written and read as the pools' packed codes and scales) and swap preemption
+        written and read as the pools' packed codes and scales), swap preemption
         (``preemption_mode='swap'``: packed blocks, and a partial last block's residual rows in a
-        host residual slot: :mod:`kvserve.core.kv_swap`).
+        host residual slot: :mod:`kvserve.core.kv_swap`) and a KV connector (``kv_connector``:
+        the prompt's full blocks travel packed; the decode engine computes the tokens of the
+        last partial block itself).
 
         Raises:
             ValueError: naming ``kv_cache_dtype`` and the option it cannot run with: speculative
-                decoding, tensor parallelism, a KV connector, KV compression (their block moves
-                and the draft's pool know only whole-row formats).
+                decoding, tensor parallelism, KV compression (their block moves and the draft's
+                pool know only whole-row formats).
         """
         kd = f"{name('kv_cache_dtype')}={self.kv_cache_dtype!r}"
         refused = [
             (self.speculative_config is not None, name("speculative_config")),
             (self.tensor_parallel_size > 1, name("tensor_parallel_size") + " > 1"),
-            (self.kv_connector is not None, name("kv_connector")),
             (self.kv_compression is not None, name("kv_compression")),
         ]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"{kd} is not supported with {what} (2-/4-bit KV runs on one rank, "
-                                 f"with no speculative decoding, KV transfer or KV compression); "
+                                 f"with no speculative decoding or KV compression); "
                                  f"use kv_cache_dtype 'int8' or 'auto' for that")
 
 

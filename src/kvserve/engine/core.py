@@ -567,7 +567,7 @@ class EngineCore:
     def _kv_layout(self) -> tuple:
         """``(num_layers, num_kv_heads, row, dtype, tensor_parallel_size)`` of the pools."""
         cfg = self.model_config
-        row = cfg.head_dim + (4 if self.kv_cache_dtype.itemsize == 1 else 0)
+        row = cfg.head_dim + (4 if kv_quant.is_quantized(self.kv_cache_dtype) else 0)
         return (cfg.num_layers, cfg.num_kv_heads, row, str(self.kv_cache_dtype), self.args.tensor_parallel_size)
 
     def _check_kv_transfer(self, kv_transfer_params, ids: Sequence[int], params: SamplingParams):
@@ -577,7 +577,8 @@ class EngineCore:
             ValueError: naming ``kv_transfer_params``: no ``kv_connector`` configured, neither
                 ``{"do_remote_decode": True}`` nor a :class:`KVTransferHandle`, a handle of
                 another connector, block size or pool layout, one whose tokens are not the
-                prompt's first ``len(prompt) - 1``, one already loaded or released, or a
+                prompt's first ``len(prompt) - 1`` (2-/4-bit caches: its full blocks among them,
+                :meth:`_transfer_tokens`), one already loaded or released, or a
                 combination the transfer cannot serve (beam search, prompt_logprobs, a model
                 whose blocks before its sliding window are freed).
         """
@@ -609,13 +610,25 @@ class EngineCore:
         if h.block_size != self.args.block_size or tuple(h.layout) != self._kv_layout():
             raise ValueError(f"kv_transfer_params: blocks of {h.block_size} tokens laid out as {tuple(h.layout)}; this "
                              f"engine's are {self.args.block_size} tokens as {self._kv_layout()}")
-        if h.num_tokens != len(ids) - 1 or h.prompt_digest != token_digest(ids[: h.num_tokens]):
+        want = self._transfer_tokens(len(ids))
+        if h.num_tokens != want or h.prompt_digest != token_digest(ids[: h.num_tokens]):
             raise ValueError(f"kv_transfer_params: the handle holds the K/V of {h.num_tokens} other tokens than this "
-                             f"prompt's first {len(ids) - 1}")
+                             f"prompt's first {want}")
         if h.num_tokens and not get_connector(name).has(h.key):
             raise ValueError("kv_transfer_params: the handle's blocks can no longer be loaded (already loaded or "
                              "released, dropped, or the engine that saved them is gone)")
         return (h if h.num_tokens else None), False
+
+    def _transfer_tokens(self, num_prompt_tokens: int) -> int:
+        """Tokens whose K/V a prefill engine saves for a prompt of ``num_prompt_tokens``: the first
+        ``P - 1`` (the decode engine computes the last, for its logits); with a 2-/4-bit cache the
+        full blocks among them only (their packed codes and scales; the rows of a partial block
+        are in a residual slot, or already quantized with the last token: the decode engine
+        computes those at most ``block_size - 1`` tokens too, exactly as a cold run holds them)."""
+        n = num_prompt_tokens - 1
+        if kv_quant.is_lowbit(self.kv_cache_dtype):
+            n -= n % self.args.block_size
+        return max(n, 0)
 
     def _save_kv(self, req: Request) -> None:
         """Save the K/V of ``req``'s first ``P - 1`` prompt tokens for another engine
@@ -624,7 +637,7 @@ class EngineCore:
         from kvserve.distributed.kv_transfer import KVTransferHandle, get_connector
         from kvserve.distributed.kv_transfer.base import token_digest
 
-        n = req.num_prompt_tokens - 1
+        n = self._transfer_tokens(req.num_prompt_tokens)
         connector = get_connector(self.args.kv_connector)
         key, nbytes = None, 0
         if n > 0:
