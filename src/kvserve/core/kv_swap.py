@@ -194,8 +194,9 @@ class KVSwapSpace:
             :meth:`kvserve.worker.worker.Worker.initialize_swap_space`): the swaps are recorded in
             ``ops`` for the caller to hand to the workers. Or device pools in this process, per
             layer ``(K, V)``, each ``[num_blocks, block_size, num_kv_heads, row]`` (any dtype,
-            8-bit rows with their scales included; unit tests): the swap space then allocates a
-            host pool beside them and applies each swap at once.
+            8-bit rows with their scales included; or 2-/4-bit
+            :class:`~kvserve.worker.kv_quant_lowbit.LowBitPool` s; unit tests): the swap space
+            then allocates a host pool beside them and applies each swap at once.
         num_blocks: host blocks (see :func:`num_host_blocks`).
         ops: the record to append the swaps to (the engine core passes its KV manager's
             :attr:`~kvserve.core.kv_cache_manager.KVCacheManager.ops`, so that copies and swaps

@@ -115,6 +115,7 @@ class KVBlockMover:
         if have is not None and need > have:
             raise ValueError(f"swap_space: the host pool needs {need / GiB:.2f} GiB ({num_blocks} blocks), but only "
                              f"{have / GiB:.2f} GiB of host memory is available; lower swap_space (--swap-space)")
+
         def zeros(shape, dtype):
             return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=self.pin)
 
@@ -167,7 +168,8 @@ class KVBlockMover:
 
     def save(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The K/V of device blocks ``blocks``, copied out: per layer ``(K, V)``, each
-        ``[len(blocks), block_size, num_kv_heads, row]`` in the pools' dtype, on the CPU (a KV
+        ``[len(blocks), block_size, num_kv_heads, row]`` in the pools' dtype (2-/4-bit pools: the
+        packed blocks, uint8 ``[len(blocks), num_kv_heads, block_bytes]``), on the CPU (a KV
         connector's payload, :mod:`kvserve.distributed.kv_transfer`)."""
         flat = self.save_blocks(blocks)
         return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(self.kv_caches))]
