@@ -200,6 +200,20 @@ def test_unsupported_combinations_are_refused(kv, extra, what):
     EngineArgs(kv_cache_dtype=kv, swap_space=1.0, preemption_mode="recompute").check()  # recompute: fine
 
 
+@pytest.mark.parametrize("kv", LOWBIT)
+def test_the_disk_tier_swap_and_kv_connector_are_accepted(kv, tmp_path):
+    """(their engine tests: tests/engine/test_kv_offload_lowbit.py, tests/core/test_kv_swap_lowbit.py,
+    tests/distributed/test_kv_transfer_lowbit.py)"""
+    EngineArgs(kv_cache_dtype=kv, swap_space=1.0).check()
+    EngineArgs(kv_cache_dtype=kv, preemption_mode="swap", swap_space=0.5).check()
+    EngineArgs(kv_cache_dtype=kv, kv_offload_dir=str(tmp_path), kv_offload_gib=1.0).check()
+    EngineArgs(kv_cache_dtype=kv, kv_connector="local").check()
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{kv}' is not supported with kv_compression \(2-/4-bit KV "
+                                         r"runs on one rank, with no speculative decoding or KV compression\)"):
+        EngineArgs(kv_cache_dtype=kv, swap_space=1.0, kv_compression={"method": "streaming_llm", "sink_tokens": 4,
+                                                                      "window": 64}).check()
+
+
 def test_cli_plan_reports_the_lowbit_pool(tiny_model_dir, capsys):
     from kvserve.entrypoints.cli import main
 
