@@ -91,3 +91,23 @@ def test_blocks_loaded_into_blocks_just_freed(folder, kv):
     decode.kv.residual.end_step()
     decode.kv.check_invariants()
     assert decode.kv.residual.num_free == decode.kv.residual.num_slots
+
+
+def test_ray_blocks_pack_and_unpack_packed_parts_of_two_sizes():
+    """The Ray connector's per-block objects (no Ray needed): whole-row payloads stack into one
+    tensor per block as before; 2-/4-bit payloads (K and V blocks of different byte sizes) go as a
+    tuple of parts per block; unpacking any subset of blocks gives those blocks back exactly."""
+    import torch
+
+    from kvserve.distributed.kv_transfer.ray_connector import _pack_block, _unpack_blocks
+
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randn(3, 4, 2, 16, generator=g), torch.randn(3, 4, 2, 16, generator=g)) for _ in range(2)]
+    packed = [(torch.randint(0, 256, (3, 2, 96), dtype=torch.uint8, generator=g),
+               torch.randint(0, 256, (3, 2, 72), dtype=torch.uint8, generator=g)) for _ in range(2)]
+    for payload in (rows, packed):
+        objs = [_pack_block(payload, b) for b in range(3)]
+        assert isinstance(objs[0], torch.Tensor) == (payload is rows)
+        got = _unpack_blocks([objs[2], objs[0]])
+        for (k, v), (k0, v0) in zip(got, payload):
+            assert torch.equal(k, k0[[2, 0]]) and torch.equal(v, v0[[2, 0]])

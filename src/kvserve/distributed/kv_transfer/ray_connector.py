@@ -3,7 +3,8 @@
 The prefill engine's process puts each block of each worker's shard into the object store as an
 object of its own (``ray.put`` of one contiguous tensor ``[2 · num_layers, block_size,
 num_kv_heads, row]``: per layer K then V, copied out so that an object never pickles the storage
-of a larger tensor it is a view of), plus one small object that stands for the whole save. The
+of a larger tensor it is a view of; for the 2-/4-bit caches a tuple of the packed K and V blocks,
+which differ in size), plus one small object that stands for the whole save. The
 process owns the objects; a handle that travels to another process carries the ``ObjectRef`` s
 (:class:`RayKVKey`) and Ray counts that process as a borrower. The decode engine's worker gets
 only the blocks its prefix cache lacks (``ray.get`` of those blocks' refs: shared memory on one
@@ -62,15 +63,24 @@ class RayKVKey(NamedTuple):
     blocks: tuple
 
 
-def _pack_block(payload: KVPayload, b: int) -> torch.Tensor:
+def _pack_block(payload: KVPayload, b: int):
     """Block ``b`` of one worker's payload as one new contiguous tensor ``[2 · num_layers,
-    block_size, num_kv_heads, row]`` (a copy: a view would pickle its whole storage)."""
-    return torch.stack([t[b] for pair in payload for t in pair])
+    block_size, num_kv_heads, row]`` (a copy: a view would pickle its whole storage); for the
+    2-/4-bit caches, whose packed K and V blocks differ in size (uint8 ``[num_kv_heads,
+    block_bytes]``, :mod:`kvserve.worker.kv_quant_lowbit`), a tuple of ``2 · num_layers`` copies."""
+    parts = [t[b] for pair in payload for t in pair]
+    if all(p.shape == parts[0].shape and p.dtype == parts[0].dtype for p in parts):
+        return torch.stack(parts)
+    return tuple(p.clone() for p in parts)
 
 
-def _unpack_blocks(blocks: Sequence[torch.Tensor]) -> KVPayload:
-    """Per-block tensors (:func:`_pack_block`) back to a payload: per layer ``(K, V)``, each
-    ``[len(blocks), block_size, num_kv_heads, row]`` (contiguous views of one stacked tensor)."""
+def _unpack_blocks(blocks: Sequence) -> KVPayload:
+    """Per-block objects (:func:`_pack_block`) back to a payload: per layer ``(K, V)``, each
+    ``[len(blocks), block_size, num_kv_heads, row]`` (contiguous views of one stacked tensor), or
+    for 2-/4-bit blocks ``[len(blocks), num_kv_heads, block_bytes]`` each."""
+    if not isinstance(blocks[0], torch.Tensor):
+        parts = [torch.stack([blk[j] for blk in blocks]) for j in range(len(blocks[0]))]
+        return [(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
     x = torch.stack(list(blocks), dim=1)  # [2 · num_layers, n, block_size, heads, row]
     return [(x[i], x[i + 1]) for i in range(0, x.shape[0], 2)]
 
