@@ -73,8 +73,25 @@ def test_a_bad_replica_option_fails_before_anything_starts(tiny_model_dir):
     assert time.monotonic() - t0 < 30  # no Ray, no model
 
 
+@pytest.fixture
+def restore_logging():
+    """``main`` sets the ``kvserve`` loggers' levels (and may configure the root logger) as the
+    command line does: put them back, so that later tests see the defaults."""
+    import logging
+
+    names = ("kvserve", "kvserve.entrypoints.openai")
+    levels = {n: logging.getLogger(n).level for n in names}
+    root = logging.getLogger()
+    handlers, root_level = list(root.handlers), root.level
+    yield
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
+    root.handlers[:] = handlers
+    root.setLevel(root_level)
+
+
 @pytest.mark.parametrize("args, message", BAD_REPLICA_OPTIONS)
-def test_bad_replica_options_fail_before_anything_starts(args, message, tiny_model_dir, capsys):
+def test_bad_replica_options_fail_before_anything_starts(args, message, tiny_model_dir, capsys, restore_logging):
     """Each bad option through the command line's ``main`` in this process (a process each
     costs ~4 s of imports): exit status 2 and the message, before Ray or the model."""
     from kvserve.entrypoints.cli import main
