@@ -46,6 +46,21 @@ def run_workload(engine, requests: list[dict], step_cap: int) -> tuple[dict[str,
     return ids, final
 
 
+def draw_sampling_params(draw, kind: str, max_tokens: int) -> SamplingParams:
+    """A randomized workload request's parameters of ``kind`` (a hypothesis ``draw`` for its seed):
+    ``greedy`` (EOS ignored), ``seeded`` (temperature 1), ``samples`` (n = 2, temperature 0.8,
+    seeded), else beam search (width 2, n = 2)."""
+    from hypothesis import strategies as st
+
+    if kind == "greedy":
+        return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    if kind == "seeded":
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=draw(st.integers(0, 99)))
+    if kind == "samples":
+        return SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=draw(st.integers(0, 99)), n=2)
+    return SamplingParams(max_tokens=max_tokens, use_beam_search=True, beam_width=2, n=2, ignore_eos=True)
+
+
 # Fixtures shared by the randomized engine tests (engine/test_engine_randomized.py, core/test_kv_swap.py)
 MAX_MODEL_LEN = 64
 STEP_CAP = 2000

@@ -20,7 +20,7 @@ from kvserve import SamplingParams, StructuredOutputsParams
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 from kvserve.core.kv_swap import HostBlockAllocator, KVSwapSpace, check_swap_options
 from workload import MAX_MODEL_LEN, STEP_CAP, _summary, alone, folders  # noqa: F401
-from workload import run_workload
+from workload import draw_sampling_params, run_workload
 
 GiB = 1 << 30
 BLOCK = 4
@@ -279,14 +279,7 @@ def pressed_workloads(draw):
         prompt = head + draw(st.lists(st.integers(3, 383), min_size=1 if not head else 0, max_size=20))
         max_tokens = draw(st.integers(8, min(24, MAX_MODEL_LEN - len(prompt))))
         kind = draw(st.sampled_from(["greedy", "greedy", "seeded", "samples", "beam"]))
-        if kind == "greedy":
-            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        elif kind == "seeded":
-            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=draw(st.integers(0, 99)))
-        elif kind == "samples":
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=draw(st.integers(0, 99)), n=2)
-        else:
-            params = SamplingParams(max_tokens=max_tokens, use_beam_search=True, beam_width=2, n=2, ignore_eos=True)
+        params = draw_sampling_params(draw, kind, max_tokens)
         requests.append(dict(prompt=tuple(prompt), params=params, priority=draw(st.integers(0, 1)),
                              arrive=draw(st.integers(0, 3)), abort=draw(st.sampled_from([None] * 6 + [2, 5, 9]))))
     need = max(-(-(len(r["prompt"]) + r["params"].max_tokens) // block_size)

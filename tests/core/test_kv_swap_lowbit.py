@@ -21,7 +21,7 @@ from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 from kvserve.worker import kv_quant_lowbit as lb
 
 from test_kv_swap import _assert_swapped, _check_swap, _engine, _prompts, _run
-from workload import STEP_CAP, _summary, run_workload
+from workload import STEP_CAP, _summary, draw_sampling_params, run_workload
 
 LOWBIT = ("int4", "int2")
 
@@ -123,14 +123,7 @@ def lowbit_workloads(draw):
         prompt = head + draw(st.lists(st.integers(3, 383), min_size=1 if not head else 0, max_size=20))
         max_tokens = draw(st.integers(8, 24))
         kind = draw(st.sampled_from(["greedy", "greedy", "seeded", "seeded", "samples", "beam"]))
-        if kind == "greedy":
-            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        elif kind == "seeded":
-            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=draw(st.integers(0, 99)))
-        elif kind == "samples":
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=draw(st.integers(0, 99)), n=2)
-        else:
-            params = SamplingParams(max_tokens=max_tokens, use_beam_search=True, beam_width=2, n=2, ignore_eos=True)
+        params = draw_sampling_params(draw, kind, max_tokens)
         requests.append(dict(prompt=tuple(prompt), params=params, arrive=draw(st.integers(0, 3)), abort=None))
     need = max(-(-(len(r["prompt"]) + r["params"].max_tokens) // block_size)
                * (r["params"].beam_width if r["params"].use_beam_search else 1) for r in requests)
