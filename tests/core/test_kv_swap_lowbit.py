@@ -8,8 +8,6 @@ recomputed; every block, host block and residual slot (device and host) is free 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
