@@ -51,7 +51,7 @@ LONG = {"prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "temperatur
 
 
 def test_sigterm_drains_live_streams_then_exits(tiny_folder):
-    s = CLIServer(tiny_folder, "--shutdown-timeout", "5")
+    s = CLIServer(tiny_folder, "--shutdown-timeout", "10")
     try:
         longs = [({}, threading.Event()) for _ in range(8)]
         threads = [threading.Thread(target=_stream, args=(s.base, LONG, out, ev)) for out, ev in longs]
@@ -65,7 +65,7 @@ def test_sigterm_drains_live_streams_then_exits(tiny_folder):
         threads.append(threading.Thread(target=_stream, args=(
             s.base, {"prompt": [4, 5], "max_tokens": 120, "ignore_eos": True}, short, short_started)))
         threads[-1].start()
-        assert short_started.wait(60)  # (about 100 tokens/s each: the short one needs about 1 s of the 5)
+        assert short_started.wait(60)  # (about 100 tokens/s each: the short one needs 1-3 s of the 10)
         signalled = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -83,7 +83,7 @@ def test_sigterm_drains_live_streams_then_exits(tiny_folder):
         err = s.stderr
         assert rc == 0, err
         assert "Traceback" not in err, err
-        assert 5 <= took < 30, took
+        assert 10 <= took < 35, took
         assert pid_gone(s.core_pid, timeout=5.0), "the engine core outlived the server"
         # the short stream finished normally within the time-out
         assert "error" not in short and short["status"] == 200
@@ -100,7 +100,7 @@ def test_sigterm_drains_live_streams_then_exits(tiny_folder):
             assert all(e["choices"][0]["finish_reason"] is None for e in ev[:-2] if e["choices"])
         assert unstreamed.get("status") == 503, unstreamed
         assert unstreamed["json"]["error"]["code"] == "shutdown"
-        assert "SIGTERM: shutting down; no new requests, 10 live request(s) may finish within 5 s" in err, err
+        assert "SIGTERM: shutting down; no new requests, 10 live request(s) may finish within 10 s" in err, err
         assert "shutdown time-out: ending 9 live request(s)" in err, err
     finally:
         s.kill()
