@@ -122,6 +122,19 @@ def test_completion_stream_matches_and_ends_with_done(server, client):
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
 
 
+def test_stream_events_stay_one_line_whatever_the_text(server):
+    """U+0085, U+2028 and U+2029 are line breaks to ``str.splitlines`` and to httpx's
+    ``iter_lines`` but not to JSON: the server escapes them, so each event stays one line (an
+    echoed prompt puts them in the streamed text; raw, httpx cut the event in two)."""
+    prompt = "The quick\u2028brown\x85fox\u2029jumps"
+    with httpx.stream("POST", server.base_url + "/v1/completions",
+                      json={"prompt": prompt, "max_tokens": 2, "echo": True, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events), events
+    text = "".join(json.loads(e[len("data: "):])["choices"][0]["text"] for e in events[:-1])
+    assert text.startswith(prompt), text
+
+
 def test_chat_roles_multi_turn_and_stream(client, offline):
     msgs = [
         {"role": "system", "content": "You are terse."},

@@ -118,12 +118,20 @@ _DEADLINE: contextvars.ContextVar[Optional[tuple[float, float]]] = contextvars.C
 _KEY_USER: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("key_user", default=None)
 
 
+#: Line separators of ``str.splitlines`` that JSON leaves raw (it escapes only U+0000-U+001F):
+#: clients that split an event stream with ``splitlines`` semantics (httpx's ``iter_lines``)
+#: would cut an event at them, so server-sent events carry them escaped.
+_RAW_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 def _sse(obj: Any) -> str:
-    return f"data: {_dumps(obj)}\n\n"
+    """One server-sent event: ``data: <JSON>`` and a blank line, on one line whatever the text
+    holds (U+0085, U+2028 and U+2029 as JSON escapes)."""
+    return f"data: {_dumps(obj).translate(_RAW_LINE_BREAKS)}\n\n"
 
 
 class _AbortOnClose(StreamingResponse):
