@@ -244,6 +244,24 @@ def test_an_actor_that_dies_between_steps_makes_the_engine_unhealthy(llama, ray_
     assert _wait_until(_cluster_idle)
 
 
+def test_tp2_int4_kv_on_ray_actors_equals_one_rank(llama, ray_cluster):
+    """2-/4-bit KV on Ray actors, which get their inputs by value (no memory shared with the
+    driver): the residual map reaches the actor with each step, so its partial-block copies
+    (n / best_of / beams) and its reads of partial blocks match the driver's. The mixed
+    workload with swap preemption gives the one-rank outputs."""
+    kw = dict(num_blocks=24, swap_space=0.01, preemption_mode="swap", kv_cache_dtype="int4")
+    ref = run(_engine(llama, 1, **kw), mixed_workload())
+    eng = _engine(llama, 2, **kw)
+    try:
+        assert isinstance(eng.executor, RayExecutor)
+        got = run(eng, mixed_workload())
+        assert [summary(o) for o in got] == [summary(o) for o in ref]
+        assert eng.scheduler.num_preemptions > 0 and eng.stats()["swap_num_swap_outs"] > 0
+    finally:
+        eng.core.shutdown()
+    assert _wait_until(_cluster_idle)
+
+
 def test_joining_a_running_cluster_through_ray_address(llama, ray_cluster):
     """``kvserve generate -tp 2 --distributed-executor-backend ray`` in a process of its own, with
     RAY_ADDRESS naming this module's Ray instance: it joins it, prints the one-rank text, and

@@ -85,6 +85,23 @@ def test_tp2_draft_model_speculation_with_a_grammar_equals_one_rank(llama, tiny_
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
 
 
+@pytest.mark.parametrize("kv", ["int4", "int2"])
+def test_tp2_lowbit_kv_with_swap_and_block_copies_equals_one_rank(llama, kv):
+    """2-/4-bit KV at two ranks: each rank packs its KV heads, and the residual map (the
+    partial blocks' model-dtype slots) reaches rank 1 with each step. The mixed workload's
+    n / best_of / beams copy partial blocks (read through the map) and the tight pool swaps
+    running requests out with their residual rows: the same outputs as at one rank."""
+    eng, got = _same_as_one_rank(llama, mixed_workload(), num_blocks=24, swap_space=0.01, preemption_mode="swap",
+                                 kv_cache_dtype=kv)
+    stats = eng.stats()
+    assert eng.scheduler.num_preemptions > 0 and stats["swap_num_swap_outs"] > 0
+    assert got[4].num_cached_tokens > 0
+    r = eng.core.kv.residual  # (the last frees' slots come back after the step that would follow)
+    r.end_step()
+    eng.core.kv.check_invariants()
+    assert r.num_free == r.num_slots and bool((r.map == -1).all())
+
+
 @pytest.mark.parametrize("arch", ["mistral_window", "gemma3", "llama_mqa"])
 def test_tp2_sliding_windows_gemma3_and_replicated_kv_heads_equal_one_rank(tiny_model_dir, arch):
     reqs = [(p * 4, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for p in PROMPTS[:3]]

@@ -190,7 +190,6 @@ def test_bad_kv_cache_dtype_lists_the_allowed_values(bad):
 
 @pytest.mark.parametrize("extra,what", [
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(kv_compression={"method": "streaming_llm", "sink_tokens": 4, "window": 64}), "kv_compression"),
 ])
 @pytest.mark.parametrize("kv", LOWBIT)
@@ -201,15 +200,16 @@ def test_unsupported_combinations_are_refused(kv, extra, what):
 
 
 @pytest.mark.parametrize("kv", LOWBIT)
-def test_the_disk_tier_swap_and_kv_connector_are_accepted(kv, tmp_path):
+def test_the_disk_tier_swap_kv_connector_and_tp_are_accepted(kv, tmp_path):
     """(their engine tests: tests/engine/test_kv_offload_lowbit.py, tests/core/test_kv_swap_lowbit.py,
-    tests/distributed/test_kv_transfer_lowbit.py)"""
+    tests/distributed/test_kv_transfer_lowbit.py, tests/executor/test_tensor_parallel_engine.py)"""
     EngineArgs(kv_cache_dtype=kv, swap_space=1.0).check()
+    EngineArgs(kv_cache_dtype=kv, tensor_parallel_size=2).check()
     EngineArgs(kv_cache_dtype=kv, preemption_mode="swap", swap_space=0.5).check()
     EngineArgs(kv_cache_dtype=kv, kv_offload_dir=str(tmp_path), kv_offload_gib=1.0).check()
     EngineArgs(kv_cache_dtype=kv, kv_connector="local").check()
     with pytest.raises(ValueError, match=rf"kv_cache_dtype='{kv}' is not supported with kv_compression \(2-/4-bit KV "
-                                         r"runs on one rank, with no speculative decoding or KV compression\)"):
+                                         r"runs with no speculative decoding or KV compression\)"):
         EngineArgs(kv_cache_dtype=kv, swap_space=1.0, kv_compression={"method": "streaming_llm", "sink_tokens": 4,
                                                                       "window": 64}).check()
 

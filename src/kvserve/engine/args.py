@@ -286,23 +286,23 @@ class EngineArgs:
         (``preemption_mode='swap'``: packed blocks, and a partial last block's residual rows in a
         host residual slot: :mod:`kvserve.core.kv_swap`) and a KV connector (``kv_connector``:
         the prompt's full blocks travel packed; the decode engine computes the tokens of the
-        last partial block itself).
+        last partial block itself) and tensor parallelism (each rank packs its own KV heads;
+        the residual map goes to the other ranks with each step).
 
         Raises:
             ValueError: naming ``kv_cache_dtype`` and the option it cannot run with: speculative
-                decoding, tensor parallelism, KV compression (their block moves and the draft's
-                pool know only whole-row formats).
+                decoding, KV compression (their block moves and the draft's pool know only
+                whole-row formats).
         """
         kd = f"{name('kv_cache_dtype')}={self.kv_cache_dtype!r}"
         refused = [
             (self.speculative_config is not None, name("speculative_config")),
-            (self.tensor_parallel_size > 1, name("tensor_parallel_size") + " > 1"),
             (self.kv_compression is not None, name("kv_compression")),
         ]
         for bad, what in refused:
             if bad:
-                raise ValueError(f"{kd} is not supported with {what} (2-/4-bit KV runs on one rank, "
-                                 f"with no speculative decoding or KV compression); "
+                raise ValueError(f"{kd} is not supported with {what} (2-/4-bit KV runs with no "
+                                 f"speculative decoding or KV compression); "
                                  f"use kv_cache_dtype 'int8' or 'auto' for that")
 
 

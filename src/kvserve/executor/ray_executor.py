@@ -265,10 +265,10 @@ class RayWorkerActor:
         except BaseException as e:  # noqa: BLE001 - raised to the driver
             raise _picklable_error(e, self.rank) from None
 
-    def execute_forward(self, kv_ops, input_ids, positions, meta, logits_indices) -> None:
+    def execute_forward(self, kv_ops, input_ids, positions, meta, logits_indices, residual=None) -> None:
         """:meth:`Worker.execute_forward` on the driver's batch."""
         try:
-            self.worker.execute_forward(kv_ops, input_ids, positions, meta, logits_indices)
+            self.worker.execute_forward(kv_ops, input_ids, positions, meta, logits_indices, residual)
         except BaseException as e:  # noqa: BLE001 - raised to the driver
             raise _picklable_error(e, self.rank) from None
 

@@ -20,6 +20,7 @@ it builds the batch tensors, hands them to the executor to send to the other ran
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable, Optional
 
@@ -78,6 +79,7 @@ class Worker:
         self.kv_caches: Optional[list] = None
         self.kv_mover: Optional[KVBlockMover] = None
         self.runner: Optional[ModelRunner] = None
+        self._rank_residual_map: Optional[torch.Tensor] = None  # (ranks > 0, 2-/4-bit pools: execute_forward)
         self.num_threads: Optional[int] = None  # torch threads of this rank's steps (None: as they are)
         self._in_group = False  # (joined the ranks' process group, and not left it)
         if world_size > 1:
@@ -251,21 +253,30 @@ class Worker:
         if broadcast is None:
             return self.runner.execute(scheduler_output)
         ops = scheduler_output.kv_ops
-        return self.runner.execute(scheduler_output, lambda batch: broadcast(ops, (
-            batch.input_ids, batch.positions, batch.meta, batch.logits_indices)))
+        return self.runner.execute(scheduler_output, lambda batch: broadcast(ops, _rank_inputs(batch)))
 
     @torch.inference_mode()
     def execute_forward(self, kv_ops: KVCacheOps, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                        logits_indices: torch.Tensor) -> None:
+                        logits_indices: torch.Tensor, residual: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None
+                        ) -> None:
         """A rank other than the driver's part of a step: the step's block ops, then the
         forward over the driver's batch tensors (``input_ids`` / ``positions`` ``[T]`` int64,
         the :class:`~kvserve.worker.attention.AttentionMetadata`, ``logits_indices`` ``[S]``
         int64); the logits go to the driver.
 
+        ``residual`` (2-/4-bit pools): the KV manager's residual map as of this step, sparse
+        (``blocks``, ``slots``: ``[N]`` int64 each, the blocks that hold a residual slot, and
+        the pool's ``num_blocks``): the rank's copy of the map is rebuilt from it before the
+        block ops (a block copy reads it) and the forward (:func:`_rank_inputs` sends it; the
+        driver reads the KV manager's map itself).
+
         Raises:
             KVCacheOpsError: applying the ops failed.
         """
         self._pin_threads()
+        if residual is not None:
+            self._set_residual_map(*residual)
+            meta.residual_map = self.kv_mover.residual_map
         if kv_ops:
             self.apply_kv_ops(kv_ops)
         meta = _to_device(meta, self.device)
@@ -273,6 +284,18 @@ class Worker:
                    logits_indices.to(self.device))
         if meta.kv_probes:  # (this rank's KV heads' compression scores)
             self.kv_mover.compressor.accumulate(meta)
+
+    def _set_residual_map(self, blocks: torch.Tensor, slots: torch.Tensor, num_blocks: int) -> None:
+        """This rank's ``block → residual slot`` map (``[num_blocks]`` int64, -1: none) set to
+        the driver's: ``slots`` at ``blocks``, -1 elsewhere. A map of the rank's own: the one
+        ``init_model_runner`` got may share its memory with the driver's (a tensor sent over a
+        ``multiprocessing`` pipe goes through shared memory), which must not be written here."""
+        rmap = self._rank_residual_map
+        if rmap is None or rmap.numel() != num_blocks:
+            rmap = self._rank_residual_map = torch.empty(num_blocks, dtype=torch.long, device=self.device)
+        rmap.fill_(-1)
+        rmap.index_copy_(0, blocks.to(self.device), slots.to(self.device))
+        self.kv_mover.residual_map = rmap
 
     def _pin_threads(self) -> None:
         """This thread's torch threads to the rank's share of the cores (a no-op at one rank)."""
@@ -287,6 +310,20 @@ class Worker:
         if self._in_group:
             self._in_group = False
             parallel_state.destroy_distributed()
+
+
+def _rank_inputs(batch) -> tuple:
+    """What the other ranks get of a step's batch for :meth:`Worker.execute_forward`: its
+    tensors and metadata; with 2-/4-bit pools the residual map goes sparse, as ``(blocks,
+    slots, num_blocks)`` of the blocks holding a slot (a few per running sequence, not one
+    entry per block of the pool), beside metadata without it."""
+    meta = batch.meta
+    rmap = meta.residual_map
+    if rmap is None:
+        return batch.input_ids, batch.positions, meta, batch.logits_indices
+    blocks = torch.nonzero(rmap >= 0).flatten()
+    sent = dataclasses.replace(meta, residual_map=None)
+    return batch.input_ids, batch.positions, sent, batch.logits_indices, (blocks.cpu(), rmap[blocks].cpu(), rmap.numel())
 
 
 def _to_device(obj, device: torch.device):
