@@ -49,8 +49,14 @@ under that interpreter, a venv holding kvpress and its transformers) on the same
 ``SnapKVPress`` and ``StreamingLLMPress`` at the same budgets, and prints its answers and
 accuracy beside kvserve's.
 
+The passkey prompts of a row are submitted together (the engine batches them). ``--json FILE``
+keeps the rows, with each row's answers and the full cache's teacher-forced logprobs and top-1
+tokens; ``--reference FILE`` reads those back, so a grid can run in parts (one KV dtype at a
+time) against one reference.
+
 Usage (the issue's full grid; hours on the 2-core machine):
-    python benchmarks/kv_quality.py
+    python benchmarks/kv_quality.py --json grid.json
+    python benchmarks/kv_quality.py --kv-cache-dtypes int4 int2 --reference grid.json  # a part
 Reduced:
     python benchmarks/kv_quality.py --lengths 1024 2048 --depths 3 --ppl-lengths 2048 \\
         --methods none streaming_llm snapkv h2o --budgets 0.25 --kv-cache-dtypes auto int8 int4 int2
@@ -216,11 +222,14 @@ def ppl(logprobs: Sequence[float]) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
-def passkey_answer(llm, ids: list[int], comp, answer_tokens: int) -> str:
+def passkey_answers(llm, prompts: Sequence[list[int]], comps: Sequence[Optional[dict]], answer_tokens: int
+                    ) -> list[str]:
+    """Greedy answers to the passkey prompts, all submitted at once (each with its own KV
+    compression policy ``comps[i]``; the engine batches them as it batches any requests)."""
     from kvserve import SamplingParams
 
-    o = llm.generate([ids], SamplingParams(max_tokens=answer_tokens, temperature=0, kv_compression=comp))[0]
-    return o.outputs[0].text
+    params = [SamplingParams(max_tokens=answer_tokens, temperature=0, kv_compression=c) for c in comps]
+    return [o.outputs[0].text for o in llm.generate([list(p) for p in prompts], params)]
 
 
 # ------------------------------------------------------------------------------------ kvpress
@@ -278,6 +287,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--reference", help="an earlier run's --json: take the full cache's teacher-forced logprobs "
+                                        "(Δppl, top-1) from it instead of the first KV dtype's method-none row")
     ap.add_argument("--kvpress-python", help="interpreter of a venv with kvpress (compare SnapKV/StreamingLLM)")
     ap.add_argument("--kvpress-cases", type=int, default=4, help="passkey cases per method for kvpress")
     ap.add_argument("--kvpress-worker", help=argparse.SUPPRESS)
@@ -310,6 +321,15 @@ def main() -> None:
           flush=True)
     texts = None
     kvserve_answers: dict = {}
+    if a.reference:
+        with open(a.reference) as f:
+            for r in json.load(f):
+                for L in a.ppl_lengths:
+                    if f"ref@{L}" in r:
+                        full[("auto", L)] = r[f"ref@{L}"]
+        missing = [L for L in a.ppl_lengths if ("auto", L) not in full]
+        if missing:
+            raise SystemExit(f"--reference {a.reference}: no full-cache reference for --ppl-lengths {missing}")
     for kvd in a.kv_cache_dtypes:
         try:
             llm = LLM(dtype=a.dtype, kv_cache_dtype=kvd, max_model_len=a.max_model_len,
@@ -336,12 +356,13 @@ def main() -> None:
                 continue
             for frac in ([1.0] if method == "none" else a.budgets):
                 row = {"kv_dtype": kvd, "method": method, "budget": frac}
-                hits = []
-                for (L, d, key), (ids, _, _) in zip(cases, prompts):
-                    comp = policy(method, max(64, int(frac * L)))
-                    ans = passkey_answer(llm, ids, comp, a.answer_tokens)
-                    hits.append(str(key) in ans)
+                answers = passkey_answers(llm, [ids for ids, _, _ in prompts],
+                                          [policy(method, max(64, int(frac * L))) for L, _, _ in cases],
+                                          a.answer_tokens)
+                hits = [str(key) in ans for (_, _, key), ans in zip(cases, answers)]
+                for (L, d, _), ans in zip(cases, answers):
                     kvserve_answers[(kvd, method, frac, L, d)] = ans
+                row["answers"] = answers
                 row["passkey"] = sum(hits) / len(hits)
                 row["passkey_by_length"] = {L: sum(h for h, c in zip(hits, cases) if c[0] == L) / len(depths)
                                             for L in a.lengths}
@@ -352,22 +373,24 @@ def main() -> None:
                     row[f"tok_s@{L}"] = r["tok_s"]
                     row[f"kv_bytes@{L}"] = r["most_blocks"] * block_bytes
                     key_full = ("auto", L)
-                    if method == "none" and kvd == a.kv_cache_dtypes[0]:
+                    if method == "none" and kvd == a.kv_cache_dtypes[0] and not a.reference:
                         full[key_full] = r
+                        row[f"ref@{L}"] = {"logprobs": r["logprobs"], "top1": r["top1"]}
                         row[f"prompt_logprobs_ppl@{L}"] = ppl(prompt_logprobs(llm, texts[L], a.ppl_tokens))
                     ref = full.get(key_full)
                     if ref is not None:
                         row[f"dppl@{L}"] = row[f"ppl@{L}"] - ppl(ref["logprobs"])
                         row[f"top1@{L}"] = sum(x == y for x, y in zip(r["top1"], ref["top1"])) / len(r["top1"])
                 rows.append(row)
-                print("# row " + json.dumps(row), flush=True)
+                print("# row " + json.dumps({k: v for k, v in row.items() if k != "answers" and not k.startswith("ref@")}),
+                      flush=True)
         llm.shutdown()
         del llm
 
     Ls = a.ppl_lengths
     print(f"\nSmolLM2-135M-Instruct {a.dtype} weights; passkey over lengths {a.lengths} x {len(depths)} depths; "
           f"perplexity on the last {a.ppl_tokens} tokens of {Ls}-token natural text; full cache = none / "
-          f"{a.kv_cache_dtypes[0]}; {time.time() - t_start:.0f} s, load average {os.getloadavg()[0]:.2f}")
+          f"{'auto, from ' + a.reference if a.reference else a.kv_cache_dtypes[0]}; {time.time() - t_start:.0f} s, load average {os.getloadavg()[0]:.2f}")
     head = ["KV dtype", "method", "budget", "passkey"] + [f"Δppl @{L}" for L in Ls] + [f"top-1 agree @{L}" for L in Ls] \
         + [f"KV bytes/seq @{L}" for L in Ls] + [f"decode tok/s @{L}" for L in Ls]
     print("| " + " | ".join(head) + " |")
