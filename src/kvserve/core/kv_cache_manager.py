@@ -24,7 +24,9 @@ KV compression (:mod:`kvserve.core.kv_compression`: StreamingLLM, SnapKV, H2O, p
 copies where a fork or the prefix cache shares them) and frees the rest; the request's
 ``num_dropped_tokens`` then separates a token's KV index (its slot) from its position, and every
 size here counts KV tokens (:attr:`Request.num_kv_tokens`). A compacted request inserts nothing
-more into the prefix cache (its blocks hold a selection, not a prefix).
+more into the prefix cache (its blocks hold a selection, not a prefix). With a 2-/4-bit cache
+the kept tokens are requantized into the new blocks and the partial last one keeps a residual
+slot (:mod:`kvserve.worker.kv_compressor`).
 """
 
 from __future__ import annotations
@@ -1102,7 +1104,11 @@ class KVCacheManager:
         the rest go back to the pool. The move is recorded in :attr:`ops`
         (:class:`~kvserve.core.kv_ops.Compaction`; applied at once with local pools). First the
         request's computed full blocks enter the prefix cache (their K/V is exact), and it leaves
-        the tree: the cache never holds a compacted block.
+        the tree: the cache never holds a compacted block. With a 2-/4-bit cache the op carries
+        the residual slots (:attr:`Compaction.src_residual`, :attr:`Compaction.dst_residual`): the
+        new table's partial last block (``num_kept % block_size``) keeps or gets one, its full
+        blocks hold none (the slot of a fresh block freed earlier is detached), and the old
+        partial block's slot comes back after the next forward, as for any freed block.
 
         Args:
             request: a running request with ``num_kv_tokens > num_kept``.
@@ -1111,7 +1117,8 @@ class KVCacheManager:
             num_kept: tokens kept.
 
         Returns:
-            False (nothing changed) when the fresh blocks a shared table needs do not fit.
+            False (nothing changed) when the fresh blocks a shared table needs do not fit, or no
+            residual slot is free for the new partial last block (2-/4-bit).
         """
         rid = request.request_id
         old = self.block_tables.get(rid)
@@ -1125,6 +1132,10 @@ class KVCacheManager:
         cache = self.cache
         owned = [i < len(old) and old[i] != FREED_BLOCK and self.pool.ref_counts[old[i]] == 1
                  and not (cache is not None and cache.is_cached(old[i])) for i in range(nb)]
+        r = self.residual
+        partial = num_kept % self.block_size != 0
+        if r is not None and partial and not (owned[-1] and r.has(old[nb - 1])) and not r.can_take(1):
+            return False  # (2-/4-bit: no residual slot for the kept tokens' partial last block)
         if not self._make_room(owned.count(False)):
             return False
         node = self._nodes.pop(rid, None)
@@ -1134,7 +1145,14 @@ class KVCacheManager:
         fresh = iter(self.pool.allocate(owned.count(False)))
         new = [old[i] if owned[i] else next(fresh) for i in range(nb)]
         cfg = request.kv_compression
-        self.ops.compact(Compaction(rid, list(old), n, list(new), num_kept, cfg.method, keep, cfg.to_dict()))
+        comp = Compaction(rid, list(old), n, list(new), num_kept, cfg.method, keep, cfg.to_dict())
+        if r is not None:  # 2-/4-bit: the residual slots the workers read and write (kv_compressor)
+            comp.src_residual = [int(r.map[b]) if b != FREED_BLOCK else -1 for b in old]
+            r.detach(new[: nb - 1] if partial else new)  # (full blocks are read from the packed data)
+            if partial:
+                r.ensure(new[-1])
+                comp.dst_residual = int(r.map[new[-1]])
+        self.ops.compact(comp)
         kept_in_place = {old[i] for i in range(nb) if owned[i]}
         self.pool.decref([b for b in held_blocks(old) if b not in kept_in_place])
         self.block_tables[rid] = new

@@ -82,6 +82,12 @@ class Compaction:
             (StreamingLLM); None when the worker selects them per layer and head from its scores
             (SnapKV, H2O: :mod:`kvserve.worker.kv_compressor`).
         params: the policy (:meth:`KVCompressionConfig.to_dict`).
+        src_residual: 2-/4-bit pools (:mod:`kvserve.worker.kv_quant_lowbit`): the residual slot of
+            each ``src_table`` entry at the compaction (-1: none, a full quantized block; a
+            sequence's partial last block has one); empty for other formats.
+        dst_residual: 2-/4-bit pools: the residual slot of ``dst_table[-1]`` when ``dst_len`` is
+            not a multiple of ``block_size`` (the kept tokens' partial last block, in the model
+            dtype), else -1.
     """
 
     request_id: str
@@ -92,6 +98,8 @@ class Compaction:
     method: str
     keep: Optional[list[int]] = None
     params: dict = field(default_factory=dict)
+    src_residual: list[int] = field(default_factory=list)
+    dst_residual: int = -1
 
 
 class KVCacheOpsError(RuntimeError):

@@ -284,25 +284,26 @@ class EngineArgs:
         Supported: the prefix cache's disk tier (``kv_offload_dir``: it holds full blocks only,
         written and read as the pools' packed codes and scales), swap preemption
         (``preemption_mode='swap'``: packed blocks, and a partial last block's residual rows in a
-        host residual slot: :mod:`kvserve.core.kv_swap`) and a KV connector (``kv_connector``:
+        host residual slot: :mod:`kvserve.core.kv_swap`), a KV connector (``kv_connector``:
         the prompt's full blocks travel packed; the decode engine computes the tokens of the
-        last partial block itself) and tensor parallelism (each rank packs its own KV heads;
-        the residual map goes to the other ranks with each step).
+        last partial block itself), tensor parallelism (each rank packs its own KV heads;
+        the residual map goes to the other ranks with each step) and KV compression
+        (``kv_compression``, engine-wide or per request: the kept tokens' K/V are dequantized and
+        requantized into the new blocks, :mod:`kvserve.worker.kv_compressor`).
 
         Raises:
             ValueError: naming ``kv_cache_dtype`` and the option it cannot run with: speculative
-                decoding, KV compression (their block moves and the draft's pool know only
-                whole-row formats).
+                decoding (the draft's pool and the rollback of rejected rows know only whole-row
+                formats).
         """
         kd = f"{name('kv_cache_dtype')}={self.kv_cache_dtype!r}"
         refused = [
             (self.speculative_config is not None, name("speculative_config")),
-            (self.kv_compression is not None, name("kv_compression")),
         ]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"{kd} is not supported with {what} (2-/4-bit KV runs with no "
-                                 f"speculative decoding or KV compression); "
+                                 f"speculative decoding); "
                                  f"use kv_cache_dtype 'int8' or 'auto' for that")
 
 

@@ -191,9 +191,6 @@ class EngineCore:
         if self.spec is not None and cfg.uses_scores:
             raise ValueError(f"kv_compression: {cfg.method} is not supported with speculative decoding (the "
                              f"attention of rejected drafts would count in its scores); streaming_llm is")
-        if kv_quant.is_lowbit(self.kv_cache_dtype):
-            raise ValueError(f"kv_compression is not supported with kv_cache_dtype={self.args.kv_cache_dtype!r} "
-                             f"(its compaction moves token rows; 2-/4-bit blocks are quantized whole)")
         if params is not None and params.use_beam_search:
             raise ValueError("kv_compression is not supported with use_beam_search (beams share their KV blocks "
                              "copy-on-write by position, which compaction would break)")

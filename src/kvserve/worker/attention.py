@@ -99,7 +99,8 @@ class KVProbe:
 PROBE_ROWS = 256
 
 
-def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMetadata", scale: float) -> None:
+def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMetadata", scale: float,
+                     k: Optional[torch.Tensor] = None) -> None:
     """For each probe of ``meta.kv_probes``, the column sums of its rows' attention probabilities,
     per KV head: ``softmax(q·kᵀ · scale)`` over the causal context, in float32, summed over the rows
     and over the query heads of each KV head's group → ``[num_kv_heads, c]``; appended (one list
@@ -107,16 +108,34 @@ def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMet
     per layer, after the step's K/V are written (so keys are read from the cache, 8-bit ones
     dequantized). A plain PyTorch path (the C kernels do not return probabilities).
 
+    2-/4-bit pools (:class:`~kvserve.worker.kv_quant_lowbit.LowBitPool`): the keys each query
+    attended (:func:`prefill_lowbit`, the decode kernels): the query at KV index ``p`` sees the
+    rows of its own block in the model dtype (this step's ``k``, or the block's residual slot for
+    rows of earlier steps) unless ``p`` is the block's last slot, and every other key as
+    :func:`read_cache` reads it (full blocks dequantized); the logits of both copies are computed
+    and chosen per query and key.
+
     Args:
         q: ``[T, num_heads, head_dim]`` the layer's queries (after RoPE).
         k_cache: the layer's K pool.
         meta: the step's metadata.
         scale: the softmax scale.
+        k: ``[T, num_kv_heads, head_dim]`` the step's keys (model dtype); needed for 2-/4-bit pools.
+
+    Raises:
+        ValueError: a 2-/4-bit pool without ``k``.
     """
+    lowbit = isinstance(k_cache, LowBitPool)
+    if lowbit and k is None:
+        raise ValueError("record_kv_probes: k (the step's keys) is required with a 2-/4-bit K pool")
     out = []
     H = q.shape[1]
     for p in meta.kv_probes:
-        ks = kv_quant.gather(k_cache, p.context_slots, q.dtype).float()  # [c, KVH, hd]
+        if lowbit:
+            ks = read_cache(k_cache, p.context_slots, q.dtype, meta).float()  # [c, KVH, hd]
+            b0, kf = _probe_own_keys(k, k_cache, meta, p)  # [c - b0, KVH, hd] model-dtype rows from b0
+        else:
+            ks = kv_quant.gather(k_cache, p.context_slots, q.dtype).float()  # [c, KVH, hd]
         c, KVH, hd = ks.shape
         g = H // KVH
         sums = torch.zeros(KVH, c, dtype=torch.float32, device=q.device)
@@ -125,10 +144,36 @@ def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMet
             rows, qkv = p.rows[r0 : r0 + PROBE_ROWS], p.query_kv[r0 : r0 + PROBE_ROWS]
             qs = q.index_select(0, rows).float().view(-1, KVH, g, hd)  # [m, KVH, g, hd]
             logits = torch.einsum("mkgd,ckd->kgmc", qs, ks) * scale
+            if lowbit:
+                bs = k_cache.block_size
+                jf = cols[b0:].unsqueeze(0)  # [1, c - b0]
+                own = (jf // bs == (qkv // bs).unsqueeze(1)) & (qkv % bs != bs - 1).unsqueeze(1)  # [m, c - b0]
+                lf = torch.einsum("mkgd,ckd->kgmc", qs, kf) * scale
+                logits[..., b0:] = torch.where(own.view(1, 1, *own.shape), lf, logits[..., b0:])
             logits.masked_fill_((cols.unsqueeze(0) > qkv.unsqueeze(1)).view(1, 1, -1, c), float("-inf"))
             sums += torch.softmax(logits, dim=-1).sum(dim=(1, 2))
         out.append(sums)
     meta.derived.setdefault("kv_probe", []).append(out)
+
+
+def _probe_own_keys(k: torch.Tensor, k_cache: LowBitPool, meta: "AttentionMetadata",
+                    p: KVProbe) -> tuple[int, torch.Tensor]:
+    """``(b0, [c - b0, KVH, hd] float32)``: the model-dtype keys of KV indices ``b0 .. c - 1``,
+    ``b0`` the first position of the block of the probe's first query: a row this step computed
+    from ``k`` (found by its slot: the request's rows are consecutive in the batch), an earlier
+    one from its block's residual slot (the step's raw residual map; a block partly written
+    before the step has one)."""
+    bs = k_cache.block_size
+    c = p.context_slots.shape[0]
+    b0 = int(p.query_kv.min()) // bs * bs
+    slots = p.context_slots[b0:]
+    br = p.rows[0] + torch.arange(b0, c, device=slots.device) - p.query_kv[0]  # batch row if computed now
+    T = meta.slot_mapping.shape[0]
+    now = (br >= 0) & (br < T)
+    now &= meta.slot_mapping.index_select(0, br.clamp(0, T - 1)) == slots
+    kf = kv_quant_lowbit.gather(k_cache, slots, meta.residual_map, k.dtype)  # earlier rows: their slot
+    kf[now] = k.index_select(0, br[now])
+    return b0, kf.float()
 
 
 @dataclass
@@ -242,7 +287,10 @@ class TorchSDPABackend(AttentionBackend):
             self.decode(q, k_cache, v_cache, meta, scale, out, window)
         self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
         if meta.kv_probes:
-            record_kv_probes(q, k_cache, meta, scale)
+            if isinstance(k_cache, LowBitPool):
+                record_kv_probes(q, k_cache, meta, scale, k=k)
+            else:
+                record_kv_probes(q, k_cache, meta, scale)
         return out
 
     @staticmethod
@@ -495,7 +543,10 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
             else:
                 self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
         if meta.kv_probes:
-            record_kv_probes(q, k_cache, meta, scale)
+            if isinstance(k_cache, LowBitPool):
+                record_kv_probes(q, k_cache, meta, scale, k=k)
+            else:
+                record_kv_probes(q, k_cache, meta, scale)
         return out
 
 
@@ -514,6 +565,8 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
             else:
                 self.decode(q, k_cache, v_cache, meta, scale, out, window)
         self.prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
+        if meta.kv_probes:  # (the C kernel returns no probabilities: PyTorch, record_kv_probes)
+            record_kv_probes(q, k_cache, meta, scale, k=k)
         return out
 
 

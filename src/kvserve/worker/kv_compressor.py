@@ -16,6 +16,19 @@ KV indices, the same everywhere (StreamingLLM) or per layer and head from the sc
 are gathered from the old slots, then scattered into the first slots of the new table (one gather
 and one scatter per layer and K/V; every read happens before a write, so old and new blocks may be
 the same); the scores and positions are gathered alike.
+
+2-/4-bit pools (:mod:`kvserve.worker.kv_quant_lowbit`, KIVI): rows cannot move inside packed
+blocks, so a compaction is defined on values: per layer, K/V and KV head, each kept token's row
+is read as the attention read it (its block dequantized if full, its model-dtype row from the
+residual slot if it sat in the sequence's partial last block), rounded to the model dtype; the
+kept rows become KV indices ``0 .. k - 1`` of the new table, every new full block is quantized
+from its ``block_size`` rows as a filling step would quantize it, and the ``k % block_size`` rows
+of a partial last block go into that block's residual slot in the model dtype (the slots travel
+in the op: :attr:`~kvserve.core.kv_ops.Compaction.src_residual` and ``dst_residual``). All reads
+of a pool happen before its writes. The probes' scores over such pools are the probabilities of
+the keys each query attended (:func:`kvserve.worker.attention.record_kv_probes`). A kept token's
+K/V is thus requantized once per compaction it survives (its value may move by up to half a
+new block's scale each time); the result depends only on the request's tokens and selection.
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ import torch
 
 from kvserve.core.kv_compression import h2o_keep, snapkv_keep
 from kvserve.core.kv_ops import Compaction
+from kvserve.worker import kv_quant_lowbit as lb
+from kvserve.worker.kv_quant_lowbit import LowBitPool
 
 
 @dataclass
@@ -114,14 +129,10 @@ class KVCompressor:
         src_slots = src_tab[keep // bs] * bs + keep % bs  # [L, KVH, k]
         heads = torch.arange(self.num_kv_heads, device=self.device).unsqueeze(1)  # [KVH, 1]
         uniform = c.keep is not None
-        for layer, pair in enumerate(self.kv_caches):
-            for cache in pair:
-                rows = _raw(cache).view(-1, *cache.shape[2:])  # [slots, KVH, row]
-                if uniform:
-                    kept = rows.index_select(0, src_slots[0, 0])
-                else:
-                    kept = rows[src_slots[layer], heads].transpose(0, 1)  # [k, KVH, row]
-                rows.index_copy_(0, dst_slots, kept.contiguous())
+        if isinstance(self.kv_caches[0][0], LowBitPool):
+            self._compact_lowbit(c, src_tab, dst_tab, src_slots)
+        else:
+            self._compact_rows(src_slots, dst_slots, heads, uniform)
         st = self.states.get(c.request_id)
         if st is not None:
             m = st.scores.shape[-1]
@@ -132,6 +143,36 @@ class KVCompressor:
             st.scores = st.scores[..., : c.src_len].gather(-1, keep)
             st.positions = st.positions[..., : c.src_len].gather(-1, keep)
         self.last_keep[c.request_id] = keep
+
+    def _compact_lowbit(self, c: Compaction, src_tab: torch.Tensor, dst_tab: torch.Tensor,
+                        src_slots: torch.Tensor) -> None:
+        """2-/4-bit pools (module docstring): per layer and K/V, the kept rows read as the queries
+        read them, then requantized into the new full blocks and the partial last one's residual
+        slot (:func:`~kvserve.worker.kv_quant_lowbit.gather_heads`,
+        :func:`~kvserve.worker.kv_quant_lowbit.store_compacted`); the residual slots are the op's
+        (:attr:`Compaction.src_residual`, :attr:`Compaction.dst_residual`)."""
+        num_blocks = self.kv_caches[0][0].shape[0]
+        rmap = torch.full((num_blocks,), -1, dtype=torch.long, device=self.device)
+        if c.src_residual:
+            rs = torch.tensor(c.src_residual, dtype=torch.long, device=self.device)
+            has = (rs >= 0) & (src_tab >= 0)
+            rmap[src_tab[has]] = rs[has]
+        for layer, pair in enumerate(self.kv_caches):
+            for pool in pair:
+                kept = lb.gather_heads(pool, src_slots[layer], rmap)  # [k, KVH, hd], every read first
+                lb.store_compacted(pool, kept, dst_tab, c.dst_residual)
+
+    def _compact_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, heads: torch.Tensor,
+                      uniform: bool) -> None:
+        """Whole-row pools (model dtype, 8-bit): one gather and one scatter per layer and K/V."""
+        for layer, pair in enumerate(self.kv_caches):
+            for cache in pair:
+                rows = _raw(cache).view(-1, *cache.shape[2:])  # [slots, KVH, row]
+                if uniform:
+                    kept = rows.index_select(0, src_slots[0, 0])
+                else:
+                    kept = rows[src_slots[layer], heads].transpose(0, 1)  # [k, KVH, row]
+                rows.index_copy_(0, dst_slots, kept.contiguous())
 
     def kept_positions(self, request_id: str) -> Optional[torch.Tensor]:
         """``[L, KVH, n]`` original positions of the request's KV slots (None without scores)."""

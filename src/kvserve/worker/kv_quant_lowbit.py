@@ -33,6 +33,12 @@ Here a key group is one KV block (``block_size`` tokens, 16 by default):
   whose queries span several blocks, gets it from a per-query mask over both copies of its blocks
   (:func:`kvserve.worker.attention.prefill_lowbit`). So a request's tokens are the same alone or
   batched, in one prefill chunk or many, and after a preemption (recompute).
+* KV compaction (:mod:`kvserve.worker.kv_compressor`, StreamingLLM / SnapKV / H2O): each kept
+  token's K/V is read as a query read it (its full block dequantized, a partial block's rows
+  from the residual slot: :func:`gather_heads`), the kept rows become KV indices ``0 .. k - 1``,
+  every new full block is quantized again from its ``block_size`` rows and a partial last block's
+  rows go into its residual slot (:func:`store_compacted`). That depends only on the request's
+  own tokens and selection, so it is the same alone or batched and under any chunking.
 * Block copies (:func:`copy_prefix`: a fork's or a beam's copy of a partial block) copy model-dtype
   rows from the source's residual slot into the destination's. The prefix cache shares full
   (quantized) blocks only: a partially matching cached block is not copied (its rows would come back
@@ -374,6 +380,62 @@ def gather(pool: LowBitPool, slots: torch.Tensor, residual_map: torch.Tensor,
     kvh, hd = blocks.shape[2], blocks.shape[3]
     out = blocks.view(-1, kvh, hd).index_select(0, inv * bs + flat % bs)
     return out.view(*slots.shape, kvh, hd)
+
+
+def gather_heads(pool: LowBitPool, slots: torch.Tensor, residual_map: torch.Tensor,
+                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Per KV head its own rows: head ``h``'s K or V at ``slots[h, i]`` (a compaction's per-head
+    selection), read as :func:`gather` reads them (full blocks dequantized once each, blocks with a
+    slot in ``residual_map`` from their residual slot).
+
+    Args:
+        slots: ``[num_kv_heads, k]`` int64 flat slots (non-negative).
+        residual_map: ``[num_blocks]`` int64 ``block → residual slot`` (-1: none).
+        dtype: of the result (default: the model dtype).
+
+    Returns:
+        ``[k, num_kv_heads, head_dim]``.
+    """
+    bs = pool.block_size
+    kvh, k = slots.shape
+    ub, inv = torch.unique(slots.reshape(-1) // bs, return_inverse=True)
+    blocks = pool.dequantize(ub, dtype)  # [U, bs, KVH, hd]
+    rs = residual_map.index_select(0, ub)
+    hr = rs >= 0
+    if bool(hr.any()):
+        blocks[hr] = pool.residual.index_select(0, rs[hr]).to(blocks.dtype)
+    flat = blocks.view(-1, kvh, blocks.shape[3])
+    row = inv.view(kvh, k) * bs + slots % bs  # [KVH, k] rows of flat
+    heads = torch.arange(kvh, device=slots.device).unsqueeze(1)
+    return flat[row, heads].transpose(0, 1)
+
+
+def store_compacted(pool: LowBitPool, rows: torch.Tensor, dst_blocks: torch.Tensor, dst_residual: int) -> None:
+    """Write a compaction's kept rows as the first ``k`` slots of ``dst_blocks``: each full block of
+    ``block_size`` rows quantized into ``pool.data`` (:func:`quantize_blocks`, as a step that fills
+    a block quantizes it), the ``k % block_size`` rows of a partial last block into residual slot
+    ``dst_residual`` (model dtype).
+
+    Args:
+        rows: ``[k, num_kv_heads, head_dim]`` model dtype, KV indices ``0 .. k - 1``.
+        dst_blocks: ``[ceil(k / block_size)]`` int64 block ids.
+        dst_residual: the residual slot of ``dst_blocks[-1]`` (used when ``k % block_size``).
+
+    Raises:
+        RuntimeError: a partial last block without a residual slot (``dst_residual < 0``).
+    """
+    bs = pool.block_size
+    k, kvh, hd = rows.shape
+    nf = k // bs
+    rows = rows.to(pool.model_dtype)
+    if nf:
+        pool.data.index_copy_(0, dst_blocks[:nf],
+                              quantize_blocks(rows[: nf * bs].reshape(nf, bs, kvh, hd), pool.bits, pool.is_key))
+    rest = k - nf * bs
+    if rest:
+        if dst_residual < 0:
+            raise RuntimeError("kv_cache_dtype int4/int2: a compaction's partial last block has no residual slot")
+        pool.residual[dst_residual, :rest] = rows[nf * bs :]
 
 
 def copy_prefix(pool: LowBitPool, src: list[int], dst: list[int], num_tokens: list[int],
