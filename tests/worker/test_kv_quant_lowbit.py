@@ -190,7 +190,6 @@ def test_bad_kv_cache_dtype_lists_the_allowed_values(bad):
 
 @pytest.mark.parametrize("extra,what", [
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
-    (dict(kv_compression={"method": "streaming_llm", "sink_tokens": 4, "window": 64}), "kv_compression"),
 ])
 @pytest.mark.parametrize("kv", LOWBIT)
 def test_unsupported_combinations_are_refused(kv, extra, what):
@@ -200,18 +199,28 @@ def test_unsupported_combinations_are_refused(kv, extra, what):
 
 
 @pytest.mark.parametrize("kv", LOWBIT)
-def test_the_disk_tier_swap_kv_connector_and_tp_are_accepted(kv, tmp_path):
+def test_the_disk_tier_swap_kv_connector_tp_and_compression_are_accepted(kv, tmp_path):
     """(their engine tests: tests/engine/test_kv_offload_lowbit.py, tests/core/test_kv_swap_lowbit.py,
-    tests/distributed/test_kv_transfer_lowbit.py, tests/executor/test_tensor_parallel_engine.py)"""
+    tests/distributed/test_kv_transfer_lowbit.py, tests/executor/test_tensor_parallel_engine.py,
+    tests/engine/test_kv_compression_lowbit.py)"""
     EngineArgs(kv_cache_dtype=kv, swap_space=1.0).check()
     EngineArgs(kv_cache_dtype=kv, tensor_parallel_size=2).check()
     EngineArgs(kv_cache_dtype=kv, preemption_mode="swap", swap_space=0.5).check()
     EngineArgs(kv_cache_dtype=kv, kv_offload_dir=str(tmp_path), kv_offload_gib=1.0).check()
     EngineArgs(kv_cache_dtype=kv, kv_connector="local").check()
-    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{kv}' is not supported with kv_compression \(2-/4-bit KV "
-                                         r"runs with no speculative decoding or KV compression\)"):
-        EngineArgs(kv_cache_dtype=kv, swap_space=1.0, kv_compression={"method": "streaming_llm", "sink_tokens": 4,
-                                                                      "window": 64}).check()
+    EngineArgs(kv_cache_dtype=kv, swap_space=1.0, kv_compression={"method": "streaming_llm", "sink_tokens": 4,
+                                                                  "window": 64}).check()
+    EngineArgs(kv_cache_dtype=kv, kv_compression={"method": "h2o", "budget": 64, "recent": 8}).check()
+    EngineArgs(kv_cache_dtype=kv, tensor_parallel_size=2, kv_compression={"method": "snapkv", "budget": 64}).check()
+    # still refused, with the message that says what runs
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{kv}' is not supported with speculative_config "
+                                         r"\(2-/4-bit KV runs with no speculative decoding\); use "
+                                         r"kv_cache_dtype 'int8' or 'auto' for that"):
+        EngineArgs(kv_cache_dtype=kv, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                   kv_compression={"method": "streaming_llm", "window": 64}).check()
+    # a bad policy is still named by its field
+    with pytest.raises(ValueError, match=r"kv_compression\.window must be ≥ 1"):
+        EngineArgs(kv_cache_dtype=kv, kv_compression={"method": "streaming_llm", "window": 0}).check()
 
 
 def test_cli_plan_reports_the_lowbit_pool(tiny_model_dir, capsys):
