@@ -27,8 +27,9 @@ of a partial last block go into that block's residual slot in the model dtype (t
 in the op: :attr:`~kvserve.core.kv_ops.Compaction.src_residual` and ``dst_residual``). All reads
 of a pool happen before its writes. The probes' scores over such pools are the probabilities of
 the keys each query attended (:func:`kvserve.worker.attention.record_kv_probes`). A kept token's
-K/V is thus requantized once per compaction it survives (its value may move by up to half a
-new block's scale each time); the result depends only on the request's tokens and selection.
+key is thus requantized once per compaction it survives (over its new block's tokens: it may move
+by up to half that block's scale each time); a value row, whose groups are per token, usually
+quantizes back to itself. The result depends only on the request's tokens and selection.
 """
 
 from __future__ import annotations
