@@ -335,3 +335,25 @@ def test_preemption(tiny_model_dir, mode):
     all_free(llm)
     llm.engine.shutdown()
     alone.engine.shutdown()
+
+
+def test_engine_policy_per_request_override_and_forks(int4, tiny_model_dir):
+    """An engine-wide policy (``LLM(kv_compression=...)``) with int4 gives the tokens of the same
+    policy set per request; ``{"method": "none"}`` turns it off (the tokens of no compression);
+    n = 3 greedy samples (forks sharing blocks, copied on write: a partial block through residual
+    slots) each equal the n = 1 run."""
+    prompt = prompt_ids(50, 50)
+    per_request = int4.generate([prompt], greedy(60, H2O))[0].outputs[0].token_ids
+    plain = int4.generate([prompt], greedy(60))[0].outputs[0].token_ids
+    assert per_request != plain
+    for comp in (STREAM, H2O):
+        one = int4.generate([prompt], greedy(60, comp))[0].outputs[0].token_ids
+        outs = int4.generate([prompt], greedy(60, comp, n=3))[0].outputs
+        assert [o.token_ids for o in outs] == [one] * 3
+    all_free(int4)
+    eng = make(tiny_model_dir("llama")[0], "int4", kv_compression=H2O)
+    assert eng.generate([prompt], greedy(60))[0].outputs[0].token_ids == per_request
+    assert eng.generate([prompt], greedy(60, {"method": "none"}))[0].outputs[0].token_ids == plain
+    assert eng.engine.core.num_kv_compactions > 0
+    all_free(eng)
+    eng.engine.shutdown()
