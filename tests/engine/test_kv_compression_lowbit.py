@@ -357,3 +357,21 @@ def test_engine_policy_per_request_override_and_forks(int4, tiny_model_dir):
     assert eng.engine.core.num_kv_compactions > 0
     all_free(eng)
     eng.engine.shutdown()
+
+
+def test_sdpa_backend(tiny_model_dir, monkeypatch):
+    """The PyTorch backend (what runs where the C kernels do not: CUDA, other dtypes) records the
+    same lowbit probes: a mixed batch equals each request alone, and H2O's and SnapKV's runs finish
+    with every block and slot back."""
+    from kvserve.worker import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "default_backend", lambda *a, **k: attention_mod.TorchSDPABackend())
+    llm = make(tiny_model_dir("llama")[0], "int4")
+    assert type(llm.engine.executor.driver_worker.model.attn_backend) is attention_mod.TorchSDPABackend
+    comps = [None, STREAM, H2O, SNAP]
+    prompts = [prompt_ids(45 + 5 * i, 60 + i) for i in range(4)]
+    alone = [llm.generate([p], greedy(50, c))[0].outputs[0].token_ids for p, c in zip(prompts, comps)]
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, [greedy(50, c) for c in comps])]
+    assert batched == alone and llm.engine.core.num_kv_compactions >= 12
+    all_free(llm)
+    llm.engine.shutdown()
