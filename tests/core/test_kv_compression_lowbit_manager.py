@@ -102,3 +102,30 @@ def test_compress_waits_for_a_residual_slot():
     assert kv.compress(a, streaming_keep(16, 2, 4), 6)
     assert kv.block_tables["a"] == table[:2] and kv.residual.has(table[1])
     kv.check_invariants()
+
+
+def test_compress_in_place_keeps_the_partial_blocks_slot():
+    """7 tokens (block 0 full, block 1 with 3 rows in a residual slot) → 5 kept (2 sinks + 3 recent),
+    in place: block 0 requantized from kept rows 0..3, block 1 keeps its slot with the last kept row
+    first (read before the slot is rewritten)."""
+    pools = lb.allocate_pools(1, 8, BS, 2, 8, 4, 2, torch.float32, "cpu")
+    kv = KVCacheManager(8, BS, enable_prefix_caching=False, kv_caches=pools, residual_blocks=2)
+    gen = torch.Generator().manual_seed(2)
+    a = _req("a", 7, {"method": "streaming_llm", "sink_tokens": 2, "window": 3})
+    _compute(kv, a, 7, gen)
+    old = list(kv.block_tables["a"])
+    slot = int(kv.residual.map[old[1]])
+    keep = streaming_keep(7, 2, 3)
+    assert keep == [0, 1, 4, 5, 6]
+    before = _read(kv, old, keep)
+    assert kv.compress(a, keep, 5)
+    assert kv.block_tables["a"] == old and int(kv.residual.map[old[1]]) == slot
+    after = _read(kv, old, list(range(5)))
+    for x, y, pool in zip(before, after, pools[0]):
+        requant = lb.dequantize_blocks(lb.quantize_blocks(x[:BS].unsqueeze(0), 4, pool.is_key), 4, pool.is_key, BS,
+                                       pool.head_dim, torch.float32)[0]
+        torch.testing.assert_close(y[:BS], requant, rtol=0, atol=0)
+        torch.testing.assert_close(y[BS:], x[BS:], rtol=0, atol=0)
+    kv.end_step()
+    assert kv.residual.num_free == 1
+    kv.check_invariants()
