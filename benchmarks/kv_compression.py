@@ -10,9 +10,13 @@ differs. StreamingLLM decodes on the one-call C decode step; SnapKV's prompt ste
 run the layers' PyTorch path, which also computes the attention probabilities (so H2O is slower
 per token here, while its context stays short).
 
+``--kv-cache-dtype`` (``auto``, ``int8``, ``fp8``, ``int4``, ``int2``) runs the same table over that KV
+format (int4 / int2: KIVI's 2-/4-bit blocks, the kept tokens requantized at each compaction); the
+"KV MiB" column is the most blocks held times the bytes of a block in that format.
+
 Usage:
     python benchmarks/kv_compression.py [--prompt 512] [--tokens 1024] [--window 252] [--budget 256]
-        [--dtype bfloat16]
+        [--dtype bfloat16] [--kv-cache-dtype auto]
 """
 
 from __future__ import annotations
@@ -50,9 +54,12 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=252)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8", "int4", "int2"])
     a = ap.parse_args()
     llm = LLM(dtype=a.dtype, max_model_len=a.prompt + a.tokens + 8, kv_cache_memory=0.5,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=a.kv_cache_dtype)
+    spec = llm.engine.core.kv_spec
+    block_mib = spec.bytes_per_token * spec.block_size / 2**20
     text = "The history of the city is long and full of stories about its people, rivers and roads. " * 200
     prompt = llm.engine.encode(text)[: a.prompt]
     runs = [("none", None),
@@ -61,16 +68,17 @@ def main() -> None:
             (f"snapkv {a.budget}", {"method": "snapkv", "budget": a.budget})]
     run(llm, prompt[:32], 8, None)  # warm-up
     ref = None
-    print(f"SmolLM2-135M {a.dtype}, prompt {len(prompt)} tokens, {a.tokens} generated, block 16, "
-          f"load average {os.getloadavg()[0]:.2f}")
-    print("| policy | decode tok/s | TTFT s | most blocks held | compactions | tokens equal to none's |")
-    print("|---|---|---|---|---|---|")
+    print(f"SmolLM2-135M {a.dtype}, KV {a.kv_cache_dtype}, prompt {len(prompt)} tokens, {a.tokens} generated, "
+          f"block 16, load average {os.getloadavg()[0]:.2f}")
+    print("| policy | decode tok/s | TTFT s | most blocks held | KV MiB | compactions | tokens equal to none's |")
+    print("|---|---|---|---|---|---|---|")
     for name, comp in runs:
         r = run(llm, prompt, a.tokens, comp)
         if ref is None:
             ref = r["tokens"]
         same = next((i for i, (x, y) in enumerate(zip(ref, r["tokens"])) if x != y), len(ref))
-        print(f"| {name} | {r['tok_s']:.1f} | {r['ttft']:.2f} | {r['most_blocks']} | {r['compactions']} | {same} |")
+        print(f"| {name} | {r['tok_s']:.1f} | {r['ttft']:.2f} | {r['most_blocks']} | "
+              f"{r['most_blocks'] * block_mib:.2f} | {r['compactions']} | {same} |")
     print(f"(load average after: {os.getloadavg()[0]:.2f})")
 
 
