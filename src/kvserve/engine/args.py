@@ -76,10 +76,9 @@ class EngineArgs:
             the model dtype: :mod:`kvserve.worker.kv_quant_lowbit`), ~2.9x / ~4.6x the tokens of bf16
             at head_dim 64 and block_size 16; with the disk tier, swap preemption and a KV connector
             (they move the packed blocks; a swap also a partial block's model-dtype rows, a
-            transfer leaves the prompt's last partial block to the decode engine) and KV
-            compression (the kept tokens requantized into the new blocks:
-            :mod:`kvserve.worker.kv_compressor`); not with speculative decoding or tensor
-            parallelism.
+            transfer leaves the prompt's last partial block to the decode engine), tensor
+            parallelism and KV compression (the kept tokens requantized into the new blocks:
+            :mod:`kvserve.worker.kv_compressor`); not with speculative decoding.
         device: "cpu", "cuda" or None (CUDA when available).
         kv_cache_memory: KV pool budget in GiB; None (default): ``kv_cache_memory_fraction`` of the
             memory available once the model is loaded, at most 2 GiB and at least one
