@@ -375,3 +375,21 @@ def test_sdpa_backend(tiny_model_dir, monkeypatch):
     assert batched == alone and llm.engine.core.num_kv_compactions >= 12
     all_free(llm)
     llm.engine.shutdown()
+
+
+@pytest.mark.slow  # (two spawned ranks: ~10-20 s on 2 shared cores)
+def test_tensor_parallel_equals_one_rank(int4, tiny_model_dir):
+    """At tensor_parallel_size=2 with int4 each rank scores, requantizes and compacts its own KV
+    heads (the residual slots travel in the compaction op; the probes read the step's residual
+    map, which reaches rank 1 with each step): the tokens equal the one-rank engine's."""
+    prompt = prompt_ids(60, 13)
+    comps = [STREAM, H2O, SNAP]
+    want = [o.outputs[0].token_ids for o in int4.generate([prompt] * 3, [greedy(50, c) for c in comps])]
+    tp = make(tiny_model_dir("llama")[0], "int4", num_blocks=64, tensor_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in tp.generate([prompt] * 3, [greedy(50, c) for c in comps])]
+        assert tp.engine.core.num_kv_compactions >= 5
+        all_free(tp)
+    finally:
+        tp.engine.shutdown()
+    assert got == want
