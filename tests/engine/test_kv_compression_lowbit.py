@@ -60,8 +60,9 @@ def all_free(llm: LLM) -> None:
 
 # ---------------------------------------------------------------------------- under budget
 @pytest.mark.parametrize("kv", ["int4", "int2"])
-def test_under_budget_equals_no_compression(tiny_model_dir, kv):
-    llm = make(tiny_model_dir("llama")[0], kv)
+def test_under_budget_equals_no_compression(tiny_model_dir, request, kv):
+    llm = request.getfixturevalue("int4") if kv == "int4" else make(tiny_model_dir("llama")[0], kv)
+    c0 = llm.engine.core.num_kv_compactions
     prompts = [prompt_ids(30, 1), prompt_ids(50, 2)]
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(40))]
     for comp in ({"method": "streaming_llm", "sink_tokens": 4, "window": 200},
@@ -69,12 +70,13 @@ def test_under_budget_equals_no_compression(tiny_model_dir, kv):
                  {"method": "h2o", "budget": 200, "recent": 16}):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(40, comp))]
         assert got == ref, comp
-    assert llm.engine.core.num_kv_compactions == 0
+    assert llm.engine.core.num_kv_compactions == c0
     # over budget the policy does compact, and changes the tokens (the test above can fail)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(40, STREAM))]
-    assert llm.engine.core.num_kv_compactions > 0 and got != ref
+    assert llm.engine.core.num_kv_compactions > c0 and got != ref
     all_free(llm)
-    llm.engine.shutdown()
+    if kv != "int4":
+        llm.engine.shutdown()
 
 
 # ---------------------------------------------------------------------------- StreamingLLM
