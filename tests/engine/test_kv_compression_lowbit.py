@@ -15,7 +15,10 @@ What is checked:
   the tokens of a one-chunk prefill;
 * in a small pool, swap preemption gives each request's solo tokens, recompute preemption the same
   tokens on a second run (the policy restarts on prompt + output, deterministically); every block
-  and residual slot is free at the end.
+  and residual slot is free at the end;
+* an engine-wide policy equals the per-request one, ``{"method": "none"}`` turns it off, n = 3
+  forks each equal n = 1; the PyTorch attention backend (CUDA's path) batches exactly too; at
+  tensor_parallel_size=2 (slow) the tokens equal one rank's.
 """
 
 from __future__ import annotations
