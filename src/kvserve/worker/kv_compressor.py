@@ -147,9 +147,9 @@ class KVCompressor:
 
     def _compact_lowbit(self, c: Compaction, src_tab: torch.Tensor, dst_tab: torch.Tensor,
                         src_slots: torch.Tensor) -> None:
-        """2-/4-bit pools (module docstring): per layer and K/V, the kept rows read as the queries
-        read them, then requantized into the new full blocks and the partial last one's residual
-        slot (:func:`~kvserve.worker.kv_quant_lowbit.gather_heads`,
+        """2-/4-bit pools (module docstring): for K, then V, of all layers at once, the kept rows
+        read as the queries read them, then requantized into the new full blocks and the partial
+        last one's residual slot (:func:`~kvserve.worker.kv_quant_lowbit.gather_heads`,
         :func:`~kvserve.worker.kv_quant_lowbit.store_compacted`); the residual slots are the op's
         (:attr:`Compaction.src_residual`, :attr:`Compaction.dst_residual`)."""
         num_blocks = self.kv_caches[0][0].shape[0]
@@ -158,10 +158,10 @@ class KVCompressor:
             rs = torch.tensor(c.src_residual, dtype=torch.long, device=self.device)
             has = (rs >= 0) & (src_tab >= 0)
             rmap[src_tab[has]] = rs[has]
-        for layer, pair in enumerate(self.kv_caches):
-            for pool in pair:
-                kept = lb.gather_heads(pool, src_slots[layer], rmap)  # [k, KVH, hd], every read first
-                lb.store_compacted(pool, kept, dst_tab, c.dst_residual)
+        for kv in (0, 1):  # K, then V: all layers at once
+            pools = [pair[kv] for pair in self.kv_caches]
+            kept = lb.gather_heads(pools, src_slots, rmap)  # [L, k, KVH, hd], every read before a write
+            lb.store_compacted(pools, kept, dst_tab, c.dst_residual)
 
     def _compact_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, heads: torch.Tensor,
                       uniform: bool) -> None:

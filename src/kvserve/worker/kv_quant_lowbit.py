@@ -382,60 +382,71 @@ def gather(pool: LowBitPool, slots: torch.Tensor, residual_map: torch.Tensor,
     return out.view(*slots.shape, kvh, hd)
 
 
-def gather_heads(pool: LowBitPool, slots: torch.Tensor, residual_map: torch.Tensor,
+def gather_heads(pools: list[LowBitPool], slots: torch.Tensor, residual_map: torch.Tensor,
                  dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Per KV head its own rows: head ``h``'s K or V at ``slots[h, i]`` (a compaction's per-head
-    selection), read as :func:`gather` reads them (full blocks dequantized once each, blocks with a
-    slot in ``residual_map`` from their residual slot).
+    """Per layer and KV head its own rows (a compaction's per-head selection): layer ``l``'s head
+    ``h`` at ``slots[l, h, i]``, read as :func:`gather` reads them (full blocks dequantized, blocks
+    with a slot in ``residual_map`` from their residual slot). The layers' blocks are dequantized in
+    one call.
 
     Args:
-        slots: ``[num_kv_heads, k]`` int64 flat slots (non-negative).
+        pools: one K (or one V) pool per layer, all of one format and geometry.
+        slots: ``[num_layers, num_kv_heads, k]`` int64 flat slots (non-negative).
         residual_map: ``[num_blocks]`` int64 ``block → residual slot`` (-1: none).
         dtype: of the result (default: the model dtype).
 
     Returns:
-        ``[k, num_kv_heads, head_dim]``.
+        ``[num_layers, k, num_kv_heads, head_dim]``.
     """
-    bs = pool.block_size
-    kvh, k = slots.shape
+    p0 = pools[0]
+    bs, hd = p0.block_size, p0.head_dim
+    L, kvh, k = slots.shape
     ub, inv = torch.unique(slots.reshape(-1) // bs, return_inverse=True)
-    blocks = pool.dequantize(ub, dtype)  # [U, bs, KVH, hd]
+    U = ub.numel()
+    data = torch.stack([p.data.index_select(0, ub) for p in pools])  # [L, U, KVH, bytes]
+    blocks = dequantize_blocks(data.view(L * U, kvh, -1), p0.bits, p0.is_key, bs, hd, dtype or p0.model_dtype)
+    blocks = blocks.view(L, U, bs, kvh, hd)
     rs = residual_map.index_select(0, ub)
     hr = rs >= 0
     if bool(hr.any()):
-        blocks[hr] = pool.residual.index_select(0, rs[hr]).to(blocks.dtype)
-    flat = blocks.view(-1, kvh, blocks.shape[3])
-    row = inv.view(kvh, k) * bs + slots % bs  # [KVH, k] rows of flat
-    heads = torch.arange(kvh, device=slots.device).unsqueeze(1)
-    return flat[row, heads].transpose(0, 1)
+        blocks[:, hr] = torch.stack([p.residual.index_select(0, rs[hr]) for p in pools]).to(blocks.dtype)
+    flat = blocks.view(L, U * bs, kvh, hd)
+    row = inv.view(L, kvh, k) * bs + slots % bs  # [L, KVH, k] rows of flat
+    layers = torch.arange(L, device=slots.device).view(L, 1, 1)
+    heads = torch.arange(kvh, device=slots.device).view(1, kvh, 1)
+    return flat[layers, row, heads].transpose(1, 2)
 
 
-def store_compacted(pool: LowBitPool, rows: torch.Tensor, dst_blocks: torch.Tensor, dst_residual: int) -> None:
-    """Write a compaction's kept rows as the first ``k`` slots of ``dst_blocks``: each full block of
-    ``block_size`` rows quantized into ``pool.data`` (:func:`quantize_blocks`, as a step that fills
-    a block quantizes it), the ``k % block_size`` rows of a partial last block into residual slot
-    ``dst_residual`` (model dtype).
+def store_compacted(pools: list[LowBitPool], rows: torch.Tensor, dst_blocks: torch.Tensor, dst_residual: int) -> None:
+    """Write a compaction's kept rows as the first ``k`` slots of ``dst_blocks`` in every layer's
+    pool: each full block of ``block_size`` rows quantized into ``data`` (:func:`quantize_blocks`,
+    as a step that fills a block quantizes it; the layers in one call), the ``k % block_size`` rows
+    of a partial last block into residual slot ``dst_residual`` (model dtype).
 
     Args:
-        rows: ``[k, num_kv_heads, head_dim]`` model dtype, KV indices ``0 .. k - 1``.
+        pools: one K (or one V) pool per layer, all of one format and geometry.
+        rows: ``[num_layers, k, num_kv_heads, head_dim]``, KV indices ``0 .. k - 1``.
         dst_blocks: ``[ceil(k / block_size)]`` int64 block ids.
         dst_residual: the residual slot of ``dst_blocks[-1]`` (used when ``k % block_size``).
 
     Raises:
         RuntimeError: a partial last block without a residual slot (``dst_residual < 0``).
     """
-    bs = pool.block_size
-    k, kvh, hd = rows.shape
+    p0 = pools[0]
+    bs = p0.block_size
+    L, k, kvh, hd = rows.shape
     nf = k // bs
-    rows = rows.to(pool.model_dtype)
-    if nf:
-        pool.data.index_copy_(0, dst_blocks[:nf],
-                              quantize_blocks(rows[: nf * bs].reshape(nf, bs, kvh, hd), pool.bits, pool.is_key))
+    rows = rows.to(p0.model_dtype)
     rest = k - nf * bs
+    if rest and dst_residual < 0:
+        raise RuntimeError("kv_cache_dtype int4/int2: a compaction's partial last block has no residual slot")
+    if nf:
+        q = quantize_blocks(rows[:, : nf * bs].reshape(L * nf, bs, kvh, hd), p0.bits, p0.is_key).view(L, nf, kvh, -1)
+        for p, ql in zip(pools, q):
+            p.data.index_copy_(0, dst_blocks[:nf], ql)
     if rest:
-        if dst_residual < 0:
-            raise RuntimeError("kv_cache_dtype int4/int2: a compaction's partial last block has no residual slot")
-        pool.residual[dst_residual, :rest] = rows[nf * bs :]
+        for p, rl in zip(pools, rows):
+            p.residual[dst_residual, :rest] = rl[nf * bs :]
 
 
 def copy_prefix(pool: LowBitPool, src: list[int], dst: list[int], num_tokens: list[int],
