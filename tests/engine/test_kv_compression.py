@@ -484,10 +484,11 @@ def test_http_field(tiny, tiny_model_dir):
     assert texts["default"] != texts["none"]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
 def test_bfloat16_and_8bit_cache(tiny_model_dir, kv_cache_dtype):
-    """bfloat16 (and an int8 KV cache): every policy runs, compacts and finishes with its tokens
-    (the probes read the cache in the model dtype, dequantized, and score in float32)."""
+    """bfloat16 (and an int8 or int4 KV cache): every policy runs, compacts and finishes with its
+    tokens (the probes read the cache in the model dtype, dequantized, and score in float32; int4's
+    kept rows are requantized from bfloat16: tests/engine/test_kv_compression_lowbit.py)."""
     llm = LLM(model=str(tiny_model_dir("llama")[0]), dtype="bfloat16", max_model_len=512, num_blocks=64,
               block_size=16, kv_cache_dtype=kv_cache_dtype)
     prompt = prompt_ids(60, 12)
