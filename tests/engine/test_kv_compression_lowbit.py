@@ -297,7 +297,7 @@ def test_mixed_batch_and_chunked_prefill_equal_each_alone(int4, tiny_model_dir):
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, [greedy(70, c) for c in comps])]
     assert batched == alone
     assert len({tuple(a) for a in alone}) == 4
-    short = [prompt_ids(47, 40), prompt_ids(37, 41), prompt_ids(60, 42)]  # (< 52, < 40, any)
+    short = [prompt_ids(47, 40), prompt_ids(37, 41), prompt_ids(50, 42)]  # (< 52, < 40; a window over 2 chunks)
     one = [llm.generate([p], greedy(50, c))[0].outputs[0].token_ids for p, c in zip(short, comps[1:])]
     chunked = make(tiny_model_dir("llama")[0], "int4", max_num_batched_tokens=16)
     got = [o.outputs[0].token_ids for o in chunked.generate(short, [greedy(50, c) for c in comps[1:]])]
