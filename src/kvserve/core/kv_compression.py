@@ -27,7 +27,11 @@ between ``kept`` and ``kept + block_size - 1`` cached tokens plus itself. The ke
 moved into the first slots of the request's blocks (:class:`~kvserve.core.kv_ops.Compaction`);
 they keep their RoPE rotation (keys are cached after RoPE), and new tokens get their true
 positions (the model runner takes the KV index of a token as its position minus
-``Request.num_dropped_tokens``).
+``Request.num_dropped_tokens``). With a 2-/4-bit KV cache (``kv_cache_dtype`` int4 / int2) the
+kept tokens' K/V are read as the attention read them and requantized into the new blocks, a
+partial last block's rows kept in the model dtype, and SnapKV's / H2O's scores are the weights
+of the keys each query attended (dequantized blocks, model-dtype rows of its own block):
+:mod:`kvserve.worker.kv_compressor`.
 
 The selection functions here are the reference (PyTorch, vectorized over layers and heads); the
 workers call them on their own KV heads' scores (:mod:`kvserve.worker.kv_compressor`).
