@@ -373,7 +373,12 @@ def main() -> None:
                     if method == "none" and kvd == a.kv_cache_dtypes[0] and not a.reference:
                         full[key_full] = r
                         row[f"ref@{L}"] = {"logprobs": r["logprobs"], "top1": r["top1"]}
-                        row[f"prompt_logprobs_ppl@{L}"] = ppl(prompt_logprobs(llm, texts[L], a.ppl_tokens))
+                        # (a prompt leaves room for one token: at L = max_model_len the check
+                        # scores the text without its last token, and compares as many)
+                        n = min(L, a.max_model_len - 1)
+                        pl = prompt_logprobs(llm, texts[L][:n], a.ppl_tokens - (L - n))
+                        row[f"prompt_logprobs_ppl@{L}"] = ppl(pl)
+                        row[f"forced_ppl_same_tokens@{L}"] = ppl(r["logprobs"][:len(pl)])
                     ref = full.get(key_full)
                     if ref is not None:
                         row[f"dppl@{L}"] = row[f"ppl@{L}"] - ppl(ref["logprobs"])
@@ -403,7 +408,7 @@ def main() -> None:
     for r in rows:
         for L in Ls:
             if f"prompt_logprobs_ppl@{L}" in r:
-                print(f"full cache ppl @{L}: teacher-forced decode {r[f'ppl@{L}']:.4f}, "
+                print(f"full cache ppl @{L}: teacher-forced decode {r[f'forced_ppl_same_tokens@{L}']:.4f}, "
                       f"plain prompt_logprobs {r[f'prompt_logprobs_ppl@{L}']:.4f}")
     print("passkey by length: " + "; ".join(
         f"{r['kv_dtype']}/{r['method']}/{r['budget']:g}: " + ", ".join(f"{L}={v:.0%}" for L, v in r["passkey_by_length"].items())
