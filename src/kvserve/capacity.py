@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvserve.worker import kv_quant
+from kvserve.worker import kv_quant_lowbit
 from kvserve.config import ModelConfig
 from kvserve.core.kv_cache_manager import GiB, KVCacheSpec, plan_kv_cache
 
@@ -166,7 +167,8 @@ def plan_capacity(config: ModelConfig | str | Path, dtype: str | torch.dtype = "
         raise ValueError(f"kv_cache_memory must be in (0, {MAX_KV_CACHE_GIB}] GiB, got {kv_cache_memory!r}")
     from kvserve.engine.args import EngineArgs
 
-    residual = EngineArgs.max_num_seqs + 16 if kv_quant.is_lowbit(kdt) else 0  # (as the engine at its defaults)
+    residual = (kv_quant_lowbit.num_residual_slots(EngineArgs.max_num_seqs, block_size)  # (as the engine at
+                if kv_quant.is_lowbit(kdt) else 0)  # its defaults, without speculation)
     spec = plan_kv_cache(cfg, kdt, kv_cache_memory, block_size, max_len, residual_blocks=residual, model_dtype=tdt)
     dbytes = torch.empty((), dtype=tdt).element_size()
     matmul_params = cfg.num_parameters(include_embeddings=False)

@@ -306,7 +306,12 @@ class ResidualSlots:
     (:meth:`ensure`: a sequence's last block, the destination of a partial-block copy) and marks
     for release the blocks that fill in a step and the blocks freed (:meth:`release_later`); the
     marked slots come back after the next forward (:meth:`end_step`), since that forward (or a
-    block copy applied before it) still reads them. ``map`` (``[num_blocks]`` int64, ``-1``: none)
+    block copy applied before it) still reads them. A speculative verification step is the
+    exception: every block it writes holds a slot through the step (the step quantizes the blocks
+    it fills *and* keeps their model-dtype rows), and after sampling
+    (:meth:`KVCacheManager.end_verification`) the blocks full of accepted tokens are unmapped
+    (:meth:`detach`: sealed), the block of the first rejected draft keeps its slot (its accepted
+    rows), and later blocks release theirs. ``map`` (``[num_blocks]`` int64, ``-1``: none)
     is what the workers read (:class:`kvserve.worker.model_runner.ModelRunner` puts it into every
     step's attention metadata).
 
@@ -553,6 +558,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
         self.residual: Optional[ResidualSlots] = None
+        # 2-/4-bit caches with speculative decoding (end_verification): blocks that verification
+        # steps filled with accepted tokens only (sealed), and blocks they filled that kept their
+        # residual slot because rejected drafts' rows were among the block's rows
+        self.num_verify_sealed = 0
+        self.num_verify_unsealed = 0
         if residual_blocks:
             self.residual = ResidualSlots(num_blocks, residual_blocks)
             self.pool.on_free = self.residual.release_later
@@ -669,23 +679,37 @@ class KVCacheManager:
                 self._mover.apply(self.ops.take())
         return self.pool.num_free >= need
 
-    def _residual_room(self, table: Sequence[int], before: int, after: int) -> bool:
+    def _residual_blocks(self, before: int, after: int, verify: bool) -> range | tuple[int, ...]:
+        """Table indices of the blocks that need a residual slot for a step computing tokens
+        ``[before, after)``: the block of token ``before`` if partial and the block of token
+        ``after`` if partial after the step; for a verification (``verify``) every block the step
+        writes, since its acceptance decides which of them end up partial (:meth:`end_verification`)."""
+        bs = self.block_size
+        if verify and after > before:
+            return range(before // bs, (after - 1) // bs + 1)
+        return tuple(sorted({i for i, partial in ((before // bs, before % bs), (after // bs, after % bs)) if partial}))
+
+    def _residual_room(self, table: Sequence[int], before: int, after: int, verify: bool = False) -> bool:
         """Whether the residual slots a step from ``before`` to ``after`` tokens needs are free."""
         r = self.residual
         if r is None:
             return True
-        bs = self.block_size
-        idx = {i for i, partial in ((before // bs, before % bs), (after // bs, after % bs)) if partial}
-        need = sum(1 for i in idx if not (i < len(table) and r.has(table[i])))
+        need = sum(1 for i in self._residual_blocks(before, after, verify) if not (i < len(table) and r.has(table[i])))
         return r.can_take(need)
 
-    def _residual_step(self, table: Sequence[int], before: int, after: int) -> None:
+    def _residual_step(self, table: Sequence[int], before: int, after: int, verify: bool = False) -> None:
         """Residual slots of a table about to compute tokens ``[before, after)``: the block holding
         token ``before`` (if partial) keeps or gets one, released after the step if the step fills
-        it; the block of token ``after`` (if partial after the step) gets one. Call with
-        :meth:`_residual_room` true."""
+        it; the block of token ``after`` (if partial after the step) gets one. A verification
+        (``verify``: the request's last token and its drafts) gives every block it writes a slot
+        and releases none: which blocks are full of accepted tokens is known only after sampling
+        (:meth:`end_verification`). Call with :meth:`_residual_room` true."""
         r = self.residual
         if r is None:
+            return
+        if verify:
+            for i in self._residual_blocks(before, after, True):
+                r.ensure(table[i])
             return
         bs = self.block_size
         i0 = before // bs
@@ -695,6 +719,51 @@ class KVCacheManager:
                 r.release_later(table[i0])
         if after % bs:
             r.ensure(table[after // bs])
+
+    def end_verification(self, request: Request, first: int, end: int) -> None:
+        """After a verification wrote KV indices ``[first, end)`` of ``request`` and its rejected
+        drafts were rolled back (``request.num_kv_tokens`` counts the accepted ones), settle the
+        residual slots of the blocks it wrote (2-/4-bit caches; nothing otherwise):
+
+        * a block full of accepted tokens was quantized ("sealed") by the step from exactly the rows
+          decoding would have written: its slot is unmapped now (readers take the packed block) and
+          comes back after the next forward (:meth:`ResidualSlots.detach`); counted in
+          :attr:`num_verify_sealed` when the step filled it;
+        * the block of token ``num_kv_tokens``, if partial, keeps its slot: it holds the accepted
+          rows in the model dtype (the rows of rejected drafts after them are rewritten later, and
+          the codes the step may have written into the packed block, from rows of rejected drafts,
+          are never read: readers take a block with a slot from its slot, and the step that fills it
+          with accepted tokens quantizes it again); counted in :attr:`num_verify_unsealed` when the
+          step had filled it;
+        * blocks after it hold no accepted token: their slots are released after the next forward
+          (a step that writes them again takes them back first, :meth:`ResidualSlots.ensure`).
+
+        Raises:
+            RuntimeError: a block that keeps accepted rows has no residual slot (the books and the
+                step disagree).
+        """
+        r = self.residual
+        if r is None or end <= first:
+            return
+        table = self.block_tables.get(request.request_id, [])
+        bs = self.block_size
+        n = request.num_kv_tokens
+        for i in range(first // bs, min((end - 1) // bs + 1, len(table))):
+            b = table[i]
+            if b == FREED_BLOCK:
+                continue
+            filled = end >= (i + 1) * bs
+            if (i + 1) * bs <= n:
+                self.num_verify_sealed += filled
+                r.detach([b])
+            elif i == n // bs and n % bs:
+                if not r.has(b):
+                    raise RuntimeError(f"request {request.request_id}: block {b} keeps accepted rows without a "
+                                       f"residual slot (kv_cache_dtype int4/int2)")
+                r.ensure(b)
+                self.num_verify_unsealed += filled
+            else:
+                r.release_later(b)
 
     def end_step(self) -> None:
         """After a forward: give back the residual slots of the blocks it filled and of the blocks
@@ -706,28 +775,34 @@ class KVCacheManager:
         """Grow the block table of an admitted request to hold ``num_computed_tokens +
         num_new_tokens`` tokens, evicting unused cached blocks if the free ones are short.
 
+        A request carrying drafts (``spec_token_ids``) is about to be verified: with a 2-/4-bit cache
+        every block the step writes then gets a residual slot (:meth:`_residual_step`; the engine
+        settles them with :meth:`end_verification` once the accepted count is known).
+
         Args:
             headroom: blocks that must stay available (free or evictable) afterwards.
 
         Returns:
-            False (and allocates and evicts nothing) when even eviction cannot make room.
+            False (and allocates and evicts nothing) when even eviction cannot make room, or
+            (2-/4-bit caches) when the residual slots the step needs are not free.
         """
         table = self.block_tables.get(request.request_id, [])
         if self.sliding_window is not None and table:  # first give back what the window left behind
             self._free_outside_window(table, request.num_computed_tokens)
         before = request.num_kv_tokens
         after = before + num_new_tokens
+        verify = bool(request.spec_token_ids)  # (its last token and drafts: see _residual_step)
         need = self.blocks_needed(after) - len(table)
-        if not self._residual_room(table, before, after):
+        if not self._residual_room(table, before, after, verify):
             return False
         if need <= 0:
-            self._residual_step(table, before, after)
+            self._residual_step(table, before, after, verify)
             return True
         if not self._make_room(need, headroom):
             return False
         table.extend(self.pool.allocate(need))
         self.block_tables[request.request_id] = table  # a new table holds no cached block
-        self._residual_step(table, before, after)
+        self._residual_step(table, before, after, verify)
         return True
 
     def admit_swapped(self, request: Request, num_computed_tokens: int, num_new_tokens: int,

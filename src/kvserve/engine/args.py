@@ -77,8 +77,9 @@ class EngineArgs:
             at head_dim 64 and block_size 16; with the disk tier, swap preemption and a KV connector
             (they move the packed blocks; a swap also a partial block's model-dtype rows, a
             transfer leaves the prompt's last partial block to the decode engine), tensor
-            parallelism and KV compression (the kept tokens requantized into the new blocks:
-            :mod:`kvserve.worker.kv_compressor`); not with speculative decoding.
+            parallelism, KV compression (the kept tokens requantized into the new blocks:
+            :mod:`kvserve.worker.kv_compressor`) and speculative decoding (a block a verification
+            fills is sealed once its rows are all accepted), not with the last two together.
         device: "cpu", "cuda" or None (CUDA when available).
         kv_cache_memory: KV pool budget in GiB; None (default): ``kv_cache_memory_fraction`` of the
             memory available once the model is loaded, at most 2 GiB and at least one
@@ -288,23 +289,28 @@ class EngineArgs:
         host residual slot: :mod:`kvserve.core.kv_swap`), a KV connector (``kv_connector``:
         the prompt's full blocks travel packed; the decode engine computes the tokens of the
         last partial block itself), tensor parallelism (each rank packs its own KV heads;
-        the residual map goes to the other ranks with each step) and KV compression
+        the residual map goes to the other ranks with each step), KV compression
         (``kv_compression``, engine-wide or per request: the kept tokens' K/V are dequantized and
-        requantized into the new blocks, :mod:`kvserve.worker.kv_compressor`).
+        requantized into the new blocks, :mod:`kvserve.worker.kv_compressor`) and speculative
+        decoding (``speculative_config``: a block a verification fills is sealed only if its rows
+        are all accepted tokens, else it keeps its residual slot:
+        :meth:`kvserve.core.kv_cache_manager.KVCacheManager.end_verification`; a draft model's
+        own pool is 8-bit).
 
         Raises:
-            ValueError: naming ``kv_cache_dtype`` and the option it cannot run with: speculative
-                decoding (the draft's pool and the rollback of rejected rows know only whole-row
-                formats).
+            ValueError: naming ``kv_cache_dtype`` and the combination it cannot run with:
+                speculative decoding together with KV compression (a compaction between
+                verifications moves the residual slots a verification keeps; not built).
         """
         kd = f"{name('kv_cache_dtype')}={self.kv_cache_dtype!r}"
         refused = [
-            (self.speculative_config is not None, name("speculative_config")),
+            (self.speculative_config is not None and self.kv_compression is not None,
+             name("speculative_config") + " and " + name("kv_compression") + " together"),
         ]
         for bad, what in refused:
             if bad:
-                raise ValueError(f"{kd} is not supported with {what} (2-/4-bit KV runs with no "
-                                 f"speculative decoding); "
+                raise ValueError(f"{kd} is not supported with {what} (2-/4-bit KV runs with either, "
+                                 f"not both); "
                                  f"use kv_cache_dtype 'int8' or 'auto' for that")
 
 

@@ -47,6 +47,7 @@ from kvserve.spec_decode import SpeculativeConfig
 from kvserve.spec_decode.driver import SpecDecodeDriver
 from kvserve.structured_output.manager import GrammarLimitError, StructuredOutputManager
 from kvserve.worker import kv_quant
+from kvserve.worker import kv_quant_lowbit
 from kvserve.worker.loader import load_model_config, resolve_model_path
 from kvserve.worker.model_runner import ModelRunnerOutput, SpecResult
 from kvserve.worker.worker import Worker, available_cores
@@ -169,8 +170,11 @@ class EngineCore:
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (excludes cache hits)
         self.num_generated_tokens = 0
         self.speculative_config = SpeculativeConfig.parse(args.speculative_config)
+        # (a draft model's pool: 8-bit under a 2-/4-bit target, whose pool has 2.9-4.6x the blocks;
+        # the model dtype otherwise: spec_decode.draft_model)
+        draft_kv = torch.int8 if kv_quant.is_lowbit(self.kv_cache_dtype) else None
         self.spec = SpecDecodeDriver.from_config(self.speculative_config, cfg, self.tokenizer, self.dtype, self.device,
-                                                 self.kv_spec.num_blocks, args.block_size, max_len)
+                                                 self.kv_spec.num_blocks, args.block_size, max_len, draft_kv)
         self.kv_compression = KVCompressionConfig.parse(args.kv_compression)
         if self.kv_compression is not None:
             self._check_kv_compression(self.kv_compression)
@@ -181,7 +185,8 @@ class EngineCore:
         """Raises ValueError naming ``kv_compression`` where a policy cannot work: kept tokens above
         max_model_len, a model with sliding-window layers (their windows count KV indices as
         positions), SnapKV / H2O with speculative decoding (rejected drafts' queries would count in
-        the scores), beam search."""
+        the scores), any policy with speculative decoding on a 2-/4-bit KV cache (not built),
+        beam search."""
         if not cfg.enabled:
             return
         cfg.check_fits(self.max_model_len)
@@ -191,6 +196,10 @@ class EngineCore:
         if self.spec is not None and cfg.uses_scores:
             raise ValueError(f"kv_compression: {cfg.method} is not supported with speculative decoding (the "
                              f"attention of rejected drafts would count in its scores); streaming_llm is")
+        if self.spec is not None and self.args.kv_cache_dtype in ("int4", "int2"):
+            raise ValueError(f"kv_compression is not supported with speculative decoding on a 2-/4-bit KV cache "
+                             f"(kv_cache_dtype={self.args.kv_cache_dtype!r}): a compaction between verifications "
+                             f"would move the residual slots a verification keeps")
         if params is not None and params.use_beam_search:
             raise ValueError("kv_compression is not supported with use_beam_search (beams share their KV blocks "
                              "copy-on-write by position, which compaction would break)")
@@ -283,9 +292,13 @@ class EngineCore:
                 max_num_batched_tokens=args.max_num_batched_tokens, device=str(self.device))
         self.cache_config = CacheConfig(args.block_size, budget, args.num_blocks, prefix_caching)
         # 2-/4-bit KV (KIVI): a residual slot in the model dtype per partly written block, at most
-        # one per running sequence; the spare ones cover forked samples waiting and the slots of
-        # blocks filled or freed, which come back after the forward (ResidualSlots)
-        residual_blocks = args.max_num_seqs + 16 if kv_quant.is_lowbit(self.kv_cache_dtype) else 0
+        # one per running sequence, or per block a verification of k drafts writes
+        # (kv_quant_lowbit.num_residual_slots); the spare ones cover forked samples waiting and the
+        # slots of blocks filled or freed, which come back after the forward (ResidualSlots)
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        residual_blocks = kv_quant_lowbit.num_residual_slots(
+            args.max_num_seqs, args.block_size, spec.num_speculative_tokens if spec is not None else 0
+        ) if kv_quant.is_lowbit(self.kv_cache_dtype) else 0
         self.kv_spec = plan_kv_cache(cfg, self.kv_cache_dtype, budget, args.block_size, max_len, args.num_blocks,
                                      tp_size=tp, residual_blocks=residual_blocks, model_dtype=self.dtype)
         self.kv_spec.budget_note = note
@@ -851,9 +864,13 @@ class EngineCore:
 
     # ------------------------------------------------------- speculative decoding
     def _apply_verification(self, req: Request, res: SpecResult, now: float) -> None:
-        """Roll back the K/V of a verification's rejected drafts (:meth:`SpecDecodeDriver.rollback`)
-        and append its tokens (accepted drafts, then the correction or bonus token)."""
+        """Roll back the K/V of a verification's rejected drafts (:meth:`SpecDecodeDriver.rollback`;
+        with a 2-/4-bit cache the blocks it wrote are then sealed or keep their residual slot:
+        :meth:`KVCacheManager.end_verification`) and append its tokens (accepted drafts, then the
+        correction or bonus token)."""
+        end = req.num_kv_tokens  # (the step's K/V: the last token and every draft)
         self.spec.rollback(req, res)
+        self.kv.end_verification(req, end - 1 - res.num_drafts, end)
         self._append_tokens(req, res.token_ids, res.logprobs, now)
         if not req.is_finished:
             self.kv.cache_computed(req)

@@ -12,6 +12,14 @@ penalties over its output and the drafts so far, temperature, min-p, top-k, top-
 ``row_uniform(seed, step, stream=2)``, and q is kept for the rejection sampler, which is
 exact for any q (Leviathan et al. 2023, Chen et al. 2023).
 
+The draft's KV pool holds K/V in the model dtype, or in 8 bits (``int8``, a scale per token and
+head: :mod:`kvserve.worker.kv_quant`) when the target's cache is 2-/4-bit (``kv_cache_dtype``
+int4/int2): that target's pool holds 2.9-4.6x the blocks of a model-dtype one in the same budget,
+and the draft's pool has as many blocks; 8-bit rows depend on their token only, so the draft's
+rollbacks (below) need none of the residual-slot bookkeeping of the 2-/4-bit format. The target's
+greedy output does not depend on the draft's KV format (only on which drafts are proposed, and a
+greedy verification keeps the target's own tokens whatever they are).
+
 The draft's K/V of a request stays valid across rounds for the tokens that were accepted:
 after a round fed drafts ``d_1..d_{k-1}`` at positions ``L..L+k-2``, the next round starts
 from ``L`` plus the leading drafts that the sequence now holds.
@@ -64,6 +72,8 @@ class DraftModelProposer:
         num_blocks, block_size: the draft KV pool (the target's geometry: it then holds as
             many tokens as the target's).
         max_model_len: longest sequence.
+        kv_cache_dtype: the draft pool's dtype (``dtype``, the default, or ``torch.int8``); an
+            8-bit pool needs a ``head_dim`` divisible by 4, else the draft keeps ``dtype``.
 
     Raises:
         ValueError: naming ``speculative_config.model``: the draft's vocabulary size or
@@ -74,7 +84,7 @@ class DraftModelProposer:
 
     def __init__(self, model: str, num_speculative_tokens: int, target_config: ModelConfig, target_tokenizer,
                  dtype: torch.dtype, device: torch.device, num_blocks: int, block_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, kv_cache_dtype: Optional[torch.dtype] = None) -> None:
         from kvserve.engine.tokenizer import load_tokenizer
 
         from kvserve.config import UnsupportedModelError
@@ -105,8 +115,9 @@ class DraftModelProposer:
         self.model.load_weights(state)
         del state
         self.model.eval()
-        spec = plan_kv_cache(cfg, dtype, 1.0, block_size, max_model_len, num_blocks)
-        self.kv_caches = allocate_kv_cache(cfg, spec, dtype, device)
+        kv_dtype = dtype if kv_cache_dtype is None or cfg.head_dim % 4 else kv_cache_dtype
+        spec = plan_kv_cache(cfg, kv_dtype, 1.0, block_size, max_model_len, num_blocks)
+        self.kv_caches = allocate_kv_cache(cfg, spec, kv_dtype, device)
         self.kv = KVCacheManager(num_blocks, block_size, False, self.kv_caches)
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv.block_tables, block_size, device)
         self.device = device

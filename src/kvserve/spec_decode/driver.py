@@ -13,6 +13,7 @@ import logging
 from typing import Callable, ContextManager, Optional
 
 import numpy as np
+import torch
 
 from kvserve.core.request import Request
 from kvserve.spec_decode.config import SpeculativeConfig
@@ -46,9 +47,11 @@ class SpecDecodeDriver:
 
     @classmethod
     def from_config(cls, config: Optional[SpeculativeConfig], model_config, tokenizer, dtype, device,
-                    num_blocks: int, block_size: int, max_model_len: int) -> Optional["SpecDecodeDriver"]:
+                    num_blocks: int, block_size: int, max_model_len: int,
+                    draft_kv_dtype: Optional[torch.dtype] = None) -> Optional["SpecDecodeDriver"]:
         """The driver of ``speculative_config`` (None without one); a draft model gets a KV
-        pool of ``num_blocks`` blocks like the target's.
+        pool of ``num_blocks`` blocks like the target's, in ``draft_kv_dtype`` (default: ``dtype``;
+        :class:`DraftModelProposer`).
 
         Raises:
             ValueError: naming ``speculative_config.model`` when the draft model cannot be
@@ -60,7 +63,7 @@ class SpecDecodeDriver:
             return cls(NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                      config.prompt_lookup_max))
         return cls(DraftModelProposer(config.model, config.num_speculative_tokens, model_config, tokenizer, dtype,
-                                      device, num_blocks, block_size, max_model_len))
+                                      device, num_blocks, block_size, max_model_len, draft_kv_dtype))
 
     def rollback(self, req: Request, res: SpecResult) -> None:
         """Roll back the K/V of a verification's rejected drafts and count it:

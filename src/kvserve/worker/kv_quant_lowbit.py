@@ -306,6 +306,17 @@ def residual_bytes(num_layers: int, residual_blocks: int, block_size: int, num_k
     return 2 * num_layers * residual_blocks * block_size * num_kv_heads * head_dim * model_dtype.itemsize
 
 
+def num_residual_slots(max_num_seqs: int, block_size: int, num_speculative_tokens: int = 0) -> int:
+    """Residual slots an engine sets aside: one per running sequence (its partial last block), or,
+    with speculative decoding of ``k`` drafts, the ``1 + ceil(k / block_size)`` blocks a
+    verification of ``k + 1`` rows writes at most when it does not start on a block's last slot
+    (every block it writes holds a slot until the accepted count is known; a verification that
+    finds too few free decodes without drafts that step), plus 16 spare (forks waiting, slots
+    coming back after the forward)."""
+    per_seq = 1 + -(-num_speculative_tokens // block_size)
+    return max_num_seqs * per_seq + 16
+
+
 def read_map(residual_map: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
     """The residual map readers use in a step: ``residual_map`` with the blocks this step fills
     (those whose last slot it writes) set to -1, since the write quantizes them (the KV manager

@@ -51,6 +51,13 @@ def token_slice(req: Request, start: int, end: int) -> list[int]:
     return p[start:] + req.output_token_ids[: end - n]
 
 
+def _fills_block_midway(first: int, n: int, block_size: int) -> bool:
+    """Whether rows ``[first, first + n)`` fill a block (write its last slot) in which they also have
+    a row before that slot: the first block end at or after ``first + 1`` lies before ``first + n``."""
+    end1 = first + 1 + (block_size - 1 - (first + 1)) % block_size  # first e >= first + 1 with e % bs == bs - 1
+    return end1 <= first + n - 1
+
+
 @dataclass
 class BatchInputs:
     """The tensors of one step (see the module docstring)."""
@@ -154,7 +161,14 @@ class ModelRunner:
         verify = [(r, n) for r, n in sched.scheduled
                   if n > 1 and r.spec_token_ids and r.num_computed_tokens + n == r.num_tokens_with_spec]
         verifying = {r.request_id for r, _ in verify}
-        prefills = [(r, n) for r, n in sched.scheduled if n > 1 and r.request_id not in verifying]
+        # 2-/4-bit pools: a verification that fills a block it has more than one row in runs as a
+        # masked causal chunk instead (the decode rows before the block's last slot would read the
+        # block quantized, attention.prefill_lowbit gives each its own block in the model dtype)
+        chunked = {r.request_id for r, n in verify if self.residual_map is not None
+                   and _fills_block_midway(r.num_computed_tokens - r.num_dropped_tokens, n, bs)}
+        verify = [(r, n) for r, n in verify if r.request_id not in chunked]
+        prefills = [(r, n) for r, n in sched.scheduled
+                    if n > 1 and (r.request_id not in verifying or r.request_id in chunked)]
         ids: list[int] = []
         pos_parts: list[torch.Tensor] = []
         slot_parts: list[torch.Tensor] = []
@@ -237,6 +251,12 @@ class ModelRunner:
                 q_pos = ctx_pos[k0:].unsqueeze(1)
                 seg.causal_mask = (ctx_pos.unsqueeze(0) <= q_pos).to(self.device)
             meta.prefills.append(seg)
+            if r.request_id in chunked:  # a verification: logits at every row, no sampling here
+                spec_reqs.append(r)
+                spec_rows.extend(range(len(logits_idx), len(logits_idx) + n))
+                logits_idx.extend(range(start, start + n))
+                start += n
+                continue
             want_pl = r.sampling_params.prompt_logprobs is not None
             if want_pl and nc < r.num_prompt_tokens - 1:
                 # rows whose next token is a prompt token: positions nc .. min(nc+n, P-1) - 1
