@@ -12,7 +12,8 @@ Configurations are alternated ``--repeats`` times and the median is reported.
 
 Usage:
     python benchmarks/spec_decode.py [--dtype bfloat16] [--max-tokens 256] [--repeats 3] [--k 2 4]
-                                     [--cases repetitive plain json]
+                                     [--cases repetitive plain json] [--kv-cache-dtype auto|int8|int4|int2]
+                                     [--kv-cache-memory GIB]
 
 kvserve is imported first so OpenMP does not busy-wait next to other processes.
 """
@@ -77,12 +78,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--cases", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
+    ap.add_argument("--kv-cache-dtype", default="auto", help="every configuration's KV cache dtype")
+    ap.add_argument("--kv-cache-memory", type=float, default=None, help="each engine's KV budget (GiB)")
     a = ap.parse_args()
     configs = {"off": None}
     for k in a.k:
         configs[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                                    "prompt_lookup_min": 1}
-    llms = {name: LLM(dtype=a.dtype, max_model_len=2048, speculative_config=cfg) for name, cfg in configs.items()}
+    llms = {name: LLM(dtype=a.dtype, max_model_len=2048, speculative_config=cfg, kv_cache_dtype=a.kv_cache_dtype,
+                      kv_cache_memory=a.kv_cache_memory) for name, cfg in configs.items()}
     tok = next(iter(llms.values())).tokenizer
     rows = []
     for pname in a.cases:
@@ -108,7 +112,8 @@ def main() -> None:
                          acc if name != "off" else None, mal if name != "off" else None, toks == base,
                          " ".join(f"{x:.1f}" for x in rates[name]), cut if schema and name != "off" else None,
                          d.get("valid", False) if schema else None))
-    print(f"\nSmolLM2-135M-Instruct {a.dtype}, greedy, single stream, {a.max_tokens} max tokens, "
+    print(f"\nSmolLM2-135M-Instruct {a.dtype}, kv_cache_dtype {a.kv_cache_dtype}, greedy, single stream, "
+          f"{a.max_tokens} max tokens, "
           f"median of {a.repeats} alternated runs\n")
     print("| prompt | speculation | output tokens | decode tok/s | speed-up | acceptance rate | mean acceptance length "
           "| drafts cut by the grammar | same output | valid JSON | runs (tok/s) |")

@@ -12,7 +12,9 @@ exactly the tokens of the same engine and KV dtype without it:
   by a verification that rejected drafts kept their residual slot (the KV manager's counters);
 * the same under recompute preemption in a small pool with a small token budget;
 * the books after every step (``check_invariants``), every block and residual slot free at the end;
-* the draft model's own pool is 8-bit (``int8``) under a 2-/4-bit target.
+* decode rows on the C kernel and on SDPA alike;
+* the draft model's own pool is 8-bit (``int8``) under a 2-/4-bit target;
+* the KV manager's books for each accepted count, and a verification short of residual slots.
 
 (The refused combinations: tests/worker/test_kv_quant_lowbit.py.) About 25 s.
 """
@@ -72,7 +74,7 @@ def _spec_ran(engine: LLMEngine) -> None:
     kept the residual slots of blocks they filled with rows of rejected drafts."""
     s = engine.stats()
     assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"], s
-    assert engine.kv.num_verify_sealed > 0 and engine.kv.num_verify_unsealed > 0
+    assert s["kv_verify_sealed_blocks"] > 0 and s["kv_verify_unsealed_blocks"] > 0
 
 
 _BASE: dict = {}
@@ -99,6 +101,23 @@ def test_ngram_greedy_is_token_identical(llama, kv, block_size, k):
     _all_free(eng)
 
 
+def test_sdpa_decode_rows_give_the_same_tokens(llama, monkeypatch):
+    """The verifications that run as decode rows on SDPA over the PyTorch gather (what runs without
+    the C kernels, and on CUDA) instead of the C decode kernel: the same tokens."""
+    from kvserve.kernels import cpu_ops
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    base = _base(llama, "int2")
+    monkeypatch.setattr(cpu_ops, "lowbit_available", lambda: False)
+    calls = []
+    real = cpu_ops.paged_attention_decode_pools
+    monkeypatch.setattr(cpu_ops, "paged_attention_decode_pools", lambda *a, **k: calls.append(1) or real(*a, **k))
+    eng = _engine(llama, "int2", spec)
+    assert [_summary(o) for o in _run(eng, PROMPTS, _params())] == base
+    _spec_ran(eng)
+    assert not calls
+
+
 @pytest.mark.parametrize("kv", LOWBIT)
 def test_draft_model_greedy_is_token_identical(llama, drafts, kv):  # noqa: F811
     spec = {"method": "draft_model", "model": drafts["noisy"], "num_speculative_tokens": 3}
@@ -113,15 +132,74 @@ def test_draft_model_greedy_is_token_identical(llama, drafts, kv):  # noqa: F811
     assert not prop._shadows and prop.kv.num_free_blocks == prop.kv.num_blocks
 
 
-@pytest.mark.parametrize("kv", LOWBIT)
-def test_greedy_is_token_identical_under_preemption(llama, kv):
+@pytest.mark.parametrize("kv, mode", [("int4", "recompute"), ("int2", "recompute"), ("int4", "swap")])
+def test_greedy_is_token_identical_under_preemption(llama, kv, mode):
     """A pool of 40 blocks of 4 for six requests of up to 93 tokens and a budget of 6 tokens a
-    step: prompts chunked, drafts trimmed, requests preempted (recompute) and recomputed."""
+    step: prompts chunked, drafts trimmed, requests preempted and recomputed (with the prefix cache
+    on: a resumed request hits the blocks its verifications sealed) or swapped out and in (full
+    blocks packed, the partial last block's accepted rows through a host residual slot)."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     base = _base(llama, kv)
-    eng = _engine(llama, kv, spec, num_blocks=40, max_num_batched_tokens=6)
+    kw = dict(enable_prefix_caching=True) if mode == "recompute" else dict(preemption_mode="swap", swap_space=1e-4)
+    eng = _engine(llama, kv, spec, num_blocks=40, max_num_batched_tokens=6, **kw)
     assert [_summary(o) for o in _run(eng, PROMPTS, _params())] == base
     _spec_ran(eng)
     s = eng.stats()
     assert s["num_preemptions"] > 0 and s["num_chunked_prefills"] > 0
+    if mode == "recompute":
+        assert s["prefix_cache_resumed_hits"] > 0
+    else:
+        assert s["swap_num_swap_ins"] > 0 and s["swap_num_swapped_residuals"] > 0
+        assert s["swap_num_recompute_fallbacks"] == 0
     _all_free(eng)
+
+
+# ------------------------------------------------------------ the KV manager's books
+def _verifying(bs=4, slots=4):
+    """A manager with a request of 6 computed tokens (blocks 0 and 1, block 1 partial) and 1 more
+    owed, about to verify 4 drafts (KV indices 6..10: block 1 filled, block 2 partial)."""
+    from kvserve.core.kv_cache_manager import KVCacheManager
+    from kvserve.core.request import Request
+
+    kv = KVCacheManager(16, bs, residual_blocks=slots)
+    req = Request(request_id="r", prompt_token_ids=list(range(10, 16)), sampling_params=SamplingParams(max_tokens=20),
+                  seed=0)
+    assert kv.allocate_slots(req, 6)
+    kv.end_step()
+    req.num_computed_tokens = 6
+    req.output_token_ids.append(99)
+    req.spec_token_ids = [1, 2, 3, 4]
+    return kv, req
+
+
+@pytest.mark.parametrize("accepted, sealed, kept", [(0, [], 1), (1, [1], None), (2, [1], 2), (3, [1], 2), (4, [1], 2)])
+def test_end_verification_seals_only_blocks_of_accepted_tokens(accepted, sealed, kept):
+    """Blocks the verification wrote: full of accepted tokens → unmapped (the packed block is read
+    from now on), the slot back after the next forward; the block of the first rejected draft keeps
+    its slot (its accepted rows); the blocks after it release theirs."""
+    kv, req = _verifying()
+    assert kv.allocate_slots(req, 5)
+    table, r = kv.block_tables["r"], kv.residual
+    assert len(table) == 3 and all(r.has(b) for b in table[1:])  # every block the step writes
+    kv.end_step()  # (the forward: nothing of a verification is released by it)
+    assert all(r.has(b) for b in table[1:])
+    req.num_computed_tokens += 5 - (4 - accepted)  # (the rollback)
+    kv.end_verification(req, 6, 11)
+    for i in (1, 2):  # (a block past the accepted ones keeps its slot until the next forward ends)
+        assert r.has(table[i]) == (int(r.map[table[i]]) >= 0) == (i not in sealed)
+    kv.end_step()  # (the next forward)
+    assert [i for i in (1, 2) if r.has(table[i])] == ([kept] if kept else [])
+    assert r.num_free == r.num_slots - (1 if kept else 0)
+    assert kv.num_verify_sealed == len(sealed) and kv.num_verify_unsealed == (1 if kept == 1 else 0)
+    kv.check_invariants()
+
+
+def test_a_verification_short_of_residual_slots_is_refused():
+    """One residual slot (block 1's): the verification needs block 2's too, so allocate_slots refuses
+    it and takes nothing (the scheduler then decodes the request without drafts)."""
+    kv, req = _verifying(slots=1)
+    assert not kv.allocate_slots(req, 5)
+    assert len(kv.block_tables["r"]) == 2 and kv.residual.num_short == 1
+    req.spec_token_ids = []
+    assert kv.allocate_slots(req, 1)  # (its last token alone: block 1 keeps its slot)
+    kv.check_invariants()

@@ -1263,6 +1263,11 @@ class KVCacheManager:
             "kv_transfer_loaded_bytes": self.num_transfer_loaded_bytes,
             "kv_transfer_load_seconds": self.num_transfer_load_seconds,
             "kv_transfer_failed": self.num_transfer_failed,
+            # 2-/4-bit caches with speculative decoding (end_verification): blocks verification steps
+            # filled with accepted tokens only (sealed), and blocks they filled that kept their
+            # residual slot (rejected drafts' rows in them)
+            "kv_verify_sealed_blocks": self.num_verify_sealed,
+            "kv_verify_unsealed_blocks": self.num_verify_unsealed,
             **(self.offload.stats() if self.offload is not None else {}),
         }
 

@@ -378,7 +378,8 @@ def read_cache(cache, slots: torch.Tensor, dtype: torch.dtype, meta: AttentionMe
 def prefill_lowbit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: LowBitPool, v_cache: LowBitPool,
                    meta: AttentionMetadata, seg: PrefillSegment, scale: float,
                    window: Optional[int] = None) -> torch.Tensor:
-    """Causal attention of one prefill chunk over 2-/4-bit pools (K/V already written), with the
+    """Causal attention of one prefill chunk (or of a speculative verification's rows that fill a
+    block: :mod:`kvserve.worker.model_runner`) over 2-/4-bit pools (K/V already written), with the
     keys each query would see had it been decoded alone, so that a token's K/V never depend on
     how its prompt was chunked: the query at position ``p`` sees the blocks before its own
     dequantized, and its own block's rows ``<= p`` in the model dtype (the residual), except when

@@ -39,6 +39,19 @@ Here a key group is one KV block (``block_size`` tokens, 16 by default):
   every new full block is quantized again from its ``block_size`` rows and a partial last block's
   rows go into its residual slot (:func:`store_compacted`). That depends only on the request's
   own tokens and selection, so it is the same alone or batched and under any chunking.
+* Speculative decoding: a verification step writes the K/V of the request's last token and its
+  ``k`` drafts, and may fill blocks with rows of drafts that are then rejected. Every block it
+  writes holds a residual slot through the step (:meth:`kvserve.core.kv_cache_manager.KVCacheManager.
+  allocate_slots`), so the step both quantizes the blocks it fills and keeps their model-dtype rows;
+  once the accepted count is known (:meth:`~kvserve.core.kv_cache_manager.KVCacheManager.end_verification`)
+  a block full of accepted tokens is sealed (its slot unmapped: its codes were computed from exactly
+  the rows decoding would have written), the block of the first rejected draft keeps its slot and
+  its accepted rows (the codes the step wrote into it are never read, and the step that fills it
+  with accepted tokens quantizes it again), later blocks release theirs. What the verification's
+  queries see is what one-token decoding of the accepted prefix would have shown them: a
+  verification that fills a block it has earlier rows in runs as a masked chunk
+  (:func:`kvserve.worker.attention.prefill_lowbit`), the others as decode rows (:func:`read_map`
+  is then right for every row).
 * Block copies (:func:`copy_prefix`: a fork's or a beam's copy of a partial block) copy model-dtype
   rows from the source's residual slot into the destination's. The prefix cache shares full
   (quantized) blocks only: a partially matching cached block is not copied (its rows would come back
@@ -320,7 +333,8 @@ def num_residual_slots(max_num_seqs: int, block_size: int, num_speculative_token
 def read_map(residual_map: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
     """The residual map readers use in a step: ``residual_map`` with the blocks this step fills
     (those whose last slot it writes) set to -1, since the write quantizes them (the KV manager
-    gives their residual slots back after the step). ``[num_blocks]`` int64."""
+    gives their residual slots back after the step; after a verification step, only to those
+    full of accepted tokens). ``[num_blocks]`` int64."""
     filled = slot_mapping[slot_mapping % block_size == block_size - 1] // block_size
     if filled.numel() == 0:
         return residual_map

@@ -11,7 +11,11 @@ Speculative decoding: a request scheduled for its last token plus its draft toke
 (``spec_token_ids``) is a verification. It runs as one decode row per token (row i at
 position ``num_computed_tokens + i``, attending to ``num_computed_tokens + i + 1`` tokens:
 all rows write their K/V before any attends, so this is the causal chunk), needs logits at
-every row, and is verified by :func:`kvserve.spec_decode.rejection_sample`.
+every row, and is verified by :func:`kvserve.spec_decode.rejection_sample`. Over 2-/4-bit pools
+(:mod:`kvserve.worker.kv_quant_lowbit`) a verification that fills a block it has rows before the
+block's last slot in runs as a prefill chunk instead (with logits at every row): decode rows read a
+block the step fills quantized, while those rows must see it in the model dtype, as one-token
+decoding would have shown them (:func:`kvserve.worker.attention.prefill_lowbit` masks each row).
 
 KV compression (:mod:`kvserve.core.kv_compression`): a token's position (RoPE) and its KV index
 (its slot in the block table, what attention counts) differ by the request's
