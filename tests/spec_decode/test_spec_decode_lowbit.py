@@ -12,7 +12,7 @@ exactly the tokens of the same engine and KV dtype without it:
   by a verification that rejected drafts kept their residual slot (the KV manager's counters);
 * the same under recompute preemption in a small pool with a small token budget;
 * the books after every step (``check_invariants``), every block and residual slot free at the end;
-* decode rows on the C kernel and on SDPA alike;
+* decode rows on the C kernel and on SDPA alike, and a model with sliding-window layers;
 * the draft model's own pool is 8-bit (``int8``) under a 2-/4-bit target;
 * the KV manager's books for each accepted count, and a verification short of residual slots.
 
@@ -116,6 +116,18 @@ def test_sdpa_decode_rows_give_the_same_tokens(llama, monkeypatch):
     assert [_summary(o) for o in _run(eng, PROMPTS, _params())] == base
     _spec_ran(eng)
     assert not calls
+
+
+def test_sliding_window_model_is_token_identical(tiny_model_dir):
+    """A model whose every layer has a 16-token window (blocks before it freed while the request
+    runs; masked chunks and the C kernel read the window only): the same tokens with drafts."""
+    folder = str(tiny_model_dir("mistral_window")[0])
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    base = [_summary(o) for o in _run(_engine(folder, "int2"), PROMPTS, _params())]
+    eng = _engine(folder, "int2", spec, max_num_batched_tokens=6)
+    assert [_summary(o) for o in _run(eng, PROMPTS, _params())] == base
+    _spec_ran(eng)
+    _all_free(eng)
 
 
 @pytest.mark.parametrize("kv", LOWBIT)
