@@ -321,11 +321,10 @@ def residual_bytes(num_layers: int, residual_blocks: int, block_size: int, num_k
 
 def num_residual_slots(max_num_seqs: int, block_size: int, num_speculative_tokens: int = 0) -> int:
     """Residual slots an engine sets aside: one per running sequence (its partial last block), or,
-    with speculative decoding of ``k`` drafts, the ``1 + ceil(k / block_size)`` blocks a
-    verification of ``k + 1`` rows writes at most when it does not start on a block's last slot
-    (every block it writes holds a slot until the accepted count is known; a verification that
-    finds too few free decodes without drafts that step), plus 16 spare (forks waiting, slots
-    coming back after the forward)."""
+    with speculative decoding of ``k`` drafts, the at most ``1 + ceil(k / block_size)`` blocks a
+    verification of ``k + 1`` rows writes (every block it writes holds a slot until the accepted
+    count is known; a verification that finds too few free decodes without drafts that step), plus
+    16 spare (forks waiting, slots coming back after the forward)."""
     per_seq = 1 + -(-num_speculative_tokens // block_size)
     return max_num_seqs * per_seq + 16
 
