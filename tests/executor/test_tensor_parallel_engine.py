@@ -102,6 +102,18 @@ def test_tp2_lowbit_kv_with_swap_and_block_copies_equals_one_rank(llama, kv):
     assert r.num_free == r.num_slots and bool((r.map == -1).all())
 
 
+def test_tp2_int4_kv_with_ngram_speculation_equals_one_rank(llama):
+    """int4 KV with n-gram speculation at two ranks: the verification's residual slots (kept
+    through the step, settled after sampling) reach rank 1 with the next step's map; a tight
+    pool preempts. The same outputs as at one rank."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    reqs = [(p * 3, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for p in PROMPTS]
+    eng, _ = _same_as_one_rank(llama, reqs, num_blocks=24, kv_cache_dtype="int4", speculative_config=spec)
+    stats = eng.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert stats["kv_verify_sealed_blocks"] > 0 and eng.scheduler.num_preemptions > 0
+
+
 @pytest.mark.parametrize("arch", ["mistral_window", "gemma3", "llama_mqa"])
 def test_tp2_sliding_windows_gemma3_and_replicated_kv_heads_equal_one_rank(tiny_model_dir, arch):
     reqs = [(p * 4, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for p in PROMPTS[:3]]
