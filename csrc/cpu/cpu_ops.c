@@ -1317,6 +1317,326 @@ static TGT_AMX int prefill_amx(const void* q, int64_t ldq, const void* k_cache, 
     return failed ? -1 : 0;
 }
 
+/* ---- Causal prefill attention on AVX512-BF16 dot products (CPUs without AMX) --------------
+ * The counterpart of prefill_amx for CPUs with AVX512_BF16 but no AMX tiles (e.g. AMD Zen 4),
+ * built in the cpu_ops_avx512bf16 variant only. Flash-attention style (Dao et al. 2022,
+ * "FlashAttention"): a work item is a chunk, a KV head and up to PF_MQ consecutive tokens of
+ * the chunk, whose G query heads each make a row (R = tokens * G <= 64 rows, token-major);
+ * the item walks its keys in blocks of PF_KB = 64 with an online softmax (running max m and
+ * sum l per row, the float32 output rescaled by exp(m_old - m_new) when the max grows), so
+ * every K/V block loaded is used by all R rows (the G heads of the KV head share it: GQA
+ * without repeating KV). Both products run on VDPBF16PS (pairs of bf16 multiplied exactly,
+ * float32 accumulators):
+ *   scores [row][16 keys] += Q[row][dims 2p, 2p+1] (broadcast) . K'[p][16 keys][2]
+ *     (K' = K packed once per chunk and KV head by pack_kv_prefill_dp: the 16 x 16 dword
+ *     transpose of 16 keys' rows);
+ *   out [row][16 dims] += P[row][keys 2k, 2k+1] (broadcast) . V'[k][16 dims][2]
+ *     (V' = V packed to pairs of consecutive keys, the layout pack_vt_prefill builds before
+ *     its transpose; P = exp(s - m) rounded to bf16, as the AMX kernel and PyTorch's CPU flash
+ *     attention do, while l sums the float32 values).
+ * Softmax in float32 (exp_ps), 1 / l applied to the float32 result. Register blocking: 6 rows
+ * x 64 keys (24 accumulators) for Q.K^T, 6 rows x 64 dims for P.V. */
+#ifdef KV_AVX512BF16
+#define PF_KB 64   /* keys per block */
+#define PF_ROWS 64 /* most rows (tokens x G) of a work item */
+
+/* Tokens per work item for GQA group G: 16, fewer when G > 4 so that tokens * G <= 64. */
+static inline int64_t pf_tokens(int64_t G) {
+    const int64_t t = PF_ROWS / G;
+    return t > 16 ? 16 : (t < 1 ? 1 : t);
+}
+
+/* Lanes [0, n) of a 16-lane vector, none for n <= 0. */
+INLINE TGT_DP __mmask16 pf_mask(int64_t n) { return n <= 0 ? (__mmask16)0 : tail_mask(n); }
+
+/* Keys [k0, k1) (multiples of 32) of KV head g of a sequence with L cached keys (block table
+ * bt) into kp and vp, the packed buffers of that chunk and KV head ([Lp / 16][hd / 2][16][2]
+ * and [Lp / 2][hd / 16][16][2] u16, Lp = L rounded up to PF_KB); keys >= L are zero. */
+static TGT_DP void pack_kv_prefill_dp(const uint16_t* kc, const uint16_t* vc, const int64_t* bt, int64_t L,
+                                      int64_t KVH, int64_t g, int64_t hd, int64_t bs, int64_t k0, int64_t k1,
+                                      uint16_t* kp, uint16_t* vp) {
+    const int64_t rs = KVH * hd, NV = hd / 16;
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t j0 = k0; j0 < k1; j0 += 16) {
+        const uint16_t* row[16];
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t j = j0 + i;
+            row[i] = j < L ? kc + (bt[j / bs] * bs + j % bs) * rs + g * hd : NULL;
+        }
+        uint16_t* kt = kp + j0 * hd; /* (j0 / 16) * (hd / 2) * 32 */
+        for (int64_t w = 0; w < hd / 32; w++) { /* K: 16 keys x 16 dim pairs -> 16 dim pairs x 16 keys */
+            __m512 r[16];
+            for (int64_t i = 0; i < 16; i++)
+                r[i] = row[i] ? _mm512_loadu_ps(row[i] + w * 32) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int64_t p = 0; p < 16; p++) _mm512_storeu_ps(kt + (16 * w + p) * 32, r[p]);
+        }
+        for (int64_t pp = 0; pp < 8; pp++) { /* V: keys (2pp, 2pp + 1) of the 16, dims interleaved */
+            const int64_t ja = j0 + 2 * pp, jb = ja + 1;
+            const uint16_t* va = ja < L ? vc + (bt[ja / bs] * bs + ja % bs) * rs + g * hd : NULL;
+            const uint16_t* vb = jb < L ? vc + (bt[jb / bs] * bs + jb % bs) * rs + g * hd : NULL;
+            uint16_t* vt = vp + (ja / 2) * NV * 32;
+            for (int64_t w = 0; w < hd / 32; w++) {
+                const __m512i a = va ? _mm512_loadu_si512(va + w * 32) : _mm512_setzero_si512();
+                const __m512i b = vb ? _mm512_loadu_si512(vb + w * 32) : _mm512_setzero_si512();
+                const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+                _mm512_storeu_si512(vt + (2 * w) * 32, _mm512_permutex2var_epi32(lo, i0, hi));
+                _mm512_storeu_si512(vt + (2 * w + 1) * 32, _mm512_permutex2var_epi32(lo, i1, hi));
+            }
+        }
+    }
+}
+
+INLINE TGT_DP __m512bh pf_bcast(const uint16_t* p) { /* the bf16 pair at p in every dword */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+/* Scores of rows r0 .. r0 + RB - 1 (query rows qr[]) against the 64 keys of the packed block
+ * kb, then their online-softmax step: lim[r] keys of the block count for row r (<= 0: none,
+ * >= 64: all); m, l, the float32 outputs o ([R][hd]) and the bf16 probabilities pb ([R][64]). */
+INLINE TGT_DP void pf_qk_rows(const int RB, const uint16_t* const* qr, const uint16_t* kb, int64_t hd, float scale,
+                              const int64_t* lim, float* m, float* l, float* o, uint16_t* pb) {
+    __m512 acc[RB][4];
+    for (int r = 0; r < RB; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
+    const int64_t gs = hd * 16; /* u16 between the packed 16-key groups */
+    for (int64_t p = 0; p < hd / 2; p++) {
+        __m512bh kv[4];
+        for (int i = 0; i < 4; i++) kv[i] = (__m512bh)_mm512_loadu_si512(kb + i * gs + p * 32);
+        for (int r = 0; r < RB; r++) {
+            const __m512bh b = pf_bcast(qr[r] + 2 * p);
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], kv[i], b);
+        }
+    }
+    const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < RB; r++) {
+        uint16_t* pr = pb + r * PF_KB;
+        if (lim[r] <= 0) { /* no key of this block for the row */
+            _mm512_storeu_si512(pr, _mm512_setzero_si512());
+            _mm512_storeu_si512(pr + 32, _mm512_setzero_si512());
+            continue;
+        }
+        __mmask16 mk[4];
+        __m512 s[4], bm = ninf;
+        for (int i = 0; i < 4; i++) {
+            mk[i] = pf_mask(lim[r] - 16 * i);
+            s[i] = _mm512_mul_ps(acc[r][i], vs);
+            bm = _mm512_mask_max_ps(bm, mk[i], bm, s[i]);
+        }
+        const float mo = m[r], mn = fmaxf(mo, _mm512_reduce_max_ps(bm));
+        if (mn > mo) { /* the max grew: rescale the row's sum and output (first block: mo = -inf) */
+            const float alpha = expf(mo - mn);
+            l[r] *= alpha;
+            const __m512 va = _mm512_set1_ps(alpha);
+            float* orow = o + r * hd;
+            for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), va));
+            m[r] = mn;
+        }
+        const __m512 vm = _mm512_set1_ps(mn);
+        __m512 e[4];
+        for (int i = 0; i < 4; i++) e[i] = _mm512_maskz_mov_ps(mk[i], exp_ps(_mm512_sub_ps(s[i], vm)));
+        l[r] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])));
+        _mm512_storeu_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+        _mm512_storeu_si512(pr + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
+    }
+}
+
+/* o[r][dims dc .. dc + 16 NC) += P[r] . V of the block, rows r0 .. r0 + RB - 1 (o, pb at r0),
+ * over the block's first `pairs` key pairs (vb: the packed V of the block, [32][hd / 16][32]). */
+INLINE TGT_DP void pf_pv_rows(const int RB, const int NC, const uint16_t* pb, const uint16_t* vb, int64_t pairs,
+                              int64_t hd, int64_t dc, float* o) {
+    __m512 acc[RB][NC];
+    for (int r = 0; r < RB; r++)
+        for (int i = 0; i < NC; i++) acc[r][i] = _mm512_loadu_ps(o + r * hd + dc + 16 * i);
+    const int64_t ps = hd * 2; /* u16 per packed key pair */
+    for (int64_t k = 0; k < pairs; k++) {
+        __m512bh vv[NC];
+        for (int i = 0; i < NC; i++) vv[i] = (__m512bh)_mm512_loadu_si512(vb + k * ps + (dc + 16 * i) * 2);
+        for (int r = 0; r < RB; r++) {
+            const __m512bh b = pf_bcast(pb + r * PF_KB + 2 * k);
+            for (int i = 0; i < NC; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], vv[i], b);
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int i = 0; i < NC; i++) _mm512_storeu_ps(o + r * hd + dc + 16 * i, acc[r][i]);
+}
+
+static TGT_DP void pf_qk_dispatch(int rb, const uint16_t* const* qr, const uint16_t* kb, int64_t hd, float scale,
+                                  const int64_t* lim, float* m, float* l, float* o, uint16_t* pb) {
+    switch (rb) {
+#define KV_PF_QK(N) case N: pf_qk_rows(N, qr, kb, hd, scale, lim, m, l, o, pb); break;
+        KV_PF_QK(1) KV_PF_QK(2) KV_PF_QK(3) KV_PF_QK(4) KV_PF_QK(5) default: KV_PF_QK(6)
+#undef KV_PF_QK
+    }
+}
+
+static TGT_DP void pf_pv_dispatch(int rb, int nc, const uint16_t* pb, const uint16_t* vb, int64_t pairs, int64_t hd,
+                                  int64_t dc, float* o) {
+#define KV_PF_PV(N, C) if (rb == N && nc == C) { pf_pv_rows(N, C, pb, vb, pairs, hd, dc, o); return; }
+    KV_PF_PV(6, 4) KV_PF_PV(5, 4) KV_PF_PV(4, 4) KV_PF_PV(3, 4) KV_PF_PV(2, 4) KV_PF_PV(1, 4)
+    KV_PF_PV(6, 2) KV_PF_PV(5, 2) KV_PF_PV(4, 2) KV_PF_PV(3, 2) KV_PF_PV(2, 2) KV_PF_PV(1, 2)
+#undef KV_PF_PV
+}
+
+/* One work item: tokens n < nt of a chunk (queries q + n * ldq, heads 0 .. G - 1 of the KV head
+ * at q + h * hd), token n attending to keys [0, past + n + 1) (packed K/V of its chunk and KV
+ * head in kp, vp); results to out + n * ldo + h * hd. Scratch: o [R][hd] f32, m, l [R],
+ * pb [R][64] u16, R = nt * G <= PF_ROWS. */
+static TGT_DP void prefill_dp_item(const uint16_t* q, int64_t ldq, uint16_t* out, int64_t ldo, int64_t nt, int64_t G,
+                                   int64_t past, const uint16_t* kp, const uint16_t* vp, int64_t hd, float scale,
+                                   float* o, float* m, float* l, uint16_t* pb) {
+    const int64_t R = nt * G, L = past + nt;
+    const uint16_t* qr[PF_ROWS];
+    for (int64_t r = 0; r < R; r++) {
+        qr[r] = q + (r / G) * ldq + (r % G) * hd;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * (size_t)(R * hd));
+    int64_t lim[PF_ROWS];
+    for (int64_t k0 = 0; k0 < L; k0 += PF_KB) {
+        const uint16_t* kb = kp + k0 * hd;
+        const uint16_t* vb = vp + k0 * hd;
+        for (int64_t r = 0; r < R; r++) lim[r] = past + r / G + 1 - k0; /* keys of the block row r sees */
+        for (int64_t r0 = 0; r0 < R; r0 += 6) {
+            const int rb = R - r0 < 6 ? (int)(R - r0) : 6;
+            pf_qk_dispatch(rb, qr + r0, kb, hd, scale, lim + r0, m + r0, l + r0, o + r0 * hd, pb + r0 * PF_KB);
+        }
+        const int64_t keys = L - k0 < PF_KB ? L - k0 : PF_KB, pairs = (keys + 1) / 2;
+        for (int64_t dc = 0; dc < hd; dc += 64) {
+            const int nc = hd - dc >= 64 ? 4 : 2;
+            for (int64_t r0 = 0; r0 < R; r0 += 6) {
+                const int rb = R - r0 < 6 ? (int)(R - r0) : 6;
+                pf_pv_dispatch(rb, nc, pb + r0 * PF_KB, vb, pairs, hd, dc, o + r0 * hd);
+            }
+        }
+    }
+    /* the outputs' dims come out as packed: lane i of dims [16c, 16c + 16) is dim 16c + i */
+    for (int64_t r = 0; r < R; r++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        uint16_t* orow = out + (r / G) * ldo + (r % G) * hd;
+        for (int64_t d = 0; d < hd; d += 16)
+            _mm256_storeu_si256((__m256i*)(orow + d), ps_to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(o + r * hd + d), inv)));
+    }
+}
+
+/* Causal prefill attention on AVX512-BF16 (bf16 caches, hd % 32 == 0, hd <= 256, G <= 64; any
+ * block size): same contract as prefill_amx. First each chunk's K and V per KV head are packed
+ * (pack_kv_prefill_dp; work items of 128 keys), then the work items of prefill_dp_item run (a
+ * chunk, a KV head and pf_tokens(G) tokens; the items of a KV head one after another, the last
+ * tokens, with the longest contexts, first). Returns 0, or -1 when a work buffer could not be
+ * allocated. */
+static TGT_DP int prefill_dp(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                             const int64_t* block_tables, int64_t bt_stride, const int64_t* seg, int64_t P, void* out,
+                             int64_t ldo, int64_t H, int64_t KVH, int64_t hd, int64_t bs, float scale, int nthreads) {
+    const int64_t G = H / KVH, MQ = pf_tokens(G);
+    int64_t packed = 0, pack_items = 0, items = 0;
+    int64_t* base = (int64_t*)malloc(sizeof(int64_t) * (size_t)(P > 0 ? P : 1));
+    if (!base) return -1;
+    for (int64_t c = 0; c < P; c++) {
+        const int64_t Lp = (seg[3 * c + 2] + seg[3 * c + 1] + PF_KB - 1) / PF_KB * PF_KB;
+        base[c] = packed;
+        packed += 2 * KVH * Lp * hd; /* u16: K' then V' of each KV head */
+        pack_items += KVH * ((Lp + 127) / 128);
+        items += KVH * ((seg[3 * c + 1] + MQ - 1) / MQ);
+    }
+    uint16_t* kvp = (uint16_t*)aligned_alloc(64, ((size_t)packed * 2 + 64 + 63) & ~(size_t)63);
+    if (!kvp) {
+        free(base);
+        return -1;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < pack_items; it++) { /* 128 keys of a KV head per item */
+            int64_t rest = it, c = 0, Lp;
+            for (;;) {
+                Lp = (seg[3 * c + 2] + seg[3 * c + 1] + PF_KB - 1) / PF_KB * PF_KB;
+                if (rest < KVH * ((Lp + 127) / 128)) break;
+                rest -= KVH * ((Lp + 127) / 128);
+                c++;
+            }
+            const int64_t ng = (Lp + 127) / 128, g = rest / ng, k0 = (rest % ng) * 128;
+            uint16_t* kp = kvp + base[c] + 2 * g * Lp * hd;
+            pack_kv_prefill_dp((const uint16_t*)k_cache, (const uint16_t*)v_cache, block_tables + c * bt_stride,
+                               seg[3 * c + 2] + seg[3 * c + 1], KVH, g, hd, bs, k0, k0 + 128 < Lp ? k0 + 128 : Lp,
+                               kp, kp + Lp * hd);
+        }
+        /* (the barrier at the end of the loop: every chunk is packed) */
+        const int64_t R = MQ * G;
+        char* buf = (char*)aligned_alloc(64, ((size_t)R * (hd * 4 + 8 + PF_KB * 2) + 63) & ~(size_t)63);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float* o = (float*)buf;
+        float* m = o + R * hd;
+        float* l = m + R;
+        uint16_t* pb = (uint16_t*)(l + R);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!buf) continue;
+            int64_t rest = it, c = 0;
+            while (rest >= KVH * ((seg[3 * c + 1] + MQ - 1) / MQ)) rest -= KVH * ((seg[3 * c + 1] + MQ - 1) / MQ), c++;
+            const int64_t start = seg[3 * c], n_tok = seg[3 * c + 1], past = seg[3 * c + 2];
+            const int64_t ntile = (n_tok + MQ - 1) / MQ, g = rest / ntile, tb = ntile - 1 - rest % ntile;
+            const int64_t t0 = tb * MQ, nt = t0 + MQ < n_tok ? MQ : n_tok - t0;
+            const int64_t Lp = (past + n_tok + PF_KB - 1) / PF_KB * PF_KB;
+            const uint16_t* kp = kvp + base[c] + 2 * g * Lp * hd;
+            prefill_dp_item((const uint16_t*)q + (start + t0) * ldq + g * G * hd, ldq,
+                            (uint16_t*)out + (start + t0) * ldo + g * G * hd, ldo, nt, G, past + t0, kp, kp + Lp * hd,
+                            hd, scale, o, m, l, pb);
+        }
+        free(buf);
+    }
+    free(kvp);
+    free(base);
+    return failed ? -1 : 0;
+}
+#endif /* KV_AVX512BF16 */
+
+/* Whether this library has the AVX512-BF16 prefill kernel (the cpu_ops_avx512bf16 variant). */
+int kv_prefill_dp_built(void) {
+#ifdef KV_AVX512BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether kv_paged_attention_prefill runs for bf16 caches of this shape here, and on what:
+ * 1 on AMX tiles (AMX enabled, hd % 32 == 0, bs % 16 == 0, G <= 16), 2 on AVX512-BF16 dot
+ * products (the avx512bf16 variant with kv_set_bf16_dot on, hd % 32 == 0, hd <= 256,
+ * G <= 64), 0 not at all. */
+int kv_prefill_path(int64_t H, int64_t KVH, int64_t hd, int64_t bs) {
+    if (KVH <= 0 || H % KVH || hd <= 0 || hd % 32) return 0;
+    const int64_t G = H / KVH;
+    if (kv_amx && bs % 16 == 0 && G <= 16) return 1;
+    if (kv_prefill_dp_built() && kv_bf16_dot && hd <= 256 && G <= 64) return 2;
+    return 0;
+}
+
+/* The bf16 prefill on the path kv_prefill_path picks (-2 if none). */
+static TGT_AMX int prefill_bf16(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                                const int64_t* block_tables, int64_t bt_stride, const int64_t* seg, int64_t P,
+                                void* out, int64_t ldo, int64_t H, int64_t KVH, int64_t hd, int64_t bs, float scale,
+                                int nthreads) {
+    const int path = kv_prefill_path(H, KVH, hd, bs);
+    if (path == 1)
+        return prefill_amx(q, ldq, k_cache, v_cache, block_tables, bt_stride, seg, P, out, ldo, H, KVH, hd, bs, scale,
+                           nthreads);
+#ifdef KV_AVX512BF16
+    if (path == 2)
+        return prefill_dp(q, ldq, k_cache, v_cache, block_tables, bt_stride, seg, P, out, ldo, H, KVH, hd, bs, scale,
+                          nthreads);
+#endif
+    return -2;
+}
+
 /* fmt != 0 (8-bit pools [.., KVH, hd + 4]): the chunks' contexts are first dequantized to bf16,
  * each into its own run of 32-key blocks of a work buffer ([keys][KVH][hd], block table row c
  * numbering chunk c's blocks), and the bf16 kernel runs on that copy. */
@@ -1324,11 +1644,10 @@ TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k
                                        const int64_t* block_tables, int64_t bt_stride, const int64_t* seg, int64_t P,
                                        void* out, int64_t ldo, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
                                        float scale, int fmt, int nthreads) {
-    const int64_t G = H / KVH;
-    if (!kv_amx || hd % 32 || bs % 16 || G > 16) return -2;
+    if (!kv_prefill_path(H, KVH, hd, bs)) return -2;
     if (!fmt)
-        return prefill_amx(q, ldq, k_cache, v_cache, block_tables, bt_stride, seg, P, out, ldo, H, KVH, hd, bs, scale,
-                           nthreads);
+        return prefill_bf16(q, ldq, k_cache, v_cache, block_tables, bt_stride, seg, P, out, ldo, H, KVH, hd, bs, scale,
+                            nthreads);
     int64_t maxnb = 1, total = 0, items = 0;
     for (int64_t c = 0; c < P; c++) {
         const int64_t nb = (seg[3 * c + 2] + seg[3 * c + 1] + 31) / 32;
@@ -1374,7 +1693,7 @@ TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k
             }
         }
     }
-    const int rc = prefill_amx(q, ldq, kd, vd, bt2, maxnb, seg, P, out, ldo, H, KVH, hd, 32, scale, nthreads);
+    const int rc = prefill_bf16(q, ldq, kd, vd, bt2, maxnb, seg, P, out, ldo, H, KVH, hd, 32, scale, nthreads);
     free(bt2);
     free(kd);
     return rc;

@@ -557,25 +557,61 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def amx_prefill_supported(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                           block_size: int) -> bool:
-    """Whether :func:`paged_attention_prefill` runs here for this shape: bf16, AMX enabled
-    (:func:`set_amx`), ``head_dim % 32 == 0``, ``block_size % 16 == 0``, GQA group <= 16."""
+    """Whether :func:`paged_attention_prefill` runs here for this shape on AMX tiles: bf16, AMX
+    enabled (:func:`set_amx`), ``head_dim % 32 == 0``, ``block_size % 16 == 0``, GQA group <= 16."""
+    return _prefill_path(dtype, num_heads, num_kv_heads, head_dim, block_size) == 1
+
+
+def avx512bf16_prefill_supported(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                                 block_size: int) -> bool:
+    """Whether :func:`paged_attention_prefill` runs here for this shape on AVX512-BF16 dot
+    products (``VDPBF16PS``; the kernel for CPUs without AMX): bf16, the ``cpu_ops_avx512bf16``
+    library loaded (a CPU with AVX512_BF16), :func:`set_bf16_dot` on, AMX off or unavailable
+    (:func:`set_amx`) or not applicable to the shape, ``head_dim % 32 == 0``, ``head_dim <= 256``,
+    GQA group <= 64; any block size."""
+    return _prefill_path(dtype, num_heads, num_kv_heads, head_dim, block_size) == 2
+
+
+def prefill_supported(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                      block_size: int) -> bool:
+    """Whether :func:`paged_attention_prefill` runs here for this shape, on either kernel
+    (:func:`amx_prefill_supported` or :func:`avx512bf16_prefill_supported`)."""
+    return _prefill_path(dtype, num_heads, num_kv_heads, head_dim, block_size) != 0
+
+
+def _prefill_path(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
+    """The C library's choice for bf16 prefill (``kv_prefill_path``): 1 AMX, 2 AVX512-BF16, 0 none."""
+    if dtype != torch.bfloat16 or not available():
+        return 0
     lib = _raw_lib()
-    return (dtype == torch.bfloat16 and lib is not None and available() and bool(lib.kv_amx_enabled())
-            and head_dim % 32 == 0 and block_size % 16 == 0 and num_kv_heads > 0
-            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16)
+    if not hasattr(lib, "kv_prefill_path"):  # (a library built before the AVX512-BF16 kernel)
+        ok = (bool(lib.kv_amx_enabled()) and head_dim % 32 == 0 and block_size % 16 == 0 and num_kv_heads > 0
+              and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16)
+        return int(ok)
+    i64 = ctypes.c_int64
+    return int(lib.kv_prefill_path(i64(num_heads), i64(num_kv_heads), i64(head_dim), i64(block_size)))
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, chunks: torch.Tensor, scale: float,
                             out: torch.Tensor) -> None:
-    """Causal attention of prefill chunks over their paged context, on AMX tiles.
+    """Causal attention of prefill chunks over their paged context, on AMX tiles or, on CPUs
+    without AMX, on AVX512-BF16 dot products.
 
     Same math as :func:`paged_attention_decode` applied to every token of a chunk (token ``t``
-    of a chunk attends to the first ``num_past + t + 1`` tokens of its sequence, exact float32
-    softmax, probabilities rounded to bf16 for P·V): a work item is 16 tokens of one query
-    head, whose scores against 16 keys are one tile (K read from the cache as stored); V is
-    packed once per chunk and KV head into the tiles' transposed layout. Needs
-    :func:`amx_prefill_supported`.
+    of a chunk attends to the first ``num_past + t + 1`` tokens of its sequence, float32
+    softmax, probabilities rounded to bf16 for P·V, float32 accumulation). Needs
+    :func:`prefill_supported`; the C library picks the kernel:
+
+    * AMX (:func:`amx_prefill_supported`): a work item is 16 tokens of one query head, whose
+      scores against 16 keys are one tile (K read from the cache as stored); V is packed once
+      per chunk and KV head into the tiles' transposed layout; exact two-pass softmax.
+    * AVX512-BF16 (:func:`avx512bf16_prefill_supported`; ``csrc/cpu/cpu_ops.c``,
+      ``prefill_dp``): flash-attention style (Dao et al. 2022, "FlashAttention": blocks of 64
+      keys with an online softmax, running max and sum per row). A work item is up to 16
+      tokens of a chunk and one KV head (at most 64 rows of tokens x its G query heads, which
+      share every K/V block loaded); K and V are packed once per chunk and KV head into the
+      pair layouts of ``VDPBF16PS``, which computes both Q·Kᵀ and P·V.
 
     Args:
         q: ``[T, num_heads, head_dim]`` bf16, heads contiguous within a row (row stride free).
@@ -589,14 +625,17 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out: ``[T, num_heads, head_dim]`` bf16 destination (rows of the chunks are written).
 
     Raises:
-        ValueError: if the AMX path does not support the shape or dtype here.
+        ValueError: if neither kernel supports the shape or dtype here (bf16 only; AMX:
+            ``head_dim % 32 == 0``, ``block_size % 16 == 0``, GQA group <= 16; AVX512-BF16:
+            ``head_dim % 32 == 0``, ``head_dim <= 256``, GQA group <= 64).
         MemoryError: if work buffers cannot be allocated.
     """
     T, H, hd = q.shape
     KVH, bs = k_cache.shape[2], k_cache.shape[1]
-    if not amx_prefill_supported(q.dtype, H, KVH, hd, bs):
+    if not prefill_supported(q.dtype, H, KVH, hd, bs):
         raise ValueError(f"paged_attention_prefill: unsupported here (dtype {q.dtype}, heads {H}, kv_heads {KVH}, "
-                         f"head_dim {hd}, block_size {bs}; needs bf16 on AMX)")
+                         f"head_dim {hd}, block_size {bs}; needs bf16 with head_dim % 32 == 0 on AMX or "
+                         f"AVX512_BF16)")
     rc = _k().paged_attention_prefill(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), chunks.data_ptr(), chunks.shape[0], out.data_ptr(), out.stride(0), H, KVH, hd, bs,

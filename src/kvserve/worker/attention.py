@@ -32,9 +32,9 @@ can have the blocks before the window freed (their table entries are then -1,
 :data:`kvserve.core.kv_cache_manager.FREED_BLOCK`; :class:`kvserve.core.kv_cache_manager.KVCacheManager`), and a windowed
 layer reads ``W`` tokens of K/V per decode row whatever the context length. Windowed prefill
 runs on SDPA with a banded mask (built once per step, window and chunk, shared by the layers)
-also where the AMX prefill kernel exists: that kernel has no window (it could take one by the
-decode kernel's start-offset logic, but it cannot be tested on a machine without AMX), and
-prefill is bound by compute, not by reading the cache.
+also where the C prefill kernels exist (AMX, AVX512-BF16): they have no window (they could
+take one by the decode kernel's start-offset logic), and prefill is bound by compute, not by
+reading the cache.
 """
 
 from __future__ import annotations
@@ -516,9 +516,12 @@ def prefill_window_mask(meta: AttentionMetadata, index: int, window: int, device
 class CPUPagedAttentionBackend(TorchSDPABackend):
     """CPU backend: the KV write and decode attention run on the fused C kernels of
     :mod:`kvserve.kernels.cpu_ops` (reading K/V through the block tables, no gather, GQA
-    without repeating KV; windowed layers read only their window). Prefill chunks run on the AMX prefill kernel where it applies
-    (bf16, AMX CPUs: :func:`kvserve.kernels.cpu_ops.amx_prefill_supported`; ~2x SDPA on
-    SmolLM2's prompts in its first version, 1.3x that since) and on SDPA as in :class:`TorchSDPABackend` otherwise.
+    without repeating KV; windowed layers read only their window). Prefill chunks run on the C prefill kernel where it applies
+    (:func:`kvserve.kernels.cpu_ops.prefill_supported`, bf16 without a window): on AMX tiles
+    on AMX CPUs (:func:`kvserve.kernels.cpu_ops.amx_prefill_supported`; ~2x SDPA on SmolLM2's
+    prompts in its first version, 1.3x that since), else on AVX512-BF16 dot products
+    (:func:`kvserve.kernels.cpu_ops.avx512bf16_prefill_supported`, e.g. AMD Zen 4), and on SDPA as in
+    :class:`TorchSDPABackend` otherwise.
 
     Requires float32/bfloat16 CPU tensors and :func:`kvserve.kernels.cpu_ops.available`.
     """
@@ -537,7 +540,7 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
                                            meta.decode_context_lens, scale, out=out[:nd],
                                            max_context_len=meta.decode_max_context_len, window=window)
         if meta.prefills:
-            if window is None and meta.prefill_chunks is not None and cpu_ops.amx_prefill_supported(
+            if window is None and meta.prefill_chunks is not None and cpu_ops.prefill_supported(
                     q.dtype, q.shape[1], num_kv_heads, head_dim, k_cache.shape[1]):
                 cpu_ops.paged_attention_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_chunks,
                                                 scale, out)
