@@ -7,7 +7,8 @@ torch nor Python.h, only a C compiler with OpenMP). One library per instruction-
 * ``kvserve/_C/cpu_ops_avx512.so``: the fused ops for AVX-512 CPUs (float32 -> bf16 rounding in
   software);
 * ``kvserve/_C/cpu_ops_avx512bf16.so``: the same source built with ``KV_AVX512BF16`` (rounding by
-  VCVTNEPS2BF16), for CPUs with AVX512_BF16;
+  VCVTNEPS2BF16, and the AVX512-BF16 prefill attention kernel for CPUs without AMX), for CPUs
+  with AVX512_BF16;
 * ``kvserve/_C/gemv.so``: the linear kernels; each function carries its own target attribute,
   so one build serves every AVX-512 CPU and the caller picks the functions at run time.
 * ``kvserve/_C/qgemv.so``: the linear kernel on GGUF-quantized weights (AVX512-VNNI), same way.

@@ -11,7 +11,8 @@
 
 /* KV_AVX512BF16 (defined by setup.py for the cpu_ops_avx512bf16 variant, which the loader picks
  * on CPUs with AVX512_BF16): float32 -> bf16 rounding by VCVTNEPS2BF16, one instruction instead
- * of seven (SiLU-and-mul and RMSNorm ~1.3x faster). */
+ * of seven (SiLU-and-mul and RMSNorm ~1.3x faster), and the AVX512-BF16 prefill attention
+ * kernel (prefill_dp) that bf16 prefill runs on where AMX is absent. */
 #ifdef KV_AVX512BF16
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
 #else
@@ -1399,15 +1400,20 @@ INLINE TGT_DP __m512bh pf_bcast(const uint16_t* p) { /* the bf16 pair at p in ev
  * >= 64: all); m, l, the float32 outputs o ([R][hd]) and the bf16 probabilities pb ([R][64]). */
 INLINE TGT_DP void pf_qk_rows(const int RB, const uint16_t* const* qr, const uint16_t* kb, int64_t hd, float scale,
                               const int64_t* lim, float* m, float* l, float* o, uint16_t* pb) {
-    __m512 acc[RB][4];
+    __m512 acc[6][4]; /* (fixed sizes and full unrolling: the accumulators stay in registers) */
+#pragma GCC unroll 6
     for (int r = 0; r < RB; r++)
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
     const int64_t gs = hd * 16; /* u16 between the packed 16-key groups */
     for (int64_t p = 0; p < hd / 2; p++) {
         __m512bh kv[4];
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++) kv[i] = (__m512bh)_mm512_loadu_si512(kb + i * gs + p * 32);
+#pragma GCC unroll 6
         for (int r = 0; r < RB; r++) {
             const __m512bh b = pf_bcast(qr[r] + 2 * p);
+#pragma GCC unroll 4
             for (int i = 0; i < 4; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], kv[i], b);
         }
     }
@@ -1448,19 +1454,26 @@ INLINE TGT_DP void pf_qk_rows(const int RB, const uint16_t* const* qr, const uin
  * over the block's first `pairs` key pairs (vb: the packed V of the block, [32][hd / 16][32]). */
 INLINE TGT_DP void pf_pv_rows(const int RB, const int NC, const uint16_t* pb, const uint16_t* vb, int64_t pairs,
                               int64_t hd, int64_t dc, float* o) {
-    __m512 acc[RB][NC];
+    __m512 acc[6][4]; /* (fixed sizes and full unrolling: the accumulators stay in registers) */
+#pragma GCC unroll 6
     for (int r = 0; r < RB; r++)
+#pragma GCC unroll 4
         for (int i = 0; i < NC; i++) acc[r][i] = _mm512_loadu_ps(o + r * hd + dc + 16 * i);
     const int64_t ps = hd * 2; /* u16 per packed key pair */
     for (int64_t k = 0; k < pairs; k++) {
-        __m512bh vv[NC];
+        __m512bh vv[4];
+#pragma GCC unroll 4
         for (int i = 0; i < NC; i++) vv[i] = (__m512bh)_mm512_loadu_si512(vb + k * ps + (dc + 16 * i) * 2);
+#pragma GCC unroll 6
         for (int r = 0; r < RB; r++) {
             const __m512bh b = pf_bcast(pb + r * PF_KB + 2 * k);
+#pragma GCC unroll 4
             for (int i = 0; i < NC; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], vv[i], b);
         }
     }
+#pragma GCC unroll 6
     for (int r = 0; r < RB; r++)
+#pragma GCC unroll 4
         for (int i = 0; i < NC; i++) _mm512_storeu_ps(o + r * hd + dc + 16 * i, acc[r][i]);
 }
 

@@ -1,5 +1,6 @@
 """Fused CPU kernels for the model's non-matmul ops: RMSNorm, SiLU-and-mul, RoPE, KV write,
-paged decode attention (AVX-512, and AMX tiles for bf16 attention where the CPU has them), and
+paged decode attention (AVX-512, and AMX tiles for bf16 attention where the CPU has them), bf16
+prefill attention (AMX tiles, or AVX512-BF16 dot products on CPUs without AMX), and
 Gemma 3's own: its RMSNorm with the sandwich residual add, QK-norm + RoPE, and GeGLU.
 
 Why: a decode step of a small model is a few hundred tiny ops; in eager PyTorch each costs
@@ -111,8 +112,10 @@ def _k() -> _Lib:
 
 
 def set_bf16_dot(on: bool) -> bool:
-    """Use AVX512_BF16 dot products (``VDPBF16PS``) in bf16 decode attention when the CPU has
-    them (the default); ``False`` forces the float32-FMA path. Returns what is now in effect."""
+    """Use AVX512_BF16 dot products (``VDPBF16PS``) in bf16 decode attention, and in bf16
+    prefill attention where AMX does not run it (:func:`avx512bf16_prefill_supported`), when the
+    CPU has them (the default); ``False`` forces the float32-FMA decode path and leaves prefill
+    on such CPUs to SDPA. Returns what is now in effect."""
     lib = _raw_lib()
     eff = bool(on) and "avx512_bf16" in cpu_flags()
     if lib is not None:
