@@ -6,8 +6,10 @@ For each chunk layout (tokens, cached tokens before it) both run ``--reps`` time
 kernel and SDPA ``--rounds`` times (the machine may be shared: alternation spreads the other
 load over both), and the median per-call time of each round is printed, then the medians over
 rounds, the achieved GFLOP/s (causal: 2 · 2 · H · hd · sum over tokens of their context) and
-the ratio. SDPA gets what the backend gives it: for a chunk without cached context the chunk's
-own K/V as computed ([1, H, n, hd] views, ``is_causal``), else K/V gathered from the cache by
+the ratio, in wall-clock time and in process CPU time (on a shared machine the CPU time leaves
+out the slices the scheduler gave other processes; the GFLOP/s are per second of CPU time, all
+threads together). SDPA gets what the backend gives it: for a chunk without cached context the
+chunk's own K/V as computed ([1, H, n, hd] views, ``is_causal``), else K/V gathered from the cache by
 slot and a boolean causal mask (the gather counted, as in the backend).
 
 Usage:
@@ -26,14 +28,18 @@ import torch.nn.functional as F
 from kvserve.kernels import cpu_ops
 
 
-def _median_ms(fn, reps: int) -> float:
+def _median_ms(fn, reps: int) -> tuple[float, float]:
+    """Median wall-clock and process CPU ms per call (CPU time: all threads together, so on a
+    shared machine it leaves out the time the scheduler gave other processes)."""
     fn()
-    ts = []
+    ts, cs = [], []
     for _ in range(reps):
+        c = time.process_time()
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+        cs.append(time.process_time() - c)
+    return statistics.median(ts) * 1e3, statistics.median(cs) * 1e3
 
 
 def bench(n: int, past: int, threads: int, reps: int, rounds: int, H=9, KVH=3, hd=64, bs=16) -> dict:
@@ -72,14 +78,20 @@ def bench(n: int, past: int, threads: int, reps: int, rounds: int, H=9, KVH=3, h
     a = out.float().clone()
     sdpa()
     err = (a - out.float()).abs().max().item()
-    kms, sms = [], []
+    kms, sms, kcs, scs = [], [], [], []
     for _ in range(rounds):
-        kms.append(_median_ms(kernel, reps))
-        sms.append(_median_ms(sdpa, reps))
+        w, c = _median_ms(kernel, reps)
+        kms.append(w)
+        kcs.append(c)
+        w, c = _median_ms(sdpa, reps)
+        sms.append(w)
+        scs.append(c)
     flop = 4 * H * hd * sum(past + t + 1 for t in range(n))
     k, s = statistics.median(kms), statistics.median(sms)
+    kc, sc = statistics.median(kcs), statistics.median(scs)
     return {"tokens": n, "past": past, "threads": threads, "kernel_ms": k, "sdpa_ms": s,
-            "kernel_gflops": flop / k / 1e6, "sdpa_gflops": flop / s / 1e6, "speedup": s / k,
+            "kernel_cpu_ms": kc, "sdpa_cpu_ms": sc, "kernel_gflops_cpu": flop / kc / 1e6,
+            "sdpa_gflops_cpu": flop / sc / 1e6, "speedup": s / k, "speedup_cpu": sc / kc,
             "kernel_rounds": kms, "sdpa_rounds": sms, "max_abs_diff": err}
 
 
@@ -96,14 +108,17 @@ def main() -> None:
     path = "AMX" if cpu_ops.amx_prefill_supported(torch.bfloat16, 9, 3, 64, 16) else "AVX512-BF16"
     with open("/proc/loadavg") as f:
         print(f"kernel: {path}; load average before: {f.read().split()[:3]}")
-    print("| tokens | cached | threads | kernel ms | SDPA ms | kernel GFLOP/s | SDPA GFLOP/s | speedup | max |diff| |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | cached | threads | kernel ms | SDPA ms | speedup | kernel CPU ms | SDPA CPU ms | speedup (CPU) "
+          "| kernel GFLOP/s per thread (CPU) | SDPA GFLOP/s per thread (CPU) | max |diff| |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for th in args.threads:
         for lay in args.layouts:
             n, past = map(int, lay.split(":"))
             r = bench(n, past, th, args.reps, args.rounds)
-            print(f"| {n} | {past} | {th} | {r['kernel_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['kernel_gflops']:.1f} | "
-                  f"{r['sdpa_gflops']:.1f} | {r['speedup']:.2f}x | {r['max_abs_diff']:.4f} |", flush=True)
+            print(f"| {n} | {past} | {th} | {r['kernel_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['speedup']:.2f}x | "
+                  f"{r['kernel_cpu_ms']:.3f} | {r['sdpa_cpu_ms']:.3f} | {r['speedup_cpu']:.2f}x | "
+                  f"{r['kernel_gflops_cpu']:.0f} | {r['sdpa_gflops_cpu']:.0f} | {r['max_abs_diff']:.4f} |",
+                  flush=True)
             print(f"  rounds kernel {[round(x, 3) for x in r['kernel_rounds']]} sdpa "
                   f"{[round(x, 3) for x in r['sdpa_rounds']]}", flush=True)
     with open("/proc/loadavg") as f:
