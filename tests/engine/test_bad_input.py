@@ -729,3 +729,17 @@ def test_text_that_is_not_utf8_names_the_field(tiny_llm):
 def test_empty_model_path(model):
     with pytest.raises(ModelNotFoundError, match="model path is empty"):
         LLM(model=model)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "Hi", "--n", "0"],  # (was --no-prefix-caching, silently)
+    ["generate", "Hi", "--max-tok", "4"],
+    ["serve", "--kv-cache-mem", "0.3"],
+    ["bench", "serve", "--base", "http://127.0.0.1:1"],
+])
+def test_cli_takes_options_only_by_their_full_names(argv, capsys):
+    from kvserve.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and "unrecognized arguments: " + argv[-2] in capsys.readouterr().err

@@ -84,6 +84,8 @@ INVALID = [
     ("best_of", dict(best_of=1, n=2)),
     ("beam_width", dict(use_beam_search=True, beam_width=0)),
     ("beam_width", dict(use_beam_search=True, beam_width=1, n=2)),
+    ("n must be ≤ 64 with use_beam_search", dict(use_beam_search=True, n=128)),
+    ("best_of must be ≤ 64 with use_beam_search", dict(use_beam_search=True, n=2, best_of=100)),
     ("logprobs is not supported with use_beam_search", dict(use_beam_search=True, logprobs=2)),
     ("prompt_logprobs is not supported with use_beam_search", dict(use_beam_search=True, prompt_logprobs=0)),
     ("stop is not supported with use_beam_search", dict(use_beam_search=True, stop=["."])),

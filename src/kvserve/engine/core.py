@@ -955,7 +955,11 @@ class EngineCore:
     def _fail_group(self, group: RequestGroup, error: Exception) -> EngineCoreOutput:
         """Finish every sequence of a group whose bookkeeping raised: ``finish_reason="error"``,
         the message in ``RequestOutput.error``; its KV blocks are freed (not cached)."""
-        logger.error("request %s failed; the engine goes on without it", group.request_id, exc_info=error)
+        if isinstance(error, GrammarLimitError):  # (the request's own grammar: its input, not an engine fault)
+            logger.warning("request %s failed (its grammar: %s); the engine goes on without it", group.request_id,
+                           error)
+        else:
+            logger.error("request %s failed; the engine goes on without it", group.request_id, exc_info=error)
         msg = f"{type(error).__name__}: {error}"
         group.pending_forks.clear()
         now = time.perf_counter()

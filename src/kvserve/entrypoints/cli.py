@@ -306,7 +306,18 @@ def build_parser() -> argparse.ArgumentParser:
         bench_cli.add_parsers(sub, _add_engine_args, _engine_kwargs)
     except ImportError:
         pass
+    _no_abbreviations(parser)
     return parser
+
+
+def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """Options only by their full names, in every (sub)command: argparse would otherwise take a
+    prefix for any option it starts (``--n`` was ``--no-prefix-caching``, silently)."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                _no_abbreviations(p)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

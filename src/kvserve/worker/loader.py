@@ -153,8 +153,12 @@ def _progress_bar(items, total: int, desc: str, progress: Optional[bool]):
     """``items`` wrapped in a tqdm bar of ``total`` tensors (a plain iterator when not shown)."""
     if not show_progress(progress):
         return items
+    import threading
+
     from tqdm import tqdm
 
+    if not hasattr(tqdm, "_lock"):  # a thread lock: tqdm's default also makes a multiprocessing
+        tqdm.set_lock(threading.RLock())  # semaphore, reported leaked when the engine core is stopped
     return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr, dynamic_ncols=True,
                 mininterval=0.1 if sys.stderr.isatty() else 2.0)
 
