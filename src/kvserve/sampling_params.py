@@ -299,10 +299,10 @@ class SamplingParams:
         if self.use_beam_search:
             _int("beam_width", self.beam_width, lo=1, hi=64, allow_none=True)
             if self.beam_width is None:
-                for field in ("n", "best_of"):
-                    v = getattr(self, field)
+                for what in ("n", "best_of"):
+                    v = getattr(self, what)
                     if v is not None and v > 64:
-                        raise ValueError(f"{field} must be ≤ 64 with use_beam_search (the beam width is "
+                        raise ValueError(f"{what} must be ≤ 64 with use_beam_search (the beam width is "
                                          f"max(n, best_of), at most 64), got {v}")
                 self.beam_width = max(self.n, self.best_of or 1)
             if self.beam_width < self.n:
