@@ -228,6 +228,17 @@ def np_topk_stable(x: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.argsort(-x, kind="stable")[:k])
 
 
+def np_h2o_compact(scores: np.ndarray, positions: np.ndarray, budget: int, recent: int):
+    """H2O's selection on the NumPy side: per layer and KV head, the top ``budget - recent``
+    accumulated scores among the older tokens (stable) plus the ``recent`` newest; returns the
+    kept ``(scores, positions)``, both ``[L, KVH, budget]``."""
+    L, KVH, n = scores.shape
+    idx = np.array([[np.concatenate([np_topk_stable(scores[l, h, : n - recent], budget - recent),
+                                     np.arange(n - recent, n)])
+                     for h in range(KVH)] for l in range(L)])
+    return np.take_along_axis(scores, idx, -1), np.take_along_axis(positions, idx, -1)
+
+
 def test_snapkv_kept_positions_match_numpy(tiny, monkeypatch):
     llm, _ = tiny
     core = llm.engine.core
@@ -320,10 +331,7 @@ def test_h2o_kept_positions_match_numpy(tiny, monkeypatch):
         np.testing.assert_allclose(st.scores.numpy(), scores, rtol=1e-4, atol=1e-5)
         n = scores.shape[-1]
         if seq.status.value == "running" and n >= B + bs:
-            idx = np.array([[np.concatenate([np_topk_stable(scores[l, h, : n - R], B - R), np.arange(n - R, n)])
-                             for h in range(KVH)] for l in range(L)])
-            scores = np.take_along_axis(scores, idx, -1)
-            positions = np.take_along_axis(positions, idx, -1)
+            scores, positions = np_h2o_compact(scores, positions, B, R)
             compactions += 1
     assert compactions >= 3
     core.kv.check_invariants()

@@ -33,7 +33,7 @@ from kvserve import LLM
 from kvserve.worker import attention as attention_mod
 from kvserve.worker import kv_quant_lowbit as lb
 
-from test_kv_compression import STREAM, greedy, np_topk_stable, prompt_ids
+from test_kv_compression import STREAM, greedy, np_h2o_compact, np_topk_stable, prompt_ids
 
 H2O = {"method": "h2o", "budget": 24, "recent": 8}
 SNAP = {"method": "snapkv", "budget": 24, "observation_window": 8}
@@ -274,10 +274,7 @@ def test_h2o_kept_positions_match_numpy(int4, monkeypatch):
         np.testing.assert_allclose(st.scores.numpy(), scores, rtol=1e-4, atol=1e-5)
         n = scores.shape[-1]
         if seq.status.value == "running" and n >= B + bs:
-            idx = np.array([[np.concatenate([np_topk_stable(scores[l, h, : n - R], B - R), np.arange(n - R, n)])
-                             for h in range(KVH)] for l in range(L)])
-            scores = np.take_along_axis(scores, idx, -1)
-            positions = np.take_along_axis(positions, idx, -1)
+            scores, positions = np_h2o_compact(scores, positions, B, R)
             compactions += 1
     assert compactions >= 3
     assert len({tuple(r) for r in positions.reshape(-1, positions.shape[-1])}) > 1  # (per-head selections differ)
