@@ -1,7 +1,8 @@
 """Isolation between users on the real model and a real ``kvserve serve`` process (issue #21,
 point 1): while one user streams ``n=128, max_tokens=4000``, another user's normal request
 stays within 3x its idle latency under ``--max-num-seqs-per-user 8`` (measured 1.6-2.2x on the
-loaded 2-core machine). Without the cap the burst holds 64-128 sequences, every step is several
+loaded 2-core machine; 2.5-3.3x on the quiet machine of 2026-12-02, where the idle request is
+faster: close to the bound, hence medians of 5). Without the cap the burst holds 64-128 sequences, every step is several
 times longer, and the same request took 8x its idle latency (0.32 s idle, 2.5 s loaded)."""
 
 from __future__ import annotations
@@ -53,12 +54,12 @@ def test_a_normal_request_stays_within_3x_its_idle_latency_during_a_burst(smollm
                        "--max-num-seqs-per-user", "8")
     try:
         _latency(server.base)  # warm-up
-        idle = statistics.median(_latency(server.base) for _ in range(3))
+        idle = statistics.median(_latency(server.base) for _ in range(5))
         started, stop, seen = threading.Event(), threading.Event(), {}
         burst = threading.Thread(target=_burst, args=(server.base, started, stop, seen), daemon=True)
         burst.start()
         assert started.wait(120), seen  # the burst streams (256 tokens over its samples)
-        loaded = [_latency(server.base) for _ in range(3)]
+        loaded = [_latency(server.base) for _ in range(5)]
         running = _running(server.base)
         stop.set()
         burst.join(60)
