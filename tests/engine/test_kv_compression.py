@@ -394,7 +394,18 @@ def test_preemption(tiny_model_dir, mode):
               max_num_batched_tokens=64, enable_prefix_caching=False, **kw)
     alone = LLM(model=str(folder), dtype="float32", max_model_len=512, num_blocks=64, block_size=16,
                 max_num_batched_tokens=64, enable_prefix_caching=False)
-    comps = [STREAM, {"method": "h2o", "budget": 24, "recent": 8}] * 2
+    core = check_preemption_workload(llm, alone, [STREAM, {"method": "h2o", "budget": 24, "recent": 8}] * 2, mode)
+    core.kv.check_invariants()
+    llm.engine.shutdown()
+    alone.engine.shutdown()
+
+
+def check_preemption_workload(llm, alone, comps, mode: str):
+    """Four compressed requests (policies ``comps``) in ``llm``'s tight pool, against each run
+    alone in ``alone``: preemptions happened; with swap the tokens equal the solo runs', with
+    recompute they differ (recomputed K/V then compacted) but the same workload again gives the
+    same tokens; every finished request's scores are dropped on the workers (the forget ops
+    apply with the next step). Returns ``llm``'s engine core."""
     prompts = [prompt_ids(30, 20 + i) for i in range(4)]
     params = [greedy(120, c) for c in comps]
     want = [alone.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
@@ -407,15 +418,11 @@ def test_preemption(tiny_model_dir, mode):
         assert got == want
     else:
         assert got != want  # (recomputed K/V then compacted: not the state the first run had)
-        # ... but a deterministic restart: the same workload again gives the same tokens
         again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert again == got
-    core.kv.check_invariants()
-    # every finished request's scores were dropped on the workers (the forget ops applied next step)
     llm.generate([[5, 6]], greedy(1))
     assert core.executor.driver_worker.kv_mover.compressor.states == {}
-    llm.engine.shutdown()
-    alone.engine.shutdown()
+    return core
 
 
 def test_speculative_decoding_streaming(tiny_model_dir):
