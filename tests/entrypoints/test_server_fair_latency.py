@@ -4,10 +4,11 @@ stays within 3x its idle latency under ``--max-num-seqs-per-user 4``. Without th
 holds 64-128 sequences, every step is several times longer, and the same request took 8x its
 idle latency (0.32 s idle, 2.5 s loaded).
 
-The cap is 4, not 8: a decode step's cost grows with its batch on 2 cores (2026-12-03, SmolLM2
-bf16, the one-call C decode step: 7.5 ms for 1 sequence, 13 ms for 5, 24 ms for 9), so with 8
-burst sequences beside it the request took 2.5-3.6x its idle latency on the quiet machine (two
-fresh-clone runs failed at 3.09x and 3.55x), with 4 it took 2.0-2.2x (medians of 5)."""
+The cap is 4, not 8: a decode step's cost grows with its batch on 2 cores (2026-12-03, SmolLM2's
+Q4_1 weights, the one-call C decode step: 7.5 ms for 1 sequence, 10.5 ms for 4, 17.7 ms for 9),
+so with 8 burst sequences beside it the request took 2.4-2.8x its idle latency on the quiet
+machine (3.09x and 3.55x in two fresh-clone runs, before the weight-only kernel stopped
+dequantizing once per 4 sequences), with 4 it took 1.6x (medians of 5)."""
 
 from __future__ import annotations
 
