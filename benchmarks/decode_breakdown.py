@@ -54,7 +54,7 @@ from kvserve.worker import model_runner as _model_runner
 from kvserve.worker.layers.linear import Linear
 from kvserve.worker.models import llama as _llama
 
-MODES = {"bf16": dict(quantization="none"), "q4_1": dict(quantization="gguf")}
+MODES = {"bf16": dict(quantization="none"), "q4_1": dict(quantization="gguf"), "q4_1_int8": dict(quantization="gguf_int8")}
 
 
 class Timers:

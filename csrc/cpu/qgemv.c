@@ -260,12 +260,22 @@ TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int6
 #define WMB 4
 
 /* one block (32 values) of row r of a group as 2 x 16 float32; d, m: the block's scales
- * (dh: 4 with sub16, the second half's four, else 0) */
+ * (dh: 4 with sub16, the second half's four, else 0). 4-bit values under one scale pair (not
+ * sub16) are looked up in the block's table of its 16 possible values (d * j + m, j = 0..15: the
+ * same fma per value, so the same numbers) with VPERMPS, which reads the low 4 bits of each
+ * index: 5 vector operations instead of 7. */
 INLINE TGT_BF16 void wo_deq(const uint8_t* p, int bits, int r, const float* d, const float* m, int dh, __m512* lo,
                             __m512* hi) {
     __m512i ul, uh;
     if (bits == 4) {
         const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * r)));
+        if (!dh) {
+            const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(d[r]), iota, _mm512_set1_ps(m[r]));
+            *lo = _mm512_permutexvar_ps(w, table);
+            *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), table);
+            return;
+        }
         ul = _mm512_and_si512(w, _mm512_set1_epi32(0x0f));
         uh = _mm512_srli_epi32(w, 4);
     } else {
@@ -274,6 +284,27 @@ INLINE TGT_BF16 void wo_deq(const uint8_t* p, int bits, int r, const float* d, c
     }
     *lo = _mm512_fmadd_ps(_mm512_set1_ps(d[r]), _mm512_cvtepi32_ps(ul), _mm512_set1_ps(m[r]));
     *hi = _mm512_fmadd_ps(_mm512_set1_ps(d[dh + r]), _mm512_cvtepi32_ps(uh), _mm512_set1_ps(m[dh + r]));
+}
+
+/* The same block as 32 bf16 (each value rounded once, RNE, as the dequantized bf16 model holds
+ * it). 4-bit values under one scale pair: the 16-value table rounded to bf16 and held twice
+ * (lanes 0-15 and 16-31), looked up with VPERMW on the values widened to 16 bits, the high
+ * nibbles shifted down in the upper 16 lanes; VPERMW reads the low 5 bits of an index, so the
+ * low lanes need no mask (bit 4, a bit of the high nibble, selects the table's second copy):
+ * 5 vector operations instead of 8. */
+INLINE TGT_BF16 __m512bh wo_deq_bf16(const uint8_t* p, int bits, int r, const float* d, const float* m, int dh) {
+    if (bits == 4 && !dh) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(d[r]), iota, _mm512_set1_ps(m[r]));
+        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t, t);
+        const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x00040004, 0x00040004, 0x00040004,
+                                                 0x00040004, 0x00040004, 0x00040004, 0x00040004, 0x00040004);
+        const __m512i u = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(p + 16 * r))));
+        return (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(u, shifts), table);
+    }
+    __m512 lo, hi;
+    wo_deq(p, bits, r, d, m, dh, &lo, &hi);
+    return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
 #define WO_BLOCK(NM)                                                                                               \
@@ -290,11 +321,7 @@ INLINE TGT_BF16 void wo_deq(const uint8_t* p, int bits, int r, const float* d, c
             if (bits == 8) _mm_prefetch((const char*)p + QPF + 64, _MM_HINT_T0);                                   \
             if (bf) {                                                                                              \
                 __m512bh w[4];                                                                                     \
-                for (int r = 0; r < 4; r++) {                                                                      \
-                    __m512 lo, hi;                                                                                 \
-                    wo_deq(p, bits, r, d + dstep * b, m + dstep * b, dh, &lo, &hi);                                \
-                    w[r] = _mm512_cvtne2ps_pbh(hi, lo);                                                            \
-                }                                                                                                  \
+                for (int r = 0; r < 4; r++) w[r] = wo_deq_bf16(p, bits, r, d + dstep * b, m + dstep * b, dh);     \
                 for (int i = 0; i < NM; i++) {                                                                     \
                     const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t*)x + i * ldx + 32 * b);       \
                     for (int r = 0; r < 4; r++) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], w[r], xv);                 \
@@ -329,11 +356,12 @@ INLINE TGT_BF16 void wo_deq_group(const uint8_t* qs, const float* d, const float
         _mm_prefetch((const char*)p + QPF, _MM_HINT_T0);
         if (bits == 8) _mm_prefetch((const char*)p + QPF + 64, _MM_HINT_T0);
         for (int r = 0; r < 4; r++) {
-            __m512 lo, hi;
-            wo_deq(p, bits, r, d + dstep * b, m + dstep * b, dh, &lo, &hi);
             if (bf) {
-                _mm512_storeu_si512((uint16_t*)buf + r * K + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                _mm512_storeu_si512((uint16_t*)buf + r * K + 32 * b,
+                                    (__m512i)wo_deq_bf16(p, bits, r, d + dstep * b, m + dstep * b, dh));
             } else {
+                __m512 lo, hi;
+                wo_deq(p, bits, r, d + dstep * b, m + dstep * b, dh, &lo, &hi);
                 _mm512_storeu_ps((float*)buf + r * K + 32 * b, lo);
                 _mm512_storeu_ps((float*)buf + r * K + 32 * b + 16, hi);
             }

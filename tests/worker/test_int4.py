@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.worker.layers import linear as L
 from kvserve.worker.layers import quant as Q
 from kvserve.worker.layers.linear import Linear
 from decode_step_check import assert_c_decode_step_equals_modules
@@ -88,7 +89,7 @@ def test_linear_int4_quantizes_at_load_and_picks_the_kernel():
     assert layer.weight_nbytes == 24 * 64 * 0.75
     x = torch.randn(3, 64)
     assert torch.equal(layer(x), Q.qlinear(x, layer.qpacked, layer.bias_f32, int8=False))
-    xl = torch.randn(40, 64)  # above QGEMV_WO_MAX_M: the chunked path, the same numbers
+    xl = torch.randn(L.QGEMV_WO_MAX_M + 6, 64)  # above QGEMV_WO_MAX_M: the chunked path, the same numbers
     torch.testing.assert_close(layer(xl), F.linear(xl, Q.dequantize_packed(layer.qpacked), b), rtol=1e-5, atol=1e-5)
 
 
