@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct, one request (a random ``--prompt-len`` prompt, ``--max-tokens`` greedy
 tokens, EOS ignored) through the offline ``LLM`` API, for each ``--modes`` engine loaded at once:
-``bf16`` (``quantization="none"``: the GGUF dequantized to bfloat16) and ``q4_1``
-(``quantization="gguf"``: the Q4_1 weights kept quantized). Runs are interleaved (bf16, q4_1,
+``bf16`` (``quantization="none"``: the GGUF dequantized to bfloat16), ``q4_1``
+(``quantization="gguf"``: the Q4_1 weights kept quantized, weight-only kernel) and ``q4_1_int8``
+(``quantization="gguf_int8"``: the same weights, activations quantized to int8 per block, VNNI). Runs are interleaved (bf16, q4_1,
 bf16, ...) so that a shared machine's changing load hits both alike; figures are medians over
 the decode steps of all runs (the prefill step is left out).
 
