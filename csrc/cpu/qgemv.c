@@ -307,6 +307,33 @@ INLINE TGT_BF16 __m512bh wo_deq_bf16(const uint8_t* p, int bits, int r, const fl
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
+/* acc[i][r] += (the 32 values of weight row r at column k) . (those of activation row i), for nm rows
+ * of x: bf16 weights w[r] and x, VDPBF16PS. Both weight paths (decoded in registers, read from
+ * the scratch buffer) run it; nm is a constant where it is inlined, so acc stays in registers. */
+INLINE TGT_BF16 void wo_mac_bf16(__m512 acc[][4], int nm, const __m512bh w[4], const void* x, int64_t ldx,
+                                 int64_t k) {
+    for (int i = 0; i < nm; i++) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t*)x + i * ldx + k);
+        for (int r = 0; r < 4; r++) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], w[r], xv);
+    }
+}
+
+/* The same with float32 weights (halves wl[r], wh[r]) and x: two FMAs. */
+INLINE TGT_BF16 void wo_mac_f32(__m512 acc[][4], int nm, const __m512 wl[4], const __m512 wh[4], const void* x,
+                                int64_t ldx, int64_t k) {
+    for (int i = 0; i < nm; i++) {
+        const float* xr = (const float*)x + i * ldx + k;
+        const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+        for (int r = 0; r < 4; r++) acc[i][r] = _mm512_fmadd_ps(x1, wh[r], _mm512_fmadd_ps(x0, wl[r], acc[i][r]));
+    }
+}
+
+/* out[i][r] = the horizontal sums of acc, for nm rows. */
+INLINE TGT_BF16 void wo_sums(__m512 acc[][4], int nm, float out[WMB][4]) {
+    for (int i = 0; i < nm; i++)
+        for (int r = 0; r < 4; r++) out[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
 #define WO_BLOCK(NM)                                                                                               \
     INLINE TGT_BF16 void wo_block_##NM(const uint8_t* qs, const float* d, const float* m, int bits, int sub16,     \
                                        int64_t KB, const void* x, int64_t ldx, int bf, float out[WMB][4]) {       \
@@ -322,23 +349,14 @@ INLINE TGT_BF16 __m512bh wo_deq_bf16(const uint8_t* p, int bits, int r, const fl
             if (bf) {                                                                                              \
                 __m512bh w[4];                                                                                     \
                 for (int r = 0; r < 4; r++) w[r] = wo_deq_bf16(p, bits, r, d + dstep * b, m + dstep * b, dh);     \
-                for (int i = 0; i < NM; i++) {                                                                     \
-                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t*)x + i * ldx + 32 * b);       \
-                    for (int r = 0; r < 4; r++) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], w[r], xv);                 \
-                }                                                                                                  \
+                wo_mac_bf16(acc, NM, w, x, ldx, 32 * b);                                                           \
             } else {                                                                                               \
                 __m512 wl[4], wh[4];                                                                               \
                 for (int r = 0; r < 4; r++) wo_deq(p, bits, r, d + dstep * b, m + dstep * b, dh, &wl[r], &wh[r]);  \
-                for (int i = 0; i < NM; i++) {                                                                     \
-                    const float* xr = (const float*)x + i * ldx + 32 * b;                                          \
-                    const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);                          \
-                    for (int r = 0; r < 4; r++)                                                                    \
-                        acc[i][r] = _mm512_fmadd_ps(x1, wh[r], _mm512_fmadd_ps(x0, wl[r], acc[i][r]));             \
-                }                                                                                                  \
+                wo_mac_f32(acc, NM, wl, wh, x, ldx, 32 * b);                                                       \
             }                                                                                                      \
         }                                                                                                          \
-        for (int i = 0; i < NM; i++)                                                                               \
-            for (int r = 0; r < 4; r++) out[i][r] = _mm512_reduce_add_ps(acc[i][r]);                               \
+        wo_sums(acc, NM, out);                                                                                     \
     }
 WO_BLOCK(1) WO_BLOCK(2) WO_BLOCK(3) WO_BLOCK(4)
 
@@ -379,26 +397,17 @@ INLINE TGT_BF16 void wo_deq_group(const uint8_t* qs, const float* d, const float
             if (bf) {                                                                                              \
                 __m512bh w[4];                                                                                     \
                 for (int r = 0; r < 4; r++) w[r] = (__m512bh)_mm512_loadu_si512((const uint16_t*)buf + r * K + k); \
-                for (int i = 0; i < NM; i++) {                                                                     \
-                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t*)x + i * ldx + k);            \
-                    for (int r = 0; r < 4; r++) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], w[r], xv);                 \
-                }                                                                                                  \
+                wo_mac_bf16(acc, NM, w, x, ldx, k);                                                                \
             } else {                                                                                               \
                 __m512 wl[4], wh[4];                                                                               \
                 for (int r = 0; r < 4; r++) {                                                                      \
                     wl[r] = _mm512_loadu_ps((const float*)buf + r * K + k);                                        \
                     wh[r] = _mm512_loadu_ps((const float*)buf + r * K + k + 16);                                   \
                 }                                                                                                  \
-                for (int i = 0; i < NM; i++) {                                                                     \
-                    const float* xr = (const float*)x + i * ldx + k;                                               \
-                    const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);                          \
-                    for (int r = 0; r < 4; r++)                                                                    \
-                        acc[i][r] = _mm512_fmadd_ps(x1, wh[r], _mm512_fmadd_ps(x0, wl[r], acc[i][r]));             \
-                }                                                                                                  \
+                wo_mac_f32(acc, NM, wl, wh, x, ldx, k);                                                            \
             }                                                                                                      \
         }                                                                                                          \
-        for (int i = 0; i < NM; i++)                                                                               \
-            for (int r = 0; r < 4; r++) out[i][r] = _mm512_reduce_add_ps(acc[i][r]);                               \
+        wo_sums(acc, NM, out);                                                                                     \
     }
 WOS_BLOCK(1) WOS_BLOCK(2) WOS_BLOCK(3) WOS_BLOCK(4)
 
