@@ -53,8 +53,16 @@
  * nthreads in scope. */
 #define GEMV_DRIVER(WT, XT, BLK, STORE)                                                   \
     const int64_t nblk = (N + R - 1) / R;                                                \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                   \
-    for (int64_t b = 0; b < nblk; b++) {                                                 \
+    if (nthreads > 1) {                                                                  \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")               \
+        for (int64_t b = 0; b < nblk; b++) GEMV_BLOCK(WT, XT, BLK, STORE);               \
+    } else { /* (no parallel region: ~0.6 us even for one thread, see qgemv.c) */        \
+        for (int64_t b = 0; b < nblk; b++) GEMV_BLOCK(WT, XT, BLK, STORE);               \
+    }
+
+/* Block b (weight rows b R .. b R + R - 1) of GEMV_DRIVER. */
+#define GEMV_BLOCK(WT, XT, BLK, STORE)                                                   \
+    do {                                                                                 \
         const int64_t n0 = b * R;                                                        \
         const int64_t nr = (N - n0) < R ? (N - n0) : R;                                  \
         const WT* wr[R];                                                                 \
@@ -77,7 +85,7 @@
                     STORE;                                                               \
                 }                                                                        \
         }                                                                                \
-    }
+    } while (0)
 
 /* ---- bf16 ------------------------------------------------------------------------------ */
 

@@ -47,6 +47,16 @@
 #define QMB 8 /* activation rows per pass over a weight group */
 #define QPF 1024 /* software prefetch distance in the packed weight, bytes */
 
+/* The calling OpenMP thread's share [*g0, *g1) of G row groups: contiguous, as schedule(static). The
+ * kernels call their group loop directly when they run on one thread: an OpenMP parallel region
+ * costs ~0.6 us even with one thread (or a false if clause), and the one-call decode step calls
+ * them on row chunks from inside its own team about 1,000 times a step per thread. */
+static inline void thread_share(int64_t G, int64_t* g0, int64_t* g1) {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num(), per = (G + nt - 1) / nt;
+    *g0 = t * per < G ? t * per : G;
+    *g1 = *g0 + per < G ? *g0 + per : G;
+}
+
 #include "bf16.h"
 
 /* 16 floats of x (f32, or bf16 when bf16 != 0) starting at element k. */
@@ -177,6 +187,53 @@ QBLOCKS(4, 32) QBLOCKS(8, 32) QBLOCKS(4, 16) QBLOCKS(8, 16)
         default: qblock_##BITS##_##SUB##_8(QS, D, MM, KB, XQ, K, XS, XSS, XSS16, s); break; \
     }
 
+/* Activation row i of kv_q_linear quantized (its codes, scales and sums in the buffers). */
+INLINE TGT_VNNI void q_quantize_row(const void* x, int64_t ldx, int x_bf16, int64_t K, int64_t i, int8_t* xq,
+                                    float* xs, float* xss, float* xss16) {
+    const int64_t KB = K / 32;
+    quantize_row(x_bf16 ? (const void*)((const uint16_t*)x + i * ldx) : (const void*)((const float*)x + i * ldx),
+                 x_bf16, K, xq + i * K, xs + i * KB, xss + i * KB, xss16 ? xss16 + 2 * i * KB : NULL);
+}
+
+/* Row groups [g0, g1) of kv_q_linear on the calling thread, the activations already quantized. */
+static TGT_VNNI void q_groups(const int8_t* xq, const float* xs, const float* xss, const float* xss16, int64_t M,
+                              int64_t K, const uint8_t* qs, const float* d, const float* m, int bits, int sub16,
+                              int64_t N, const float* bias, void* y, int64_t ldy, int y_bf16, int64_t g0, int64_t g1) {
+    const int64_t KB = K / 32, gbytes = KB * (bits == 4 ? 64 : 128), gsc = KB * (sub16 ? 8 : 4);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t* gq = qs + g * gbytes;
+        const float* gd = d + g * gsc;
+        const float* gm = m + g * gsc;
+        const int64_t nr = N - 4 * g < 4 ? N - 4 * g : 4;
+        for (int64_t m0 = 0; m0 < M; m0 += QMB) {
+            const int64_t nm = M - m0 < QMB ? M - m0 : QMB;
+            float s[QMB][4];
+            const int8_t* xqm = xq + m0 * K;
+            const float* xsm = xs + m0 * KB;
+            const float* xssm = xss + m0 * KB;
+            const float* xss16m = xss16 ? xss16 + 2 * m0 * KB : NULL;
+            if (bits == 4 && !sub16) {
+                QDISPATCH(4, 32, gq, gd, gm, xqm, xsm, xssm, xss16m)
+            } else if (!sub16) {
+                QDISPATCH(8, 32, gq, gd, gm, xqm, xsm, xssm, xss16m)
+            } else if (bits == 4) {
+                QDISPATCH(4, 16, gq, gd, gm, xqm, xsm, xssm, xss16m)
+            } else {
+                QDISPATCH(8, 16, gq, gd, gm, xqm, xsm, xssm, xss16m)
+            }
+            for (int64_t i = 0; i < nm; i++)
+                for (int64_t r = 0; r < nr; r++) {
+                    const int64_t row = m0 + i, col = 4 * g + r;
+                    const float v = s[i][r] + (bias ? bias[col] : 0.0f);
+                    if (y_bf16)
+                        ((uint16_t*)y)[row * ldy + col] = f32_to_bf16(v);
+                    else
+                        ((float*)y)[row * ldy + col] = v;
+                }
+        }
+    }
+}
+
 /* y [M, N] (row stride ldy; float32, or bf16 rounded to nearest even when y_bf16) =
  * x [M, K] (row stride ldx; f32, or bf16 when x_bf16) times the packed weight (see the top;
  * sub16: d and m per 16 values), + bias [N] float32 (or NULL). K % 32 == 0. Returns 0, or -1
@@ -208,42 +265,20 @@ TGT_VNNI int kv_q_linear(const void* x, int64_t ldx, int x_bf16, int64_t M, int6
     float* xs = (float*)(((uintptr_t)(xq + M * K) + 63) & ~(uintptr_t)63);
     float* xss = xs + M * KB;
     float* xss16 = sub16 ? xss + M * KB : NULL; /* [M][KB][2] */
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 4096 && nthreads > 1)
-    for (int64_t i = 0; i < M; i++)
-        quantize_row(x_bf16 ? (const void*)((const uint16_t*)x + i * ldx) : (const void*)((const float*)x + i * ldx),
-                     x_bf16, K, xq + i * K, xs + i * KB, xss + i * KB, xss16 ? xss16 + 2 * i * KB : NULL);
-    const int64_t gbytes = KB * (bits == 4 ? 64 : 128), gsc = KB * (sub16 ? 8 : 4);
+    if (M * K >= 4096 && nthreads > 1) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t g = 0; g < G; g++) {
-        const uint8_t* gq = qs + g * gbytes;
-        const float* gd = d + g * gsc;
-        const float* gm = m + g * gsc;
-        const int64_t nr = N - 4 * g < 4 ? N - 4 * g : 4;
-        for (int64_t m0 = 0; m0 < M; m0 += QMB) {
-            const int64_t nm = M - m0 < QMB ? M - m0 : QMB;
-            float s[QMB][4];
-            const int8_t* xqm = xq + m0 * K;
-            const float* xsm = xs + m0 * KB;
-            const float* xssm = xss + m0 * KB;
-            const float* xss16m = xss16 ? xss16 + 2 * m0 * KB : NULL;
-            if (bits == 4 && !sub16) {
-                QDISPATCH(4, 32, gq, gd, gm, xqm, xsm, xssm, xss16m)
-            } else if (!sub16) {
-                QDISPATCH(8, 32, gq, gd, gm, xqm, xsm, xssm, xss16m)
-            } else if (bits == 4) {
-                QDISPATCH(4, 16, gq, gd, gm, xqm, xsm, xssm, xss16m)
-            } else {
-                QDISPATCH(8, 16, gq, gd, gm, xqm, xsm, xssm, xss16m)
-            }
-            for (int64_t i = 0; i < nm; i++)
-                for (int64_t r = 0; r < nr; r++) {
-                    const int64_t row = m0 + i, col = 4 * g + r;
-                    const float v = s[i][r] + (bias ? bias[col] : 0.0f);
-                    if (y_bf16)
-                        ((uint16_t*)y)[row * ldy + col] = f32_to_bf16(v);
-                    else
-                        ((float*)y)[row * ldy + col] = v;
-                }
+        for (int64_t i = 0; i < M; i++) q_quantize_row(x, ldx, x_bf16, K, i, xq, xs, xss, xss16);
+    } else {
+        for (int64_t i = 0; i < M; i++) q_quantize_row(x, ldx, x_bf16, K, i, xq, xs, xss, xss16);
+    }
+    if (nthreads <= 1) {
+        q_groups(xq, xs, xss, xss16, M, K, qs, d, m, bits, sub16, N, bias, y, ldy, y_bf16, 0, G);
+    } else {
+#pragma omp parallel num_threads(nthreads)
+        {
+            int64_t g0, g1;
+            thread_share(G, &g0, &g1);
+            q_groups(xq, xs, xss, xss16, M, K, qs, d, m, bits, sub16, N, bias, y, ldy, y_bf16, g0, g1);
         }
     }
     if (own) free(xq);
@@ -423,6 +458,42 @@ INLINE TGT_BF16 void wo_store(const float s[WMB][4], int64_t m0, int64_t nm, int
         }
 }
 
+/* Row groups [g0, g1) of kv_q_linear_wo on the calling thread. */
+static TGT_BF16 void wo_groups(const void* x, int64_t ldx, int bf, int64_t M, int64_t K, const uint8_t* qs,
+                               const float* d, const float* m, int bits, int sub16, int64_t N, const float* bias,
+                               void* y, int64_t ldy, int64_t g0, int64_t g1) {
+    const int64_t KB = K / 32, gbytes = KB * (bits == 4 ? 64 : 128), gsc = KB * (sub16 ? 8 : 4);
+    void* buf = M > WMB && g1 > g0 ? aligned_alloc(64, (size_t)(4 * K * (bf ? 2 : 4))) : NULL;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t nr = N - 4 * g < 4 ? N - 4 * g : 4;
+        const uint8_t* gq = qs + g * gbytes;
+        const float *gd = d + g * gsc, *gm = m + g * gsc;
+        if (buf) wo_deq_group(gq, gd, gm, bits, sub16, KB, K, bf, buf);
+        for (int64_t m0 = 0; m0 < M; m0 += WMB) {
+            const int64_t nm = M - m0 < WMB ? M - m0 : WMB;
+            const void* xm = bf ? (const void*)((const uint16_t*)x + m0 * ldx) : (const void*)((const float*)x + m0 * ldx);
+            float s[WMB][4];
+            if (buf) {
+                switch (nm) {
+                    case 1: wos_block_1(buf, K, xm, ldx, bf, s); break;
+                    case 2: wos_block_2(buf, K, xm, ldx, bf, s); break;
+                    case 3: wos_block_3(buf, K, xm, ldx, bf, s); break;
+                    default: wos_block_4(buf, K, xm, ldx, bf, s); break;
+                }
+            } else {
+                switch (nm) {
+                    case 1: wo_block_1(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
+                    case 2: wo_block_2(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
+                    case 3: wo_block_3(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
+                    default: wo_block_4(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
+                }
+            }
+            wo_store(s, m0, nm, g, nr, bias, bf, y, ldy);
+        }
+    }
+    free(buf);
+}
+
 /* y [M, N] = x [M, K] times the packed weight (see above; sub16: d and m per 16 values), + bias
  * [N] float32 or NULL; x and y both float32 (bf = 0) or both bf16 (bf = 1; needs AVX512_BF16).
  * K % 32 == 0. Up to WMB rows: dequantized in registers, one pass; more: through the scratch
@@ -430,40 +501,17 @@ INLINE TGT_BF16 void wo_store(const float s[WMB][4], int64_t m0, int64_t nm, int
 TGT_BF16 void kv_q_linear_wo(const void* x, int64_t ldx, int bf, int64_t M, int64_t K, const uint8_t* qs,
                              const float* d, const float* m, int bits, int sub16, int64_t N, const float* bias,
                              void* y, int64_t ldy, int nthreads) {
-    const int64_t KB = K / 32, G = (N + 3) / 4, gbytes = KB * (bits == 4 ? 64 : 128), gsc = KB * (sub16 ? 8 : 4);
+    const int64_t G = (N + 3) / 4;
     if (M <= 0 || N <= 0) return;
+    if (nthreads <= 1) {
+        wo_groups(x, ldx, bf, M, K, qs, d, m, bits, sub16, N, bias, y, ldy, 0, G);
+        return;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
-        void* buf = M > WMB ? aligned_alloc(64, (size_t)(4 * K * (bf ? 2 : 4))) : NULL;
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t nr = N - 4 * g < 4 ? N - 4 * g : 4;
-            const uint8_t* gq = qs + g * gbytes;
-            const float *gd = d + g * gsc, *gm = m + g * gsc;
-            if (buf) wo_deq_group(gq, gd, gm, bits, sub16, KB, K, bf, buf);
-            for (int64_t m0 = 0; m0 < M; m0 += WMB) {
-                const int64_t nm = M - m0 < WMB ? M - m0 : WMB;
-                const void* xm = bf ? (const void*)((const uint16_t*)x + m0 * ldx) : (const void*)((const float*)x + m0 * ldx);
-                float s[WMB][4];
-                if (buf) {
-                    switch (nm) {
-                        case 1: wos_block_1(buf, K, xm, ldx, bf, s); break;
-                        case 2: wos_block_2(buf, K, xm, ldx, bf, s); break;
-                        case 3: wos_block_3(buf, K, xm, ldx, bf, s); break;
-                        default: wos_block_4(buf, K, xm, ldx, bf, s); break;
-                    }
-                } else {
-                    switch (nm) {
-                        case 1: wo_block_1(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
-                        case 2: wo_block_2(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
-                        case 3: wo_block_3(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
-                        default: wo_block_4(gq, gd, gm, bits, sub16, KB, xm, ldx, bf, s); break;
-                    }
-                }
-                wo_store(s, m0, nm, g, nr, bias, bf, y, ldy);
-            }
-        }
-        free(buf);
+        int64_t g0, g1;
+        thread_share(G, &g0, &g1);
+        wo_groups(x, ldx, bf, M, K, qs, d, m, bits, sub16, N, bias, y, ldy, g0, g1);
     }
 }
 
