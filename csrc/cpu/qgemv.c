@@ -620,6 +620,35 @@ TGT_F32 int kv_q_dequant(const uint8_t* qs, const float* d, const float* m, int 
     return failed ? -1 : 0;
 }
 
+/* Rows ids[0 .. n) of the packed weight dequantized, as kv_q_dequant gives them (an embedding
+ * lookup on a quantized table): out [n, K] row-major, float32 (out_bf16 = 0) or bf16 (1: the
+ * float32 values rounded to nearest even; needs AVX512_BF16). Each id must be in [0, N) (not
+ * checked here). Rows are split across nthreads. Returns 0, or -1 when a row buffer cannot be
+ * allocated (out then incomplete). */
+TGT_F32 int kv_q_gather(const uint8_t* qs, const float* d, const float* m, int bits, int sub16, int64_t K,
+                        const int64_t* ids, int64_t n, void* out, int out_bf16, int nthreads) {
+    const int64_t KB = K / 32;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float* tmp = out_bf16 ? (float*)aligned_alloc(64, (size_t)K * 4) : NULL;
+        if (out_bf16 && !tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            if (!out_bf16) deq_row_f32(qs, d, m, bits, sub16, KB, ids[i], (float*)out + i * K);
+            else if (tmp) {
+                deq_row_f32(qs, d, m, bits, sub16, KB, ids[i], tmp);
+                f32_to_bf16_row(tmp, (uint16_t*)out + i * K, K);
+            }
+        }
+        free(tmp);
+    }
+    return failed ? -1 : 0;
+}
+
 /* kv_q_gemv for the output rows [n0, n1) of the weight only (n0 a multiple of 4: the packed
  * weight's row groups; n1 a multiple of 4 or N), on the calling thread: the one-call decode
  * step (cpu_ops.c, decode_step_team) splits each GEMV's rows between its threads with it. */

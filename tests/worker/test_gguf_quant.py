@@ -73,6 +73,12 @@ def test_packed_layout_round_trips(qtype):
     assert torch.equal(Q.dequantize_rows(p, 0, n, torch.bfloat16), full.bfloat16())
     ids = torch.tensor([[9, 0, 4], [3, 3, 7]])
     assert torch.equal(Q.gather_rows(p, ids), full[ids])
+    many = torch.randint(0, n, (40_000 // k + 1,), generator=torch.Generator().manual_seed(0))  # (rows on threads)
+    for dtype in (torch.float32, torch.bfloat16):  # the C lookup (where built) gives the same numbers
+        assert torch.equal(Q.embedding_rows(p, ids, dtype), full[ids].to(dtype))
+        assert torch.equal(Q.embedding_rows(p, many, dtype), full[many].to(dtype))
+    with pytest.raises(ValueError, match=r"ids must be in \[0, 10\)"):
+        Q.embedding_rows(p, torch.tensor([10]), torch.float32)
     # Q4_1's file holds 0.625 bytes a value; the packed form 0.75 (fp32 d and m per 32 values;
     # Q6_K per 16: 1.5)
     assert p.nbytes == 12 * k * (Q.BITS[qtype] / 8 + 8 / Q.SUB[qtype])

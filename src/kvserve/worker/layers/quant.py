@@ -462,6 +462,11 @@ class _QKernels:
         self.dequant = lib.kv_q_dequant
         self.dequant.argtypes = [vp, vp, vp, c_int, c_int, i64, i64, i64, vp, c_int, c_int]
         self.dequant.restype = c_int
+        # kv_q_gather: rows by index (None: a library built before it)
+        self.gather = getattr(lib, "kv_q_gather", None)
+        if self.gather is not None:
+            self.gather.argtypes = [vp, vp, vp, c_int, c_int, i64, vp, i64, vp, c_int, c_int]
+            self.gather.restype = c_int
         self.quantize_act = lib.kv_q_quantize_act
         self.quantize_act.argtypes = [vp, i64, c_int, i64, i64, vp, vp, vp]
         self.quantize_act.restype = None
@@ -551,6 +556,33 @@ def dequantize_rows(p: PackedWeight, start: int, length: int, dtype: torch.dtype
                     int(dtype == torch.bfloat16), nt):
         raise RuntimeError("dequantize_rows: out of memory")
     return out
+
+
+def embedding_rows(p: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An embedding lookup on a quantized table: rows ``ids`` (int64, any shape ``[...]``, each in
+    ``[0, N)``) of ``p`` dequantized to ``[..., K]`` ``dtype``, in C where available (one pass,
+    rows split across threads for long prompts), else :func:`gather_rows` then a cast. The same
+    numbers either way: the float32 values of :func:`dequantize_packed`, rounded to nearest even
+    for bfloat16.
+
+    Raises:
+        ValueError: an id outside ``[0, N)``.
+    """
+    n, k = p.shape
+    flat = ids.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        raise ValueError(f"embedding_rows: ids must be in [0, {n}), got [{int(flat.min())}, {int(flat.max())}]")
+    kern = q_kernels()
+    if (kern is None or kern.gather is None or dtype not in (torch.float32, torch.bfloat16)
+            or (dtype == torch.bfloat16 and not kern.has_bf16)):
+        return gather_rows(p, ids).to(dtype)
+    flat = flat.to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), k, dtype=dtype)
+    nt = torch.get_num_threads() if flat.numel() * k >= _PARALLEL_MIN_ELEMENTS else 1
+    if flat.numel() and kern.gather(p.qs.data_ptr(), p.d.data_ptr(), p.m.data_ptr(), p.bits, int(p.sub == 16), k,
+                                    flat.data_ptr(), flat.numel(), out.data_ptr(), int(dtype == torch.bfloat16), nt):
+        raise RuntimeError("embedding_rows: out of memory")
+    return out.view(*ids.shape, k)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ from kvserve.distributed.communication_op import (tensor_model_parallel_all_gath
                                                   tensor_model_parallel_gather)
 from kvserve.worker.layers.linear import Linear
 from kvserve.worker.layers.parallel_linear import _convert, check_group, own, resolve_tp
-from kvserve.worker.layers.quant import GGUFWeight, PackedWeight, gather_rows, pack_gguf, q_kernels
+from kvserve.worker.layers.quant import GGUFWeight, PackedWeight, embedding_rows, pack_gguf, q_kernels
 
 
 def _keep_quantized(weight, tp_size: int, device) -> bool:
@@ -115,7 +115,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.qpacked is not None:
-            return gather_rows(self.qpacked, input_ids).to(self.params_dtype or torch.float32)
+            return embedding_rows(self.qpacked, input_ids, self.params_dtype or torch.float32)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         check_group(self.tp_size)
