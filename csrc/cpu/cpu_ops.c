@@ -524,9 +524,14 @@ void kv_reshape_and_cache(const void* k, int64_t ldk, const void* v, int64_t ldv
 INLINE void prefetch_rows(const void* cache, int64_t esize, const int64_t* bt, int64_t j0, int64_t j1, int64_t L,
                           int64_t bs, int64_t rs, int64_t off, int64_t bytes) {
     if (j1 > L) j1 = L;
+    if (j0 >= j1) return;
+    /* (block, offset) stepped along, not divided out per key: a 64-bit division per key cost more
+     * than the key's dot products) */
+    int64_t blk = j0 / bs, o = j0 % bs;
     for (int64_t j = j0; j < j1; j++) {
-        const char* p = (const char*)cache + ((bt[j / bs] * bs + j % bs) * rs + off) * esize;
+        const char* p = (const char*)cache + ((bt[blk] * bs + o) * rs + off) * esize;
         for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+        if (++o == bs) o = 0, blk++;
     }
 }
 
@@ -625,16 +630,10 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
 /* bf16 caches on CPUs with AVX512_BF16 (hd % 32 == 0): both products on VDPBF16PS, which
  * multiplies pairs of bf16 exactly and accumulates in float32. Q·K reads K as stored (no
  * conversion); P·V pairs consecutive keys, with the probabilities rounded to bf16 as
- * PyTorch's CPU flash attention does for bf16 inputs, and un-interleaves the dims at the end.
+ * PyTorch's CPU flash attention does for bf16 inputs (VCVTNEPS2BF16, once per row; a denormal
+ * probability becomes 0, as VDPBF16PS would read it anyway), and un-interleaves the dims at the end.
  * Same loop structure and softmax as attn_core. */
 #define TGT_DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
-
-static inline uint32_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u); /* p in [0, 1]: never NaN */
-    return u >> 16;
-}
 
 INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_t* q, const uint16_t* kc,
                                 const uint16_t* vc, const int64_t* bt, int64_t J, int64_t L, uint16_t* out,
@@ -663,6 +662,17 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
     }
     float inv_sum[64];
     softmax_rows(sc, G, Lw, inv_sum);
+    /* the probabilities rounded to bf16 (nearest even), each row in place over its own first half
+     * (element j's 2 bytes land on float j / 2, already read) */
+    for (int64_t h = 0; h < G; h++) {
+        const float* s = sc + h * Lw;
+        uint16_t* pb = (uint16_t*)(sc + h * Lw);
+        for (int64_t j = 0; j < Lw; j += 16) {
+            const __mmask16 m = tail_mask(Lw - j);
+            const __m512 v = _mm512_maskz_loadu_ps(m, s + j);
+            _mm256_mask_storeu_epi16(pb + j, m, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
     /* P @ V over pairs of keys: lane i of lo/hi holds dim 32w + 8(i/4) + i%4 (+ 4 for hi) */
     __m512 lo[G][NW], hi[G][NW];
     for (int64_t h = 0; h < G; h++)
@@ -681,8 +691,9 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
                 b[w] = _mm512_unpackhi_epi16(v0, v1);
             }
             for (int64_t h = 0; h < G; h++) {
-                const float* s = sc + h * Lw + (j0 - J) + o;
-                const uint32_t pp = bf16_bits(s[0]) | (two ? bf16_bits(s[1]) << 16 : 0u);
+                const uint16_t* s = (const uint16_t*)(sc + h * Lw) + (j0 - J) + o;
+                uint32_t pp = s[0];
+                if (two) memcpy(&pp, s, 4);
                 const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp);
                 for (int64_t w = 0; w < NW; w++) {
                     lo[h][w] = _mm512_dpbf16_ps(lo[h][w], (__m512bh)a[w], pv);
