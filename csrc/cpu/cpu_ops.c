@@ -548,8 +548,9 @@ INLINE TGT __m512 hsum16(const __m512* v) {
 }
 
 /* Softmax numerators in place over G rows of L scores (sc[h * L + j]), exact max-shifted
- * float32; inv_sum[h] = 1 / sum of row h. */
-INLINE TGT void softmax_rows(float* sc, int64_t G, int64_t L, float* inv_sum) {
+ * float32; inv_sum[h] = 1 / sum of row h. With `ms` (not NULL) ms[h] = row h's maximum and
+ * ms[G + h] its sum of numerators (a split's part for merge_splits). */
+INLINE TGT void softmax_rows(float* sc, int64_t G, int64_t L, float* inv_sum, float* ms) {
     for (int64_t h = 0; h < G; h++) {
         float* s = sc + h * L;
         __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -562,15 +563,23 @@ INLINE TGT void softmax_rows(float* sc, int64_t G, int64_t L, float* inv_sum) {
             _mm512_mask_storeu_ps(s + j, m, e);
             sum = _mm512_add_ps(sum, e);
         }
-        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+        const float total = _mm512_reduce_add_ps(sum);
+        inv_sum[h] = 1.0f / total;
+        if (ms) {
+            ms[h] = _mm512_cvtss_f32(vmax);
+            ms[G + h] = total;
+        }
     }
 }
 
 /* G, NV: query heads per KV head and 16-float vectors per head (compile-time after inlining,
- * or runtime in the generic instance). kt: scratch for 16 converted keys [16][NV*16]. */
+ * or runtime in the generic instance). kt: scratch for 16 converted keys [16][NV*16].
+ * part: NULL to write the G heads' outputs to out, or a split's part [G * hd + 2 * G] floats
+ * (the outputs normalized by the split's own softmax sum, in float32, then the rows' maxima and
+ * sums: softmax_rows) for merge_splits; out is then not written. */
 INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, const void* kc, const void* vc,
                           const int64_t* bt, int64_t J, int64_t L, void* out, int64_t KVH, int64_t g, int64_t hd,
-                          int64_t bs, float scale, float* sc, float* qf, float* kt, int bf) {
+                          int64_t bs, float scale, float* sc, float* qf, float* kt, int bf, float* part) {
     const int64_t rs = KVH * hd; /* elements between consecutive tokens of one KV head */
     const int64_t Lw = L - J;    /* keys attended: [J, L) */
     /* Software prefetch of upcoming tokens. The KV heads of a token are adjacent and the
@@ -602,7 +611,7 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
         j0 += n;
     }
     float inv_sum[64];
-    softmax_rows(sc, G, Lw, inv_sum);
+    softmax_rows(sc, G, Lw, inv_sum, part ? part + G * hd : NULL);
     /* pass 2: P @ V, accumulators in registers when G * NV is a small constant */
     __m512 acc[G][NV];
     for (int64_t h = 0; h < G; h++)
@@ -622,9 +631,11 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
         j0 += n;
     }
     for (int64_t h = 0; h < G; h++)
-        for (int64_t v = 0; v < NV; v++)
-            st(out, (g * G + h) * hd + v * 16, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h])),
-               tail_mask(hd - v * 16), bf);
+        for (int64_t v = 0; v < NV; v++) {
+            const __m512 o = _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h]));
+            if (part) _mm512_mask_storeu_ps(part + h * hd + v * 16, tail_mask(hd - v * 16), o);
+            else st(out, (g * G + h) * hd + v * 16, o, tail_mask(hd - v * 16), bf);
+        }
 }
 
 /* bf16 caches on CPUs with AVX512_BF16 (hd % 32 == 0): both products on VDPBF16PS, which
@@ -637,7 +648,7 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
 
 INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_t* q, const uint16_t* kc,
                                 const uint16_t* vc, const int64_t* bt, int64_t J, int64_t L, uint16_t* out,
-                                int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc) {
+                                int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc, float* part) {
     const int64_t rs = KVH * hd, Lw = L - J;
     const int64_t pf_bytes = (g == 0 ? rs : hd) * 2;
     __m512bh qv[G][NW];
@@ -661,7 +672,7 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
         j0 += n;
     }
     float inv_sum[64];
-    softmax_rows(sc, G, Lw, inv_sum);
+    softmax_rows(sc, G, Lw, inv_sum, part ? part + G * hd : NULL);
     /* the probabilities rounded to bf16 (nearest even), each row in place over its own first half
      * (element j's 2 bytes land on float j / 2, already read) */
     for (int64_t h = 0; h < G; h++) {
@@ -709,8 +720,15 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
         const __m512 is = _mm512_set1_ps(inv_sum[h]);
         uint16_t* oh = out + (g * G + h) * hd;
         for (int64_t w = 0; w < NW; w++) {
-            _mm256_storeu_si256((__m256i*)(oh + w * 32), ps_to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo[h][w], i0, hi[h][w]), is)));
-            _mm256_storeu_si256((__m256i*)(oh + w * 32 + 16), ps_to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo[h][w], i1, hi[h][w]), is)));
+            const __m512 o0 = _mm512_mul_ps(_mm512_permutex2var_ps(lo[h][w], i0, hi[h][w]), is);
+            const __m512 o1 = _mm512_mul_ps(_mm512_permutex2var_ps(lo[h][w], i1, hi[h][w]), is);
+            if (part) {
+                _mm512_storeu_ps(part + h * hd + w * 32, o0);
+                _mm512_storeu_ps(part + h * hd + w * 32 + 16, o1);
+            } else {
+                _mm256_storeu_si256((__m256i*)(oh + w * 32), ps_to_bf16x16(o0));
+                _mm256_storeu_si256((__m256i*)(oh + w * 32 + 16), ps_to_bf16x16(o1));
+            }
         }
     }
 }
@@ -722,36 +740,36 @@ void kv_set_bf16_dot(int on) { kv_bf16_dot = on; }
 static __attribute__((noinline)) TGT_DP void attn_one_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                                                          const int64_t* bt, int64_t J, int64_t L, uint16_t* out, int64_t G,
                                                          int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale,
-                                                         float* sc) {
+                                                         float* sc, float* part) {
     const int64_t nw = hd / 32;
 #define KV_DP_CASE(GC, NC) \
-    if (G == GC && nw == NC) { attn_core_dp(GC, NC, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc); return; }
+    if (G == GC && nw == NC) { attn_core_dp(GC, NC, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, part); return; }
     KV_DP_CASE(1, 2) KV_DP_CASE(2, 2) KV_DP_CASE(3, 2) KV_DP_CASE(4, 2) KV_DP_CASE(5, 2) KV_DP_CASE(6, 2)
     KV_DP_CASE(8, 2) KV_DP_CASE(1, 4) KV_DP_CASE(2, 4) KV_DP_CASE(3, 4) KV_DP_CASE(4, 4) KV_DP_CASE(1, 8)
     KV_DP_CASE(2, 8)
 #undef KV_DP_CASE
-    attn_core_dp(G, nw, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc);
+    attn_core_dp(G, nw, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, part);
 }
 
 /* Keys [J, L) of the sequence (block table bt): J > 0 skips the first J keys (a sliding window
- * starting inside bt's first block); the scratch sc holds G * (L - J) scores. */
+ * starting inside bt's first block); the scratch sc holds G * (L - J) scores. part: as attn_core. */
 INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const int64_t* bt, int64_t J, int64_t L,
                          void* out,
                          int64_t G, int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc,
-                         float* qf, float* kt, int bf) {
+                         float* qf, float* kt, int bf, float* part) {
     const int64_t nv = (hd + 15) / 16;
     if (bf && kv_bf16_dot && hd % 32 == 0) {
         attn_one_dp((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, bt, J, L, (uint16_t*)out, G, KVH, g,
-                    hd, bs, scale, sc);
+                    hd, bs, scale, sc, part);
         return;
     }
 #define KV_ATTN_CASE(GC, NC) \
-    if (G == GC && nv == NC) { attn_core(GC, NC, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf); return; }
+    if (G == GC && nv == NC) { attn_core(GC, NC, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf, part); return; }
     KV_ATTN_CASE(1, 4) KV_ATTN_CASE(2, 4) KV_ATTN_CASE(3, 4) KV_ATTN_CASE(4, 4) KV_ATTN_CASE(5, 4) KV_ATTN_CASE(6, 4)
     KV_ATTN_CASE(1, 8) KV_ATTN_CASE(2, 8) KV_ATTN_CASE(3, 8) KV_ATTN_CASE(4, 8)
     KV_ATTN_CASE(1, 2) KV_ATTN_CASE(2, 2) KV_ATTN_CASE(4, 2) KV_ATTN_CASE(8, 2)
 #undef KV_ATTN_CASE
-    attn_core(G, nv, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf);
+    attn_core(G, nv, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, qf, kt, bf, part);
 }
 
 /* Sliding windows (Beltagy et al. 2020; Mistral 7B, Jiang et al. 2023): a query at position
@@ -1723,124 +1741,6 @@ TGT_AMX int kv_paged_attention_prefill(const void* q, int64_t ldq, const void* k
     return rc;
 }
 
-/* Whether kv_paged_attention_decode runs the AMX kernel (bf16 pools on a CPU with AMX-BF16). */
-static inline int decode_uses_amx(int bf, int64_t hd, int64_t bs, int64_t G) {
-    return bf && kv_amx && hd % 32 == 0 && bs % 16 == 0 && G <= 16;
-}
-
-/* The keys the longest sequence of a decode batch reads: from its window's first block. */
-static inline int64_t decode_max_keys(int64_t D, const int64_t* ctx, int64_t window, int64_t bs) {
-    int64_t maxL = 0;
-    for (int64_t d = 0; d < D; d++) {
-        const int64_t Ld = ctx[d] - kv_window_first_block(ctx[d], window, bs) * bs;
-        maxL = Ld > maxL ? Ld : maxL;
-    }
-    return maxL;
-}
-
-/* A thread's work buffers for decode_item: `sc` floats (scores, the query, a key tile) and, for
- * 8-bit pools, `kd` bytes (one KV head's dequantized K, then V). */
-typedef struct {
-    float* sc;
-    char* kd;
-} decode_scratch_t;
-
-static inline int decode_scratch_alloc(decode_scratch_t* s, int64_t G, int64_t hd, int64_t maxL, int bf, int fmt) {
-    const int64_t nv = (hd + 15) / 16, maxLp = (maxL + 15) & ~(int64_t)15, es = bf ? 2 : 4;
-    s->sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + G * nv * 16 + 16 * nv * 16 + 16));
-    s->kd = fmt ? (char*)malloc((size_t)(2 * maxLp * hd * es + 64)) : NULL;
-    return s->sc && (!fmt || s->kd);
-}
-
-static inline void decode_scratch_free(decode_scratch_t* s) {
-    free(s->sc);
-    free(s->kd);
-    s->sc = NULL;
-    s->kd = NULL;
-}
-
-/* The arguments of a non-AMX decode attention call (kv_paged_attention_decode), for its items. */
-typedef struct {
-    const void *q, *k_cache, *v_cache;
-    const int64_t *block_tables, *ctx;
-    void* out;
-    int64_t ldq, bt_stride, ldo, KVH, G, hd, bs, window, maxL;
-    float scale;
-    int bf, fmt;
-} decode_attn_t;
-
-/* Item i = (sequence i / KVH, KV head i % KVH): its G query heads over the sequence's context,
- * on the calling thread with its buffers `s`. An item's output does not depend on which thread
- * runs it or on the other items. */
-INLINE TGT void decode_item(const decode_attn_t* a, int64_t i, const decode_scratch_t* s) {
-    const int64_t KVH = a->KVH, G = a->G, hd = a->hd, bs = a->bs, nv = (hd + 15) / 16, es = a->bf ? 2 : 4;
-    const int64_t d = i / KVH, g = i % KVH, maxLp = (a->maxL + 15) & ~(int64_t)15;
-    float* sc = s->sc;
-    float* qf = sc + G * a->maxL;
-    float* kt = qf + G * nv * 16;
-    const int64_t zero_bt = 0;
-    /* the walk starts at the window's first block b0; keys [J, L) of it on are attended */
-    const int64_t b0 = kv_window_first_block(a->ctx[d], a->window, bs);
-    const int64_t* bt = a->block_tables + d * a->bt_stride + b0;
-    const int64_t L = a->ctx[d] - b0 * bs, J = a->window > 0 && a->ctx[d] > a->window ? a->ctx[d] - a->window - b0 * bs : 0;
-    if (a->fmt) {
-        const int64_t Lp = (L + 15) & ~(int64_t)15;
-        char* kd = s->kd;
-        char* vd = kd + maxLp * hd * es;
-        dequant_ctx((const uint8_t*)a->k_cache, bt, L, Lp, bs, KVH, hd, g, 1, kd, a->bf, a->fmt);
-        dequant_ctx((const uint8_t*)a->v_cache, bt, L, Lp, bs, KVH, hd, g, 1, vd, a->bf, a->fmt);
-        if (a->bf)
-            attn_one(at(a->q, d * a->ldq + g * G * hd, 1), kd, vd, &zero_bt, J, L, atw(a->out, d * a->ldo + g * G * hd, 1),
-                     G, 1, 0, hd, Lp, a->scale, sc, qf, kt, 1);
-        else
-            attn_one(at(a->q, d * a->ldq + g * G * hd, 0), kd, vd, &zero_bt, J, L, atw(a->out, d * a->ldo + g * G * hd, 0),
-                     G, 1, 0, hd, Lp, a->scale, sc, qf, kt, 0);
-    } else if (a->bf)
-        attn_one(at(a->q, d * a->ldq, 1), a->k_cache, a->v_cache, bt, J, L, atw(a->out, d * a->ldo, 1), G, KVH, g, hd,
-                 bs, a->scale, sc, qf, kt, 1);
-    else
-        attn_one(at(a->q, d * a->ldq, 0), a->k_cache, a->v_cache, bt, J, L, atw(a->out, d * a->ldo, 0), G, KVH, g, hd,
-                 bs, a->scale, sc, qf, kt, 0);
-}
-
-/* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete).
- * fmt: 0 for caches in the model dtype, 1 / 2 for 8-bit pools [.., KVH, hd + 4] (int8 / fp8
- * e4m3 codes and a scale per row): each work item then dequantizes its context to the model
- * dtype (dequant_ctx) and runs the same kernel on that copy. */
-TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
-                                  const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
-                                  int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs, float scale,
-                                  int64_t window, int bf, int fmt, int nthreads) {
-    const int64_t G = H / KVH;
-    if (decode_uses_amx(bf, hd, bs, G)) {
-        /* the most KV heads per work item, fewer when that would leave threads idle */
-        int64_t ns = 1;
-        for (int64_t c = KVH; c > 1; c--)
-            if (KVH % c == 0 && c * G <= 16 && D * (KVH / c) >= 2 * nthreads) { ns = c; break; }
-        return attention_amx((const uint16_t*)q, ldq, k_cache, v_cache, block_tables, bt_stride, ctx, (uint16_t*)out,
-                             ldo, D, KVH, G, hd, bs, scale, window, ns, fmt, nthreads);
-    }
-    const decode_attn_t a = {.q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .ctx = ctx,
-                             .out = out, .ldq = ldq, .bt_stride = bt_stride, .ldo = ldo, .KVH = KVH, .G = G, .hd = hd,
-                             .bs = bs, .window = window, .maxL = decode_max_keys(D, ctx, window, bs), .scale = scale,
-                             .bf = bf, .fmt = fmt};
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        decode_scratch_t s;
-        const int ok = decode_scratch_alloc(&s, G, hd, a.maxL, bf, fmt);
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < D * KVH; i++)
-            if (ok) decode_item(&a, i, &s);
-        decode_scratch_free(&s);
-    }
-    return failed ? -1 : 0;
-}
-
 /* ---- 2-/4-bit KV cache (KIVI, kv_quant_lowbit.py) -------------------------------------------
  * A pool is one layer's K or V: data [num_blocks][KVH][block_bytes] of uint8 full blocks, and a
  * residual [R][bs][KVH][hd] in the model dtype for the blocks not full (res_map[block] = its slot,
@@ -1937,51 +1837,268 @@ INLINE TGT void dequant_ctx_lowbit(const uint8_t* data, const void* res, const i
     if (Lpad > L) memset((char*)dst + L * hd * es, 0, (size_t)((Lpad - L) * hd * es));
 }
 
-/* Decode attention over 2-/4-bit pools: per (sequence, KV head) the context is dequantized into a
- * per-thread buffer (dequant_ctx_lowbit), then attended by the same kernel as a model-dtype cache.
- * Returns 0, or -1 when a work buffer could not be allocated. */
+/* Whether kv_paged_attention_decode runs the AMX kernel (bf16 pools on a CPU with AMX-BF16). */
+static inline int decode_uses_amx(int bf, int64_t hd, int64_t bs, int64_t G) {
+    return bf && kv_amx && hd % 32 == 0 && bs % 16 == 0 && G <= 16;
+}
+
+/* The keys the longest sequence of a decode batch reads: from its window's first block. */
+static inline int64_t decode_max_keys(int64_t D, const int64_t* ctx, int64_t window, int64_t bs) {
+    int64_t maxL = 0;
+    for (int64_t d = 0; d < D; d++) {
+        const int64_t Ld = ctx[d] - kv_window_first_block(ctx[d], window, bs) * bs;
+        maxL = Ld > maxL ? Ld : maxL;
+    }
+    return maxL;
+}
+
+/* A thread's work buffers for decode_item: `sc` floats (scores, the query, a key tile) and, for
+ * 8-bit and 2-/4-bit pools, `kd` bytes (one KV head's dequantized K, then V). */
+typedef struct {
+    float* sc;
+    char* kd;
+} decode_scratch_t;
+
+static inline int decode_scratch_alloc(decode_scratch_t* s, int64_t G, int64_t hd, int64_t maxL, int bf, int fmt) {
+    const int64_t nv = (hd + 15) / 16, maxLp = (maxL + 15) & ~(int64_t)15, es = bf ? 2 : 4;
+    s->sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + G * nv * 16 + 16 * nv * 16 + 16));
+    s->kd = fmt ? (char*)malloc((size_t)(2 * maxLp * hd * es + 64)) : NULL;
+    return s->sc && (!fmt || s->kd);
+}
+
+static inline void decode_scratch_free(decode_scratch_t* s) {
+    free(s->sc);
+    free(s->kd);
+    s->sc = NULL;
+    s->kd = NULL;
+}
+
+/* ---- Split-K decode attention (flash-decoding: Dao, Haziza, Massa and Sizov, 2023) ----------
+ * A work item is one (sequence, KV head): with a few sequences and KV heads (SmolLM2 decoding one
+ * stream: 3 items on 2 threads) one thread attends twice the keys of the other. A sequence whose
+ * attended keys span more than KV_SPLIT_KEYS is therefore cut along its keys into splits of
+ * whole blocks, each an item of its own that leaves its G heads' outputs, normalized by the
+ * split's softmax sum, and the split's maxima and sums (a part); the last split of a (sequence,
+ * KV head) to finish merges the parts (merge_splits). How a sequence is split depends on its own
+ * context length only, never on the batch or the thread count, so a sequence's output is the
+ * same whatever it is batched with. Items run split by split with the KV heads innermost, so a
+ * thread that takes consecutive items reads whole token rows. */
+#define KV_SPLIT_KEYS 512
+
+typedef struct {
+    int64_t P;       /* (sequence, split) pairs; P == D: nothing split, the pair arrays unused */
+    int32_t* pair_d; /* [P] the pair's sequence */
+    int32_t* pair_s; /* [P] its split */
+    int32_t* nsplit; /* [D] splits of sequence d */
+    int32_t* sblk;   /* [D] blocks per split of sequence d (the last one may hold fewer) */
+    int* pending;    /* [D * KVH] splits of (d, g) not finished (decode_plan_reset) */
+    float* part;     /* [P][KVH][G * hd + 2 * G] the splits' parts */
+} decode_plan_t;
+
+/* Splits of a sequence whose attended keys start in block b0 of its table (the window's first
+ * block) and end at key ctx: nb blocks cut into ceil(nb / (KV_SPLIT_KEYS / bs)) splits of
+ * equal whole blocks but the last. */
+static inline void decode_split(int64_t ctx, int64_t window, int64_t bs, int32_t* nsplit, int32_t* sblk) {
+    const int64_t nb = (ctx - kv_window_first_block(ctx, window, bs) * bs + bs - 1) / bs;
+    const int64_t cap = KV_SPLIT_KEYS / bs > 0 ? KV_SPLIT_KEYS / bs : 1;
+    const int64_t S = (nb + cap - 1) / cap, per = S > 1 ? (nb + S - 1) / S : nb;
+    *sblk = (int32_t)per;
+    *nsplit = (int32_t)(per > 0 ? (nb + per - 1) / per : 1);
+}
+
+/* Returns 0, or -1 when its memory could not be allocated. */
+static inline int decode_plan_init(decode_plan_t* p, int64_t D, const int64_t* ctx, int64_t window, int64_t bs,
+                                   int64_t KVH, int64_t G, int64_t hd) {
+    *p = (decode_plan_t){.P = 0};
+    for (int64_t d = 0; d < D; d++) {
+        int32_t n, per;
+        decode_split(ctx[d], window, bs, &n, &per);
+        p->P += n;
+    }
+    if (p->P == D) return 0;
+    const int64_t ps = G * hd + 2 * G;
+    p->pair_d = (int32_t*)malloc(sizeof(int32_t) * (size_t)(2 * p->P + 2 * D));
+    p->pending = (int*)malloc(sizeof(int) * (size_t)(D * KVH));
+    p->part = (float*)malloc(sizeof(float) * (size_t)(p->P * KVH * ps));
+    if (!p->pair_d || !p->pending || !p->part) return -1;
+    p->pair_s = p->pair_d + p->P;
+    p->nsplit = p->pair_s + p->P;
+    p->sblk = p->nsplit + D;
+    for (int64_t d = 0, i = 0; d < D; d++) {
+        decode_split(ctx[d], window, bs, p->nsplit + d, p->sblk + d);
+        for (int32_t k = 0; k < p->nsplit[d]; k++, i++) p->pair_d[i] = (int32_t)d, p->pair_s[i] = k;
+    }
+    return 0;
+}
+
+/* Before each attention over the plan's sequences (one call, or one layer of a decode step). */
+static inline void decode_plan_reset(decode_plan_t* p, int64_t D, int64_t KVH) {
+    if (p->P == D) return;
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t g = 0; g < KVH; g++) p->pending[d * KVH + g] = p->nsplit[d];
+}
+
+static inline void decode_plan_free(decode_plan_t* p) {
+    free(p->pair_d);
+    free(p->pending);
+    free(p->part);
+    *p = (decode_plan_t){.P = 0};
+}
+
+/* out[h * hd + i] (the G heads of one KV head) from the S parts of its splits (`stride` floats
+ * apart; a part as attn_core writes it): with the largest maximum m, weights
+ * w_s = sum_s * exp(max_s - m) and out = sum_s w_s * o_s / sum_s w_s, rounded to the model dtype. */
+INLINE TGT void merge_splits(const float* part, int64_t stride, int64_t S, int64_t G, int64_t hd, void* out, int bf) {
+    for (int64_t h = 0; h < G; h++) {
+        float m = -INFINITY, wsum = 0.0f;
+        for (int64_t s = 0; s < S; s++) m = fmaxf(m, part[s * stride + G * hd + h]);
+        for (int64_t s = 0; s < S; s++) wsum += part[s * stride + G * hd + G + h] * expf(part[s * stride + G * hd + h] - m);
+        const __m512 inv = _mm512_set1_ps(1.0f / wsum);
+        for (int64_t i = 0; i < hd; i += 16) {
+            const __mmask16 k = tail_mask(hd - i);
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t s = 0; s < S; s++) {
+                const float* ps = part + s * stride;
+                const float w = ps[G * hd + G + h] * expf(ps[G * hd + h] - m);
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_maskz_loadu_ps(k, ps + h * hd + i), acc);
+            }
+            st(out, h * hd + i, _mm512_mul_ps(acc, inv), k, bf);
+        }
+    }
+}
+
+/* The arguments of a non-AMX decode attention (kv_paged_attention_decode, the lowbit variant and
+ * the decode step's attention jobs), for its items. fmt: 0 caches in the model dtype, 1 / 2 8-bit
+ * pools (int8 / fp8 e4m3, kv_reshape_and_cache_q), 3 2-/4-bit pools (`bits`, with their residual
+ * slots k_res / v_res and the step's res_map). */
+typedef struct {
+    const void *q, *k_cache, *v_cache, *k_res, *v_res;
+    const int64_t *block_tables, *ctx, *res_map;
+    void* out;
+    const decode_plan_t* plan;
+    int64_t ldq, bt_stride, ldo, KVH, G, hd, bs, window, maxL;
+    float scale;
+    int bf, fmt, bits;
+} decode_attn_t;
+
+/* Item i = (pair i / KVH, KV head i % KVH), the pair a (sequence d, split s) of a->plan: its G
+ * query heads over the split's keys, on the calling thread with its buffers `s`. An item's
+ * output does not depend on which thread runs it or on the other items. Pools other than the
+ * model dtype's are dequantized, the split's keys only, into the thread's buffer first. */
+INLINE TGT void decode_item(const decode_attn_t* a, int64_t i, const decode_scratch_t* s) {
+    const decode_plan_t* pl = a->plan;
+    const int64_t KVH = a->KVH, G = a->G, hd = a->hd, bs = a->bs, nv = (hd + 15) / 16, es = a->bf ? 2 : 4;
+    const int64_t p = i / KVH, g = i % KVH, maxLp = (a->maxL + 15) & ~(int64_t)15;
+    const int64_t split = pl->P > 0 && pl->pair_d, d = split ? pl->pair_d[p] : p, k = split ? pl->pair_s[p] : 0;
+    const int64_t S = split ? pl->nsplit[d] : 1;
+    float* sc = s->sc;
+    float* qf = sc + G * a->maxL;
+    float* kt = qf + G * nv * 16;
+    const int64_t zero_bt = 0;
+    /* the walk starts at the window's first block b0; keys [J, L) of it on are attended; split k
+     * of S takes the blocks [k * per, (k + 1) * per) of them */
+    const int64_t b0 = kv_window_first_block(a->ctx[d], a->window, bs), per = S > 1 ? pl->sblk[d] : 0;
+    const int64_t* bt = a->block_tables + d * a->bt_stride + b0 + k * per;
+    int64_t L = a->ctx[d] - (b0 + k * per) * bs, J = k == 0 && a->window > 0 && a->ctx[d] > a->window ? a->ctx[d] - a->window - b0 * bs : 0;
+    if (S > 1 && L > per * bs) L = per * bs;
+    float* part = S > 1 ? pl->part + (p * KVH + g) * (G * hd + 2 * G) : NULL;
+    void* out = atw(a->out, d * a->ldo + g * G * hd, a->bf);
+    if (a->fmt) {
+        const int64_t Lp = (L + 15) & ~(int64_t)15;
+        char* kd = s->kd;
+        char* vd = kd + maxLp * hd * es;
+        if (a->fmt == 3) {
+            dequant_ctx_lowbit((const uint8_t*)a->k_cache, a->k_res, a->res_map, bt, L, Lp, bs, KVH, hd, g, a->bits, 1,
+                               kd, a->bf);
+            dequant_ctx_lowbit((const uint8_t*)a->v_cache, a->v_res, a->res_map, bt, L, Lp, bs, KVH, hd, g, a->bits, 0,
+                               vd, a->bf);
+        } else {
+            dequant_ctx((const uint8_t*)a->k_cache, bt, L, Lp, bs, KVH, hd, g, 1, kd, a->bf, a->fmt);
+            dequant_ctx((const uint8_t*)a->v_cache, bt, L, Lp, bs, KVH, hd, g, 1, vd, a->bf, a->fmt);
+        }
+        if (a->bf)
+            attn_one(at(a->q, d * a->ldq + g * G * hd, 1), kd, vd, &zero_bt, J, L, out, G, 1, 0, hd, Lp, a->scale, sc,
+                     qf, kt, 1, part);
+        else
+            attn_one(at(a->q, d * a->ldq + g * G * hd, 0), kd, vd, &zero_bt, J, L, out, G, 1, 0, hd, Lp, a->scale, sc,
+                     qf, kt, 0, part);
+    } else if (a->bf)
+        attn_one(at(a->q, d * a->ldq, 1), a->k_cache, a->v_cache, bt, J, L, atw(a->out, d * a->ldo, 1), G, KVH, g, hd,
+                 bs, a->scale, sc, qf, kt, 1, part);
+    else
+        attn_one(at(a->q, d * a->ldq, 0), a->k_cache, a->v_cache, bt, J, L, atw(a->out, d * a->ldo, 0), G, KVH, g, hd,
+                 bs, a->scale, sc, qf, kt, 0, part);
+    /* the last split of (d, g) to finish merges them (acquire-release: it sees the others' parts) */
+    if (part && __atomic_sub_fetch(pl->pending + d * KVH + g, 1, __ATOMIC_ACQ_REL) == 0)
+        merge_splits(pl->part + ((p - k) * KVH + g) * (G * hd + 2 * G), KVH * (G * hd + 2 * G), S, G, hd, out, a->bf);
+}
+
+/* The items of `a` on nthreads threads (static shares). Returns 0, or -1 when a buffer could not
+ * be allocated (out is then incomplete). */
+TGT static int decode_attention_run(decode_attn_t* a, int64_t D, int nthreads) {
+    decode_plan_t plan;
+    if (decode_plan_init(&plan, D, a->ctx, a->window, a->bs, a->KVH, a->G, a->hd)) {
+        decode_plan_free(&plan);
+        return -1;
+    }
+    decode_plan_reset(&plan, D, a->KVH);
+    a->plan = &plan;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        decode_scratch_t s;
+        const int ok = decode_scratch_alloc(&s, a->G, a->hd, a->maxL, a->bf, a->fmt);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < plan.P * a->KVH; i++)
+            if (ok) decode_item(a, i, &s);
+        decode_scratch_free(&s);
+    }
+    decode_plan_free(&plan);
+    return failed ? -1 : 0;
+}
+
+/* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete).
+ * fmt: 0 for caches in the model dtype, 1 / 2 for 8-bit pools [.., KVH, hd + 4] (int8 / fp8
+ * e4m3 codes and a scale per row): each work item then dequantizes its keys to the model
+ * dtype (dequant_ctx) and runs the same kernel on that copy. */
+TGT int kv_paged_attention_decode(const void* q, int64_t ldq, const void* k_cache, const void* v_cache,
+                                  const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
+                                  int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs, float scale,
+                                  int64_t window, int bf, int fmt, int nthreads) {
+    const int64_t G = H / KVH;
+    if (decode_uses_amx(bf, hd, bs, G)) {
+        /* the most KV heads per work item, fewer when that would leave threads idle */
+        int64_t ns = 1;
+        for (int64_t c = KVH; c > 1; c--)
+            if (KVH % c == 0 && c * G <= 16 && D * (KVH / c) >= 2 * nthreads) { ns = c; break; }
+        return attention_amx((const uint16_t*)q, ldq, k_cache, v_cache, block_tables, bt_stride, ctx, (uint16_t*)out,
+                             ldo, D, KVH, G, hd, bs, scale, window, ns, fmt, nthreads);
+    }
+    decode_attn_t a = {.q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables, .ctx = ctx,
+                       .out = out, .ldq = ldq, .bt_stride = bt_stride, .ldo = ldo, .KVH = KVH, .G = G, .hd = hd,
+                       .bs = bs, .window = window, .maxL = decode_max_keys(D, ctx, window, bs), .scale = scale,
+                       .bf = bf, .fmt = fmt};
+    return decode_attention_run(&a, D, nthreads);
+}
+
+/* Decode attention over 2-/4-bit pools: per item (sequence, split, KV head) the keys are
+ * dequantized into a per-thread buffer (dequant_ctx_lowbit), then attended by the same kernel as
+ * a model-dtype cache. Returns 0, or -1 when a work buffer could not be allocated. */
 TGT int kv_paged_attention_decode_lowbit(const void* q, int64_t ldq, const void* k_data, const void* v_data,
                                          const void* k_res, const void* v_res, const int64_t* res_map,
                                          const int64_t* block_tables, int64_t bt_stride, const int64_t* ctx, void* out,
                                          int64_t ldo, int64_t D, int64_t H, int64_t KVH, int64_t hd, int64_t bs,
                                          float scale, int64_t window, int bits, int bf, int nthreads) {
-    const int64_t G = H / KVH, nv = (hd + 15) / 16;
-    const int64_t maxL = decode_max_keys(D, ctx, window, bs);
-    const int64_t maxLp = (maxL + 15) & ~(int64_t)15, es = bf ? 2 : 4;
-    const int64_t zero_bt = 0;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(G * maxL + G * nv * 16 + 16 * nv * 16 + 16));
-        char* kd = (char*)malloc((size_t)(2 * maxLp * hd * es + 64));
-        if (!sc || !kd) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < D * KVH; i++) {
-            if (!sc || !kd) continue;
-            /* from the window's first block b0 on (window 0: all); keys [J, L) of it are attended */
-            const int64_t d = i / KVH, g = i % KVH, b0 = kv_window_first_block(ctx[d], window, bs);
-            const int64_t L = ctx[d] - b0 * bs, Lp = (L + 15) & ~(int64_t)15;
-            const int64_t J = window > 0 && ctx[d] > window ? ctx[d] - window - b0 * bs : 0;
-            const int64_t* bt = block_tables + d * bt_stride + b0;
-            float* qf = sc + G * maxL;
-            float* kt = qf + G * nv * 16;
-            char* vd = kd + maxLp * hd * es;
-            dequant_ctx_lowbit((const uint8_t*)k_data, k_res, res_map, bt, L, Lp, bs, KVH, hd, g, bits, 1, kd, bf);
-            dequant_ctx_lowbit((const uint8_t*)v_data, v_res, res_map, bt, L, Lp, bs, KVH, hd, g, bits, 0, vd, bf);
-            if (bf)
-                attn_one(at(q, d * ldq + g * G * hd, 1), kd, vd, &zero_bt, J, L, atw(out, d * ldo + g * G * hd, 1),
-                         G, 1, 0, hd, Lp, scale, sc, qf, kt, 1);
-            else
-                attn_one(at(q, d * ldq + g * G * hd, 0), kd, vd, &zero_bt, J, L, atw(out, d * ldo + g * G * hd, 0),
-                         G, 1, 0, hd, Lp, scale, sc, qf, kt, 0);
-        }
-        free(sc);
-        free(kd);
-    }
-    return failed ? -1 : 0;
+    decode_attn_t a = {.q = q, .k_cache = k_data, .v_cache = v_data, .k_res = k_res, .v_res = v_res,
+                       .block_tables = block_tables, .ctx = ctx, .res_map = res_map, .out = out, .ldq = ldq,
+                       .bt_stride = bt_stride, .ldo = ldo, .KVH = KVH, .G = H / KVH, .hd = hd, .bs = bs,
+                       .window = window, .maxL = decode_max_keys(D, ctx, window, bs), .scale = scale, .bf = bf,
+                       .fmt = 3, .bits = bits};
+    return decode_attention_run(&a, D, nthreads);
 }
 
 /* ---- A whole decode step of a Llama-family model ------------------------------------------
@@ -2122,10 +2239,14 @@ TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv
     team_gemv_t* g = (team_gemv_t*)calloc((size_t)n_gemv, sizeof(team_gemv_t));
     decode_attn_t* A = (decode_attn_t*)malloc(sizeof(decode_attn_t) * (size_t)(n_layers > 0 ? n_layers : 1));
     decode_scratch_t s0 = {NULL, NULL}; /* thread 0's attention buffers */
-    if (!g || !A || (team_attn && !decode_scratch_alloc(&s0, G, hd, maxL, bf, kv_fmt))) {
+    decode_plan_t plan;                 /* the attention items' splits, the same in every layer */
+    const int plan_failed = team_attn ? decode_plan_init(&plan, M, ctx, window, bs, KVH, G, hd) : 0;
+    if (!team_attn) plan = (decode_plan_t){.P = M};
+    if (!g || !A || plan_failed || (team_attn && !decode_scratch_alloc(&s0, G, hd, maxL, bf, kv_fmt))) {
         free(g);
         free(A);
         decode_scratch_free(&s0);
+        decode_plan_free(&plan);
         return 1;
     }
     for (int64_t l = 0; l < n_layers; l++) {
@@ -2134,8 +2255,8 @@ TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv
         A[l] = (decode_attn_t){.q = qkv, .k_cache = L->k_cache, .v_cache = L->v_cache, .block_tables = bt, .ctx = ctx,
                                .out = attn, .ldq = NQKV, .bt_stride = bt_stride, .ldo = H * hd, .KVH = KVH, .G = G,
                                .hd = hd, .bs = bs, .window = window, .maxL = maxL, .scale = scale, .bf = bf,
-                               .fmt = kv_fmt};
-        g[5 * l + 1] = (team_gemv_t){.N = M * KVH, .chunk = 1, .nchunks = M * KVH, .attn = A + l};
+                               .fmt = kv_fmt, .plan = &plan};
+        g[5 * l + 1] = (team_gemv_t){.N = plan.P * KVH, .chunk = 1, .nchunks = plan.P * KVH, .attn = A + l};
         team_gemv_set(g + 5 * l + 2, attn, H * hd, L->o_w, NULL, delta, E, E, H * hd, nthreads);
         team_gemv_set(g + 5 * l + 3, x, E, L->gu_w, NULL, gu, 2 * I, 2 * I, E, nthreads);
         team_gemv_set(g + 5 * l + 4, act, I, L->down_w, NULL, delta, E, E, I, nthreads);
@@ -2195,8 +2316,10 @@ TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv
                 kv_reshape_and_cache(at(qkv, H * hd, bf), NQKV, at(qkv, (H + KVH) * hd, bf), NQKV, L->k_cache,
                                      L->v_cache, slots, M, KVH * hd, es);
             PROF(KV_PH_KV_WRITE);
-            if (team_attn) RUN_GEMV(5 * l + 1, KV_PH_ATTENTION);
-            else {
+            if (team_attn) {
+                decode_plan_reset(&plan, M, KVH);
+                RUN_GEMV(5 * l + 1, KV_PH_ATTENTION);
+            } else {
                 if (kv_paged_attention_decode(qkv, NQKV, L->k_cache, L->v_cache, bt, bt_stride, ctx, attn, H * hd, M, H,
                                               KVH, hd, bs, scale, window, bf, kv_fmt, 1)) {
                     failed = 1;
@@ -2227,6 +2350,7 @@ TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv
     free(g);
     free(A);
     decode_scratch_free(&s0);
+    decode_plan_free(&plan);
     return failed ? -1 : 0;
 }
 #undef BFSPEC

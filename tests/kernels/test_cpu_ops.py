@@ -786,6 +786,82 @@ def test_paged_attention_decode_window_matches_reference(dtype, kv_dtype, H, KVH
             torch.testing.assert_close(out[r].float(), e, rtol=tol, atol=tol)
 
 
+def _split_case(dtype, kv_dtype, H, KVH, hd, bs, ctx, seed):
+    """Pools, block tables and queries for sequences of ``ctx`` tokens (scattered blocks; NaN, or
+    NaN scales, in every slot outside a context)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(math.ceil(n / bs) for n in ctx) + 1
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for n in ctx:
+        tables.append(perm[i : i + math.ceil(n / bs)])
+        i += len(tables[-1])
+    used = torch.zeros(nb * bs, dtype=torch.bool)
+    for t, n in zip(tables, ctx):
+        used[(torch.tensor(t).repeat_interleave(bs) * bs + torch.arange(bs).repeat(len(t)))[:n]] = True
+    if kv_dtype is None:
+        kc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
+        vc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
+        kc.view(nb * bs, -1)[~used] = float("nan")
+        vc.view(nb * bs, -1)[~used] = float("nan")
+    else:
+        kc, vc = _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [perm[-1]] * (width - len(t)) for t in tables])
+    qkv = torch.randn(len(ctx), (H + 2 * KVH) * hd, generator=g).to(dtype)
+    return kc, vc, bt, qkv[:, : H * hd].view(len(ctx), H, hd), tables
+
+
+@pytest.mark.parametrize("kv_dtype", [None] + KV8, ids=["model-dtype", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (4, 4, 80, 16), (8, 2, 128, 32), (2, 1, 64, 3)])
+def test_paged_attention_decode_split_along_the_keys_matches_sdpa(dtype, kv_dtype, H, KVH, hd, bs, amx, via):
+    """Contexts longer than 512 keys run in splits of whole blocks, each attended on its own and
+    merged by their softmax maxima and sums (flash-decoding): contexts of 511 to 2,500 keys, with no
+    window and with windows of 700 and 1,500 keys (the window's first key inside split 0's first
+    block), equal float32 SDPA over exactly the attended keys."""
+    from kvserve.worker import kv_quant
+
+    ctx = [511, 512, 513, 1000, 1100, 2500]
+    kc, vc, bt, q, tables = _split_case(dtype, kv_dtype, H, KVH, hd, bs, ctx, seed=H * hd + bs)
+    scale = hd**-0.5
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for w in (None, 700, 1500):
+        out = K.paged_attention_decode(q, kc, vc, bt, torch.tensor(ctx), scale, window=w)
+        assert not out.isnan().any()
+        for d, n in enumerate(ctx):
+            first = n - w if w is not None and n > w else 0
+            slots = torch.tensor([tables[d][j // bs] * bs + j % bs for j in range(first, n)])
+            k = kv_quant.gather(kc, slots, dtype).transpose(0, 1).float()
+            v = kv_quant.gather(vc, slots, dtype).transpose(0, 1).float()
+            e = F.scaled_dot_product_attention(q[d].float().unsqueeze(1), k, v, scale=scale,
+                                               enable_gqa=True).squeeze(1)
+            torch.testing.assert_close(out[d].float(), e, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["model-dtype", "int8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_decode_output_depends_on_the_sequence_alone(dtype, kv_dtype):
+    """How a context is split depends on its own length: each sequence's output is bit for bit the
+    same alone, in a batch of shorter and longer ones, and on one thread or two."""
+    H, KVH, hd, bs = 9, 3, 64, 16
+    ctx = [40, 700, 1500, 2100]
+    kc, vc, bt, q, _ = _split_case(dtype, kv_dtype, H, KVH, hd, bs, ctx, seed=7)
+    prev = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            outs.append(K.paged_attention_decode(q, kc, vc, bt, torch.tensor(ctx), hd**-0.5))
+            for d in range(len(ctx)):
+                alone = K.paged_attention_decode(q[d : d + 1], kc, vc, bt[d : d + 1].contiguous(),
+                                                 torch.tensor(ctx[d : d + 1]), hd**-0.5)
+                assert torch.equal(alone[0], outs[-1][d]), (threads, d)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(prev)
+
+
 def test_paged_attention_decode_window_reads_only_the_window():
     """The same query over a long context with and without a window: the windowed result
     equals full attention over a context cut to the window's keys, and differs from full

@@ -75,6 +75,27 @@ def test_decode_kernel_matches_the_reference_path(bits, dtype, H, KVH, hd, bs):
     assert err <= (2e-6 if dtype == torch.float32 else 2**-7) * amax, (err, amax)
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_split_along_the_keys_matches_the_reference_path(bits, dtype):
+    """Contexts past 512 keys run in splits of whole blocks (dequantized split by split) merged by
+    their softmax maxima and sums: 513, 1,100 and 1,300 keys (partial last blocks in residual slots)
+    equal the reference path, and each sequence's output is bit for bit the same alone."""
+    H, KVH, hd, bs = 9, 3, 64, 16
+    lens = [30, 513, 1100, 1300]
+    k_pool, v_pool, rmap, bt, ctx = _pools(sum(-(-n // bs) for n in lens) + 2, bs, KVH, hd, bits, dtype, lens, seed=3)
+    q = torch.randn(len(lens), H, hd, generator=torch.Generator().manual_seed(5)).to(dtype)
+    scale = hd ** -0.5
+    ref = _reference(q, k_pool, v_pool, rmap, bt, ctx, scale).float()
+    got = cpu_ops.paged_attention_decode_pools(q, k_pool, v_pool, rmap, bt, ctx, scale)
+    err = (got.float() - ref).abs().max().item()
+    assert err <= (2e-6 if dtype == torch.float32 else 2**-7) * ref.abs().max().item(), err
+    for d in range(len(lens)):
+        alone = cpu_ops.paged_attention_decode_pools(q[d : d + 1], k_pool, v_pool, rmap, bt[d : d + 1].contiguous(),
+                                                     ctx[d : d + 1], scale)
+        assert torch.equal(alone[0], got[d]), d
+
+
 def test_decode_kernel_reads_the_residual_for_partial_blocks_only():
     """A partial block's residual rows are read as they are (changing one changes the output); a full
     block's residual slot (the read map says -1) is never read."""

@@ -118,21 +118,23 @@ def test_team_path_is_bit_identical_to_the_per_operation_path(tiny_model_dir, ar
         _packed_without_rows().team = True
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral_window"])
+@pytest.mark.parametrize("arch", ["llama_long", "mistral_window"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_team_attention_over_several_sequences_is_bit_identical(tiny_model_dir, arch, kv_cache_dtype, dtype):
-    """Where attention runs the vector kernel, the team's threads share its (sequence, KV head)
-    items: three sequences of 7, 45 and 90 tokens (a 16-token window on ``mistral_window``, 8-bit
-    rows with ``int8``) give the per-operation path's logits bit for bit."""
+    """Where attention runs the vector kernel, the team's threads share its (sequence, split, KV
+    head) items: sequences of 7, 45 and 90 tokens, and on ``llama_long`` one of 700 (attended in
+    two splits of its keys; a 16-token window on ``mistral_window``, 8-bit rows with ``int8``),
+    give the per-operation path's logits bit for bit."""
     if not cpu_ops.available():
         pytest.skip("needs the CPU kernels")
     folder, _ = tiny_model_dir(arch)
-    llm = LLM(model=str(folder), dtype=dtype, num_blocks=96, block_size=4, device="cpu", enable_prefix_caching=False,
-              kv_cache_dtype=kv_cache_dtype)
-    prompts = [list(range(3, 3 + n)) for n in (7, 45, 90)]
+    long = arch == "llama_long"
+    llm = LLM(model=str(folder), dtype=dtype, num_blocks=256, block_size=4, device="cpu", enable_prefix_caching=False,
+              kv_cache_dtype=kv_cache_dtype, max_model_len=1024 if long else None)
+    prompts = [list(range(3, 3 + n)) for n in (7, 45, 90)] + ([[3 + i % 300 for i in range(700)]] if long else [])
     step, args = _replay(llm, prompts=prompts)
-    assert args[0].shape[0] == 3  # three decode tokens in the call
+    assert args[0].shape[0] == len(prompts)  # a decode token of each in the call
     a, b = _team_vs_pieces(step, args)
     assert torch.isfinite(a.float()).all()
     assert torch.equal(a, b)
