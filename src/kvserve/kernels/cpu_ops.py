@@ -531,7 +531,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     bfloat16 runs on AMX tiles where the CPU has them (:func:`set_amx`; ~2x the AVX-512
     kernel at 64 sequences of 450 tokens on the development machine, 29 vs 13 GB/s of KV),
-    else on AVX512-BF16 dot products (:func:`set_bf16_dot`); float32 on AVX-512 FMAs.
+    else on AVX512-BF16 dot products (:func:`set_bf16_dot`); float32 on AVX-512 FMAs. Off AMX
+    a sequence attending to more than 512 keys is split along its keys into work items of
+    whole blocks whose partial softmax results are merged (flash-decoding, Dao et al. 2023);
+    the split depends on the sequence's own length only, so its output does not depend on the
+    batch or the thread count.
 
     Raises:
         ValueError: for head_dim > 256, a GQA group > 64 or heads not divisible by KV heads.
