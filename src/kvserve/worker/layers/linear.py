@@ -84,8 +84,10 @@ QGEMV_MAX_M = 64
 #: Same for the weight-only kernel (``gguf``, float activations). Above 4 tokens it dequantizes
 #: each group of 4 weight rows once into a scratch buffer; measured 2026-12-03 (AMD EPYC, 2
 #: threads, SmolLM2's shapes in Q4_1 from DRAM, bf16 activations) 1.2-3.8x faster than the
-#: chunked path at every M from 4 to 64.
-QGEMV_WO_MAX_M = 64
+#: chunked path at every M from 4 to 64; again 2026-12-03 10:40 (SmolLM2's four linear shapes
+#: summed, quiet, best of 20): 1.23-1.45x at 64 tokens, 1.15-1.27x at 96 for Q4_0, Q4_1, Q8_0 and
+#: Q6_K, 0.85-1.18x at 128, 0.95-1.12x at 160.
+QGEMV_WO_MAX_M = 96
 #: Bytes of one dequantized chunk of a GGUF-quantized weight (the scratch buffer, shared by all layers).
 QCHUNK_BYTES = 1 << 21
 
