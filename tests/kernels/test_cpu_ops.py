@@ -655,6 +655,32 @@ def _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used):
     return pools
 
 
+def _scattered_tables(nb, bs, ctx, g):
+    """A random permutation of ``nb`` blocks, block tables taking consecutive runs of it for
+    contexts of ``ctx`` tokens, and the ``[nb * bs]`` mask of the slots those contexts hold."""
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, i = [], 0
+    for n in ctx:
+        tables.append(perm[i : i + math.ceil(n / bs)])
+        i += len(tables[-1])
+    used = torch.zeros(nb * bs, dtype=torch.bool)
+    for t, n in zip(tables, ctx):
+        used[(torch.tensor(t).repeat_interleave(bs) * bs + torch.arange(bs).repeat(len(t)))[:n]] = True
+    return perm, tables, used
+
+
+def _pools_nan_outside(nb, bs, KVH, hd, dtype, kv_dtype, g, used):
+    """Random K and V pools in ``dtype`` (``kv_dtype`` None) or 8-bit pools (:func:`_quantized_pools`),
+    NaN (or a NaN scale) in every slot not in ``used``."""
+    if kv_dtype is not None:
+        return _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used)
+    kc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
+    kc.view(nb * bs, -1)[~used] = float("nan")
+    vc.view(nb * bs, -1)[~used] = float("nan")
+    return kc, vc
+
+
 @pytest.mark.parametrize("kv_dtype", KV8)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reshape_and_cache_quantizes_bit_for_bit_as_kv_quant(dtype, kv_dtype, via):
@@ -689,14 +715,7 @@ def test_paged_attention_decode_on_8bit_pools_matches_sdpa_on_dequantized(dtype,
     g = torch.Generator().manual_seed(H * hd + 1)
     nb = 1024 // bs
     ctx = [1, 15, 16, 17, 31, 100, 333]
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, i = [], 0
-    for n in ctx:
-        tables.append(perm[i : i + math.ceil(n / bs)])
-        i += len(tables[-1])
-    used = torch.zeros(nb * bs, dtype=torch.bool)
-    for t, n in zip(tables, ctx):
-        used[torch.tensor([t[j // bs] * bs + j % bs for j in range(n)])] = True
+    _, tables, used = _scattered_tables(nb, bs, ctx, g)
     kc, vc = _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used)
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
@@ -757,13 +776,7 @@ def test_paged_attention_decode_window_matches_reference(dtype, kv_dtype, H, KVH
     for t, (n, w) in zip(tables, rows):
         first = (n - w) // bs if n > w else 0
         used[torch.tensor([t[j // bs] * bs + j % bs for j in range(first * bs, n)])] = True
-    if kv_dtype is None:
-        kc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
-        vc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
-        kc.view(nb * bs, -1)[~used] = float("nan")
-        vc.view(nb * bs, -1)[~used] = float("nan")
-    else:
-        kc, vc = _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used)
+    kc, vc = _pools_nan_outside(nb, bs, KVH, hd, dtype, kv_dtype, g, used)
     width = max(map(len, tables))
     bt = torch.tensor([t + [nan_block] * (width - len(t)) for t in tables])
     qkv = torch.randn(len(rows), (H + 2 * KVH) * hd, generator=g).to(dtype)
@@ -791,21 +804,8 @@ def _split_case(dtype, kv_dtype, H, KVH, hd, bs, ctx, seed):
     NaN scales, in every slot outside a context)."""
     g = torch.Generator().manual_seed(seed)
     nb = sum(math.ceil(n / bs) for n in ctx) + 1
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, i = [], 0
-    for n in ctx:
-        tables.append(perm[i : i + math.ceil(n / bs)])
-        i += len(tables[-1])
-    used = torch.zeros(nb * bs, dtype=torch.bool)
-    for t, n in zip(tables, ctx):
-        used[(torch.tensor(t).repeat_interleave(bs) * bs + torch.arange(bs).repeat(len(t)))[:n]] = True
-    if kv_dtype is None:
-        kc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
-        vc = torch.randn(nb, bs, KVH, hd, generator=g).to(dtype)
-        kc.view(nb * bs, -1)[~used] = float("nan")
-        vc.view(nb * bs, -1)[~used] = float("nan")
-    else:
-        kc, vc = _quantized_pools(nb, bs, KVH, hd, kv_dtype, g, used)
+    perm, tables, used = _scattered_tables(nb, bs, ctx, g)
+    kc, vc = _pools_nan_outside(nb, bs, KVH, hd, dtype, kv_dtype, g, used)
     width = max(map(len, tables))
     bt = torch.tensor([t + [perm[-1]] * (width - len(t)) for t in tables])
     qkv = torch.randn(len(ctx), (H + 2 * KVH) * hd, generator=g).to(dtype)

@@ -5,7 +5,6 @@ logits bit for bit, dense and GGUF-quantized; ``kv_q_gemv_rows`` computes exactl
 ``benchmarks/decode_breakdown.py`` reads) times every phase, changes no result and refuses a
 buffer it could overrun. Tiny models, plus SmolLM2 (two loads) for the quantized path; ~15 s."""
 
-import ctypes
 
 import pytest
 import torch
