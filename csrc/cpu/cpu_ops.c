@@ -1989,7 +1989,7 @@ INLINE TGT void decode_item(const decode_attn_t* a, int64_t i, const decode_scra
     const decode_plan_t* pl = a->plan;
     const int64_t KVH = a->KVH, G = a->G, hd = a->hd, bs = a->bs, nv = (hd + 15) / 16, es = a->bf ? 2 : 4;
     const int64_t p = i / KVH, g = i % KVH, maxLp = (a->maxL + 15) & ~(int64_t)15;
-    const int64_t split = pl->P > 0 && pl->pair_d, d = split ? pl->pair_d[p] : p, k = split ? pl->pair_s[p] : 0;
+    const int64_t split = pl->pair_d != NULL, d = split ? pl->pair_d[p] : p, k = split ? pl->pair_s[p] : 0;
     const int64_t S = split ? pl->nsplit[d] : 1;
     float* sc = s->sc;
     float* qf = sc + G * a->maxL;
