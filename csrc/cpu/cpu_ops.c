@@ -1425,10 +1425,11 @@ INLINE TGT_DP __m512bh pf_bcast(const uint16_t* p) { /* the bf16 pair at p in ev
 }
 
 /* Scores of rows r0 .. r0 + RB - 1 (query rows qr[]) against the 64 keys of the packed block
- * kb, then their online-softmax step: lim[r] keys of the block count for row r (<= 0: none,
- * >= 64: all); m, l, the float32 outputs o ([R][hd]) and the bf16 probabilities pb ([R][64]). */
+ * kb, then their online-softmax step: keys [lo[r], lim[r]) of the block count for row r (lo
+ * NULL: from 0; lim <= 0: none, >= 64: to the end); m, l, the float32 outputs o ([R][hd]) and
+ * the bf16 probabilities pb ([R][64]). */
 INLINE TGT_DP void pf_qk_rows(const int RB, const uint16_t* const* qr, const uint16_t* kb, int64_t hd, float scale,
-                              const int64_t* lim, float* m, float* l, float* o, uint16_t* pb) {
+                              const int64_t* lim, const int64_t* lo, float* m, float* l, float* o, uint16_t* pb) {
     __m512 acc[6][4]; /* (fixed sizes and full unrolling: the accumulators stay in registers) */
 #pragma GCC unroll 6
     for (int r = 0; r < RB; r++)
@@ -1449,7 +1450,8 @@ INLINE TGT_DP void pf_qk_rows(const int RB, const uint16_t* const* qr, const uin
     const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int r = 0; r < RB; r++) {
         uint16_t* pr = pb + r * PF_KB;
-        if (lim[r] <= 0) { /* no key of this block for the row */
+        const int64_t lr = lo ? lo[r] : 0;
+        if (lim[r] <= 0 || lr >= lim[r] || lr >= PF_KB) { /* no key of this block for the row */
             _mm512_storeu_si512(pr, _mm512_setzero_si512());
             _mm512_storeu_si512(pr + 32, _mm512_setzero_si512());
             continue;
@@ -1457,7 +1459,7 @@ INLINE TGT_DP void pf_qk_rows(const int RB, const uint16_t* const* qr, const uin
         __mmask16 mk[4];
         __m512 s[4], bm = ninf;
         for (int i = 0; i < 4; i++) {
-            mk[i] = pf_mask(lim[r] - 16 * i);
+            mk[i] = pf_mask(lim[r] - 16 * i) & (__mmask16)~pf_mask(lr - 16 * i);
             s[i] = _mm512_mul_ps(acc[r][i], vs);
             bm = _mm512_mask_max_ps(bm, mk[i], bm, s[i]);
         }
@@ -1507,9 +1509,9 @@ INLINE TGT_DP void pf_pv_rows(const int RB, const int NC, const uint16_t* pb, co
 }
 
 static TGT_DP void pf_qk_dispatch(int rb, const uint16_t* const* qr, const uint16_t* kb, int64_t hd, float scale,
-                                  const int64_t* lim, float* m, float* l, float* o, uint16_t* pb) {
+                                  const int64_t* lim, const int64_t* lo, float* m, float* l, float* o, uint16_t* pb) {
     switch (rb) {
-#define KV_PF_QK(N) case N: pf_qk_rows(N, qr, kb, hd, scale, lim, m, l, o, pb); break;
+#define KV_PF_QK(N) case N: pf_qk_rows(N, qr, kb, hd, scale, lim, lo, m, l, o, pb); break;
         KV_PF_QK(1) KV_PF_QK(2) KV_PF_QK(3) KV_PF_QK(4) KV_PF_QK(5) default: KV_PF_QK(6)
 #undef KV_PF_QK
     }
@@ -1521,6 +1523,40 @@ static TGT_DP void pf_pv_dispatch(int rb, int nc, const uint16_t* pb, const uint
     KV_PF_PV(6, 4) KV_PF_PV(5, 4) KV_PF_PV(4, 4) KV_PF_PV(3, 4) KV_PF_PV(2, 4) KV_PF_PV(1, 4)
     KV_PF_PV(6, 2) KV_PF_PV(5, 2) KV_PF_PV(4, 2) KV_PF_PV(3, 2) KV_PF_PV(2, 2) KV_PF_PV(1, 2)
 #undef KV_PF_PV
+}
+
+/* Rows 0 .. R - 1 (queries qr[]) against one packed 64-key block (kb, vb) of which the first
+ * `keys` exist: the online-softmax step (row r counts keys [lo[r], lim[r]): pf_qk_rows), then
+ * o += P . V over those keys. */
+static TGT_DP void pf_block(int64_t R, const uint16_t* const* qr, const uint16_t* kb, const uint16_t* vb, int64_t keys,
+                            int64_t hd, float scale, const int64_t* lim, const int64_t* lo, float* m, float* l,
+                            float* o, uint16_t* pb) {
+    for (int64_t r0 = 0; r0 < R; r0 += 6) {
+        const int rb = R - r0 < 6 ? (int)(R - r0) : 6;
+        pf_qk_dispatch(rb, qr + r0, kb, hd, scale, lim + r0, lo ? lo + r0 : NULL, m + r0, l + r0, o + r0 * hd,
+                       pb + r0 * PF_KB);
+    }
+    const int64_t pairs = (keys + 1) / 2;
+    for (int64_t dc = 0; dc < hd; dc += 64) {
+        const int nc = hd - dc >= 64 ? 4 : 2;
+        for (int64_t r0 = 0; r0 < R; r0 += 6) {
+            const int rb = R - r0 < 6 ? (int)(R - r0) : 6;
+            pf_pv_dispatch(rb, nc, pb + r0 * PF_KB, vb, pairs, hd, dc, o + r0 * hd);
+        }
+    }
+}
+
+/* Row r (token r / G, head r % G) of the item: o[r] / l[r] rounded to bf16 into out (zeros for a
+ * row that saw no key). The outputs' dims come out as packed: lane i of dims [16c, 16c + 16) is
+ * dim 16c + i. */
+static TGT_DP void pf_store(int64_t R, int64_t G, uint16_t* out, int64_t ldo, int64_t hd, const float* o,
+                            const float* l) {
+    for (int64_t r = 0; r < R; r++) {
+        const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        uint16_t* orow = out + (r / G) * ldo + (r % G) * hd;
+        for (int64_t d = 0; d < hd; d += 16)
+            _mm256_storeu_si256((__m256i*)(orow + d), ps_to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(o + r * hd + d), inv)));
+    }
 }
 
 /* One work item: tokens n < nt of a chunk (queries q + n * ldq, heads 0 .. G - 1 of the KV head
@@ -1540,29 +1576,11 @@ static TGT_DP void prefill_dp_item(const uint16_t* q, int64_t ldq, uint16_t* out
     memset(o, 0, sizeof(float) * (size_t)(R * hd));
     int64_t lim[PF_ROWS];
     for (int64_t k0 = 0; k0 < L; k0 += PF_KB) {
-        const uint16_t* kb = kp + k0 * hd;
-        const uint16_t* vb = vp + k0 * hd;
         for (int64_t r = 0; r < R; r++) lim[r] = past + r / G + 1 - k0; /* keys of the block row r sees */
-        for (int64_t r0 = 0; r0 < R; r0 += 6) {
-            const int rb = R - r0 < 6 ? (int)(R - r0) : 6;
-            pf_qk_dispatch(rb, qr + r0, kb, hd, scale, lim + r0, m + r0, l + r0, o + r0 * hd, pb + r0 * PF_KB);
-        }
-        const int64_t keys = L - k0 < PF_KB ? L - k0 : PF_KB, pairs = (keys + 1) / 2;
-        for (int64_t dc = 0; dc < hd; dc += 64) {
-            const int nc = hd - dc >= 64 ? 4 : 2;
-            for (int64_t r0 = 0; r0 < R; r0 += 6) {
-                const int rb = R - r0 < 6 ? (int)(R - r0) : 6;
-                pf_pv_dispatch(rb, nc, pb + r0 * PF_KB, vb, pairs, hd, dc, o + r0 * hd);
-            }
-        }
+        pf_block(R, qr, kp + k0 * hd, vp + k0 * hd, L - k0 < PF_KB ? L - k0 : PF_KB, hd, scale, lim, NULL, m, l, o,
+                 pb);
     }
-    /* the outputs' dims come out as packed: lane i of dims [16c, 16c + 16) is dim 16c + i */
-    for (int64_t r = 0; r < R; r++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-        uint16_t* orow = out + (r / G) * ldo + (r % G) * hd;
-        for (int64_t d = 0; d < hd; d += 16)
-            _mm256_storeu_si256((__m256i*)(orow + d), ps_to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(o + r * hd + d), inv)));
-    }
+    pf_store(R, G, out, ldo, hd, o, l);
 }
 
 /* Causal prefill attention on AVX512-BF16 (bf16 caches, hd % 32 == 0, hd <= 256, G <= 64; any
@@ -1639,6 +1657,108 @@ static TGT_DP int prefill_dp(const void* q, int64_t ldq, const void* k_cache, co
     free(base);
     return failed ? -1 : 0;
 }
+
+/* One work item of prefill_ranges: tokens n < nt (queries q + n * ldq, heads 0 .. G - 1 of the
+ * KV head), token n attending to keys [0, rg[3n]) of source D (packed kd, vd) and then to keys
+ * [rg[3n + 1], rg[3n + 2]) of source F (packed kf, vf), one online softmax over both; results
+ * to out + n * ldo. Scratch as prefill_dp_item. */
+static TGT_DP void prefill_ranges_item(const uint16_t* q, int64_t ldq, uint16_t* out, int64_t ldo, int64_t nt,
+                                       int64_t G, const int64_t* rg, const uint16_t* kd, const uint16_t* vd,
+                                       int64_t Ld, const uint16_t* kf, const uint16_t* vf, int64_t Lf, int64_t hd,
+                                       float scale, float* o, float* m, float* l, uint16_t* pb) {
+    const int64_t R = nt * G;
+    const uint16_t* qr[PF_ROWS];
+    int64_t dmax = 0, fmin = Lf, fmax = 0;
+    for (int64_t r = 0; r < R; r++) {
+        qr[r] = q + (r / G) * ldq + (r % G) * hd;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t d = rg[3 * t], f0 = rg[3 * t + 1], f1 = rg[3 * t + 2];
+        dmax = d > dmax ? d : dmax;
+        if (f1 > f0) {
+            fmin = f0 < fmin ? f0 : fmin;
+            fmax = f1 > fmax ? f1 : fmax;
+        }
+    }
+    dmax = dmax < Ld ? dmax : Ld;
+    fmax = fmax < Lf ? fmax : Lf;
+    memset(o, 0, sizeof(float) * (size_t)(R * hd));
+    int64_t lim[PF_ROWS], lo[PF_ROWS];
+    for (int64_t k0 = 0; k0 < dmax; k0 += PF_KB) {
+        for (int64_t r = 0; r < R; r++) lim[r] = (rg[3 * (r / G)] < Ld ? rg[3 * (r / G)] : Ld) - k0;
+        pf_block(R, qr, kd + k0 * hd, vd + k0 * hd, Ld - k0 < PF_KB ? Ld - k0 : PF_KB, hd, scale, lim, NULL, m, l, o,
+                 pb);
+    }
+    for (int64_t k0 = fmin / PF_KB * PF_KB; k0 < fmax; k0 += PF_KB) {
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t f0 = rg[3 * (r / G) + 1], f1 = rg[3 * (r / G) + 2];
+            lo[r] = f0 - k0;
+            lim[r] = f1 > f0 ? (f1 < Lf ? f1 : Lf) - k0 : 0;
+        }
+        pf_block(R, qr, kf + k0 * hd, vf + k0 * hd, Lf - k0 < PF_KB ? Lf - k0 : PF_KB, hd, scale, lim, lo, m, l, o,
+                 pb);
+    }
+    pf_store(R, G, out, ldo, hd, o, l);
+}
+
+/* Attention of n tokens over two bf16 key/value sources with a key range per token (see
+ * kv_prefill_ranges), on AVX512-BF16: both sources packed once per KV head
+ * (pack_kv_prefill_dp over contiguous rows), then work items of pf_tokens(G) tokens and one KV
+ * head, the last tokens first. Returns 0, or -1 when a work buffer could not be allocated. */
+static TGT_DP int prefill_ranges_dp(const void* q, int64_t ldq, const void* kd, const void* vd, int64_t Ld,
+                                    const void* kf, const void* vf, int64_t Lf, const int64_t* rg, int64_t n,
+                                    void* out, int64_t ldo, int64_t H, int64_t KVH, int64_t hd, float scale,
+                                    int nthreads) {
+    const int64_t G = H / KVH, MQ = pf_tokens(G);
+    const int64_t Ldp = (Ld + PF_KB - 1) / PF_KB * PF_KB, Lfp = (Lf + PF_KB - 1) / PF_KB * PF_KB;
+    const int64_t nd = (Ldp + 127) / 128, nf = (Lfp + 127) / 128, per = 2 * (Ldp + Lfp) * hd;
+    const int64_t pack_items = KVH * (nd + nf), ntile = (n + MQ - 1) / MQ, items = KVH * ntile;
+    const int64_t bt0 = 0;
+    uint16_t* kvp = (uint16_t*)aligned_alloc(64, ((size_t)(KVH * per) * 2 + 64 + 63) & ~(size_t)63);
+    if (!kvp) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < pack_items; it++) { /* 128 keys of one source and KV head per item */
+            const int64_t g = it / (nd + nf), i = it % (nd + nf);
+            uint16_t* base = kvp + g * per;
+            if (i < nd) /* contiguous rows: one "block" of Ld keys */
+                pack_kv_prefill_dp((const uint16_t*)kd, (const uint16_t*)vd, &bt0, Ld, KVH, g, hd, Ld, i * 128,
+                                   i * 128 + 128 < Ldp ? i * 128 + 128 : Ldp, base, base + Ldp * hd);
+            else
+                pack_kv_prefill_dp((const uint16_t*)kf, (const uint16_t*)vf, &bt0, Lf, KVH, g, hd, Lf, (i - nd) * 128,
+                                   (i - nd) * 128 + 128 < Lfp ? (i - nd) * 128 + 128 : Lfp, base + 2 * Ldp * hd,
+                                   base + (2 * Ldp + Lfp) * hd);
+        }
+        const int64_t R = MQ * G;
+        char* buf = (char*)aligned_alloc(64, ((size_t)R * (hd * 4 + 8 + PF_KB * 2) + 63) & ~(size_t)63);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float* o = (float*)buf;
+        float* m = o + R * hd;
+        float* l = m + R;
+        uint16_t* pb = (uint16_t*)(l + R);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!buf) continue;
+            const int64_t g = it / ntile, tb = ntile - 1 - it % ntile;
+            const int64_t t0 = tb * MQ, nt = t0 + MQ < n ? MQ : n - t0;
+            const uint16_t* base = kvp + g * per;
+            prefill_ranges_item((const uint16_t*)q + t0 * ldq + g * G * hd, ldq,
+                                (uint16_t*)out + t0 * ldo + g * G * hd, ldo, nt, G, rg + 3 * t0, base,
+                                base + Ldp * hd, Ld, base + 2 * Ldp * hd, base + (2 * Ldp + Lfp) * hd, Lf, hd, scale,
+                                o, m, l, pb);
+        }
+        free(buf);
+    }
+    free(kvp);
+    return failed ? -1 : 0;
+}
 #endif /* KV_AVX512BF16 */
 
 /* Whether this library has the AVX512-BF16 prefill kernel (the cpu_ops_avx512bf16 variant). */
@@ -1647,6 +1767,34 @@ int kv_prefill_dp_built(void) {
     return 1;
 #else
     return 0;
+#endif
+}
+
+/* Whether kv_prefill_ranges runs here for this shape (the avx512bf16 variant with
+ * kv_set_bf16_dot on, hd % 32 == 0, hd <= 256, GQA group <= 64). */
+int kv_prefill_ranges_supported(int64_t H, int64_t KVH, int64_t hd) {
+    if (KVH <= 0 || H % KVH || hd <= 0 || hd % 32 || hd > 256 || H / KVH > 64) return 0;
+    return kv_prefill_dp_built() && kv_bf16_dot;
+}
+
+/* Attention of n query tokens (q: [n][H][hd] bf16, row stride ldq) over two key/value sources,
+ * D (kd, vd: Ld contiguous rows [KVH][hd] bf16) and F (kf, vf: Lf rows): token t attends to D's
+ * keys [0, rg[3t]) and F's keys [rg[3t + 1], rg[3t + 2]) (rg: [n][3] int64), one softmax over
+ * both (float32, probabilities rounded to bf16 for P.V, as prefill_dp); a token that sees no
+ * key gets zeros. Out: [n][H][hd] bf16, row stride ldo. The 2-/4-bit KV caches' prefill
+ * (kvserve.worker.attention.prefill_lowbit) passes the dequantized context as D and the
+ * model-dtype rows of the blocks its chunk touches as F. Returns 0, -1 when a work buffer could
+ * not be allocated, -2 when !kv_prefill_ranges_supported. */
+int kv_prefill_ranges(const void* q, int64_t ldq, const void* kd, const void* vd, int64_t Ld, const void* kf,
+                      const void* vf, int64_t Lf, const int64_t* rg, int64_t n, void* out, int64_t ldo, int64_t H,
+                      int64_t KVH, int64_t hd, float scale, int nthreads) {
+    if (!kv_prefill_ranges_supported(H, KVH, hd)) return -2;
+#ifdef KV_AVX512BF16
+    return prefill_ranges_dp(q, ldq, kd, vd, Ld, kf, vf, Lf, rg, n, out, ldo, H, KVH, hd, scale, nthreads);
+#else
+    (void)q, (void)ldq, (void)kd, (void)vd, (void)Ld, (void)kf, (void)vf, (void)Lf, (void)rg, (void)n, (void)out;
+    (void)ldo, (void)scale, (void)nthreads;
+    return -2;
 #endif
 }
 

@@ -58,6 +58,10 @@ MAX_HEAD_DIM = 256
 MAX_GQA_GROUP = 64
 
 
+#: Entry points a library built by an earlier kvserve may lack.
+_OPTIONAL = ("kv_paged_attention_decode_lowbit", "kv_prefill_ranges", "kv_prefill_ranges_supported")
+
+
 class _Lib:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -79,13 +83,15 @@ class _Lib:
             "kv_paged_attention_prefill": [vp, i64, vp, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, cf, ci, ci],
             "kv_paged_attention_decode_lowbit": [vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, i64, i64, i64,
                                                  i64, i64, cf, i64, ci, ci, ci],
+            "kv_prefill_ranges": [vp, i64, vp, vp, i64, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, cf, ci],
+            "kv_prefill_ranges_supported": [i64, i64, i64],
         }
         for name, args in spec.items():
-            if name == "kv_paged_attention_decode_lowbit" and not hasattr(lib, name):
-                continue  # (a library built before the 2-/4-bit kernel: lowbit_available() says so)
+            if name in _OPTIONAL and not hasattr(lib, name):
+                continue  # (a library built before that kernel: lowbit_available() / prefill_ranges_supported())
             fn = getattr(lib, name)
             fn.argtypes = args
-            fn.restype = ctypes.c_int if name.startswith("kv_paged_attention") else None
+            fn.restype = ctypes.c_int if name.startswith(("kv_paged_attention", "kv_prefill_ranges")) else None
             setattr(self, name[3:], fn)
 
 
@@ -651,6 +657,84 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise MemoryError("paged_attention_prefill: could not allocate work buffers")
     if rc:
         raise ValueError("paged_attention_prefill: AMX path unavailable")
+
+
+def prefill_ranges_supported(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`prefill_ranges` runs here: bf16, the ``cpu_ops_avx512bf16`` library loaded
+    (a CPU with AVX512_BF16) and :func:`set_bf16_dot` on, ``head_dim % 32 == 0``,
+    ``head_dim <= 256``, GQA group <= 64."""
+    if dtype != torch.bfloat16 or not available():
+        return False
+    k = _k()
+    if not hasattr(k, "prefill_ranges_supported"):
+        return False
+    return bool(k.prefill_ranges_supported(num_heads, num_kv_heads, head_dim))
+
+
+def prefill_ranges(q: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor, k_f: torch.Tensor, v_f: torch.Tensor,
+                   ranges: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of ``n`` query tokens over two key/value sources with a key range per token:
+    token ``t`` attends to keys ``[0, ranges[t, 0])`` of source D and keys
+    ``[ranges[t, 1], ranges[t, 2])`` of source F, one softmax over both (float32 scores and
+    softmax, probabilities rounded to bf16 for P·V, float32 accumulation: the math of
+    :func:`paged_attention_prefill`'s AVX512-BF16 kernel, flash-attention style, Dao et al.
+    2022); a token whose ranges are both empty gets zeros.
+
+    The 2-/4-bit KV caches' prefill (:func:`kvserve.worker.attention.prefill_lowbit`) uses it:
+    D is the chunk's context as a decode step reads it (full blocks dequantized), F the
+    model-dtype rows of the blocks the chunk touches, and each token's ranges say which copy of
+    each key it sees, where PyTorch would need a boolean mask over both copies for every query.
+
+    Args:
+        q: ``[n, num_heads, head_dim]`` bf16, heads contiguous within a row (row stride free).
+        k_d, v_d: ``[Ld, num_kv_heads, head_dim]`` bf16 contiguous (``Ld`` may be 0).
+        k_f, v_f: ``[Lf, num_kv_heads, head_dim]`` bf16 contiguous (``Lf`` may be 0).
+        ranges: ``[n, 3]`` int64 contiguous: (end in D, start in F, end in F), with
+            ``0 <= ranges[:, 0] <= Ld`` and ``0 <= ranges[:, 1], ranges[:, 2] <= Lf``.
+        scale: softmax scale.
+        out: optional ``[n, num_heads, head_dim]`` bf16 destination (heads contiguous).
+
+    Returns:
+        ``out`` (a new tensor when not given).
+
+    Raises:
+        ValueError: unsupported here (:func:`prefill_ranges_supported`), or shapes, dtypes or
+            ranges out of bounds.
+        MemoryError: if work buffers cannot be allocated.
+    """
+    n, H, hd = q.shape
+    KVH = k_d.shape[1]
+    if not prefill_ranges_supported(q.dtype, H, KVH, hd):
+        raise ValueError(f"prefill_ranges: unsupported here (dtype {q.dtype}, heads {H}, kv_heads {KVH}, "
+                         f"head_dim {hd}; needs bf16, head_dim % 32 == 0 and AVX512_BF16)")
+    Ld, Lf = k_d.shape[0], k_f.shape[0]
+    for name, t, L in (("k_d", k_d, Ld), ("v_d", v_d, Ld), ("k_f", k_f, Lf), ("v_f", v_f, Lf)):
+        if t.dtype != torch.bfloat16 or tuple(t.shape) != (L, KVH, hd) or not t.is_contiguous():
+            raise ValueError(f"prefill_ranges: {name} must be contiguous bf16 [{L}, {KVH}, {hd}], "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    if q.stride(2) != 1 or q.stride(1) != hd:
+        raise ValueError("prefill_ranges: q's heads must be contiguous within a row")
+    if ranges.dtype != torch.int64 or tuple(ranges.shape) != (n, 3) or not ranges.is_contiguous():
+        raise ValueError(f"prefill_ranges: ranges must be contiguous int64 [{n}, 3], got {ranges.dtype} "
+                         f"{tuple(ranges.shape)}")
+    if n and (int(ranges[:, 0].min()) < 0 or int(ranges[:, 0].max()) > Ld or int(ranges[:, 1:].min()) < 0
+              or int(ranges[:, 1:].max()) > Lf):
+        raise ValueError(f"prefill_ranges: ranges must lie in [0, {Ld}] (D) and [0, {Lf}] (F)")
+    if out is None:
+        out = torch.empty((n, H, hd), dtype=q.dtype)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (n, H, hd) or out.stride(2) != 1 or out.stride(1) != hd:
+        raise ValueError(f"prefill_ranges: out must be bf16 [{n}, {H}, {hd}] with heads contiguous, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if n == 0:
+        return out
+    rc = _k().prefill_ranges(q.data_ptr(), q.stride(0), k_d.data_ptr(), v_d.data_ptr(), Ld, k_f.data_ptr(),
+                             v_f.data_ptr(), Lf, ranges.data_ptr(), n, out.data_ptr(), out.stride(0), H, KVH, hd,
+                             float(scale), torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("prefill_ranges: could not allocate work buffers")
+    if rc:
+        raise ValueError("prefill_ranges: unsupported here")
+    return out
 
 
 class _LayerPtrs(ctypes.Structure):
