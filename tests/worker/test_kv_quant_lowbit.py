@@ -471,3 +471,98 @@ def test_smollm2_fp32_teacher_forced_top1_agreement(smollm2_path, reference):
 #: teacher-forced top-1 agreement bounds with the float32 cache (measured 95.0% / 81.2%)
 INT4_TOP1 = 0.92
 INT2_TOP1 = 0.72
+
+
+# ---------------------------------------------------- bf16 prefill on the ranges kernel
+def _ranges_kernel_here() -> bool:
+    from kvserve.kernels import cpu_ops
+
+    return cpu_ops.prefill_ranges_supported(torch.bfloat16, 4, 2, 32)
+
+
+@pytest.mark.skipif(not _ranges_kernel_here(), reason="prefill_ranges needs the AVX512-BF16 kernels")
+@pytest.mark.parametrize("kv", LOWBIT)
+def test_bf16_prefill_on_the_ranges_kernel(tiny_model_dir, kv, monkeypatch):
+    """bf16 with head_dim 32 (the tiny Qwen3) and block size 16: the CPU backend's prefill chunks
+    attend on cpu_ops.prefill_ranges. A prompt prefilled in chunks of 13 tokens (chunks ending
+    anywhere in a block, so a query's own block is sometimes still partial, sometimes sealed by
+    its step) gives the greedy tokens it gives prefilled whole; and every position's logits are
+    those of the SDPA path over the same pools within bf16 rounding."""
+    from kvserve.kernels import cpu_ops
+    from tiny_models import prefill_logits
+
+    folder = str(tiny_model_dir("qwen3")[0])
+    calls = []
+    real = cpu_ops.prefill_ranges
+    monkeypatch.setattr(cpu_ops, "prefill_ranges", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def llm(**kw):
+        return LLM(model=folder, dtype="bfloat16", kv_cache_dtype=kv, block_size=16, num_blocks=64,
+                   enable_prefix_caching=False, **kw)
+
+    whole = llm()
+    base = whole.engine.encode(PROMPT * 3)
+    prompts = [base[:n] for n in (17, 40, 63, 100)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in whole.generate(prompts, params)]
+    assert calls
+    chunked = llm(max_num_batched_tokens=13)
+    assert [o.token_ids for o in chunked.generate(prompts, params)] == expected
+    assert chunked.engine.scheduler.num_chunked_prefills > 0
+
+    n = len(calls)
+    got = prefill_logits(llm(), prompts[-1]).float()
+    assert len(calls) > n
+    monkeypatch.setattr(cpu_ops, "prefill_ranges_supported", lambda *a: False)
+    ref = prefill_logits(llm(), prompts[-1]).float()
+    # measured max |difference| 0.063 (int4) and 0.17 (int2) on logits up to ~3.1: the attention
+    # outputs differ by bf16 rounding (test_prefill_lowbit_kernel_matches_sdpa_and_ignores_chunking),
+    # which the next layer's K/V quantization turns into a flipped code here and there
+    err = (got - ref).abs().max().item()
+    assert err <= {"int4": 0.04, "int2": 0.1}[kv] * ref.abs().max().item(), err
+
+
+@pytest.mark.skipif(not _ranges_kernel_here(), reason="prefill_ranges needs the AVX512-BF16 kernels")
+@pytest.mark.parametrize("bits", [4, 2])
+def test_prefill_lowbit_kernel_matches_sdpa_and_ignores_chunking(bits):
+    """One layer's prefill attention over 2-/4-bit pools (bf16, SmolLM2's 9 / 3 heads, head_dim 64,
+    block size 16), a 150-token sequence written and attended chunk by chunk as the engine does
+    (a residual slot per partial block, released once the block is full): on prefill_ranges
+    (kernel=True) every chunk's output equals the SDPA path's within bf16 rounding, and each
+    position's output is bit for bit the same for two chunkings (whole, and chunks ending anywhere
+    in a block)."""
+    from kvserve.worker.attention import AttentionMetadata, PrefillSegment, prefill_lowbit, write_kv
+
+    H, KVH, hd, bs, L = 9, 3, 64, 16, 150
+    g = torch.Generator().manual_seed(bits)
+    q = torch.randn(L, H, hd, generator=g).bfloat16()
+    k = (torch.randn(L, KVH, hd, generator=g) * torch.logspace(-1, 0.7, hd)).bfloat16()
+    v = torch.randn(L, KVH, hd, generator=g).bfloat16()
+    table = (torch.randperm(30, generator=g)[: -(-L // bs)] + 1).tolist()
+    slots = torch.tensor(table)[torch.arange(L) // bs] * bs + torch.arange(L) % bs
+
+    def run(bounds):
+        kp, vp = lb.allocate_pools(1, 32, bs, KVH, hd, bits, 16, torch.bfloat16, "cpu")[0]
+        rmap = torch.full((32,), -1, dtype=torch.long)
+        outs, worst = [], 0.0
+        for past, end in zip(bounds, bounds[1:]):
+            for b in range(past // bs, -(-end // bs)):  # the chunk's partial blocks hold a slot
+                if rmap[table[b]] < 0:
+                    rmap[table[b]] = min(set(range(16)) - set(rmap.tolist()))
+            meta = AttentionMetadata(slot_mapping=slots[past:end], prefills=[])
+            meta.residual_map = rmap
+            seg = PrefillSegment(0, end - past, past, context_slots=slots[:end] if past else None)
+            write_kv(k[past:end], v[past:end], kp, vp, meta.slot_mapping, rmap)
+            args = (q[past:end], k[past:end], v[past:end], kp, vp, meta, seg, hd ** -0.5)
+            got = prefill_lowbit(*args, kernel=True)
+            ref = prefill_lowbit(*args, kernel=False)
+            worst = max(worst, (got.float() - ref.float()).abs().max().item())
+            outs.append(got)
+            for b in range(past // bs, end // bs):  # full now: quantized, slot released
+                rmap[table[b]] = -1
+        return torch.cat(outs), worst
+
+    whole, err_whole = run([0, L])
+    chunked, err_chunked = run([0, 21, 48, 64, 77, 100, 149, L])
+    assert max(err_whole, err_chunked) <= 2 ** -7 * v.abs().max().item()
+    assert torch.equal(whole, chunked)

@@ -419,20 +419,23 @@ def prefill_lowbit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: L
     else:
         kf, vf = k[seg.start : seg.end], v[seg.start : seg.end]
     p = torch.arange(past, L, device=dev).unsqueeze(1)  # [n, 1] query positions
+    if kernel and window is None and cpu_ops.prefill_ranges_supported(q.dtype, q.shape[1], k.shape[1], q.shape[2]):
+        # one kernel call: the query at p sees the context before its own block, then that
+        # block's rows up to p in the model dtype; at the block's last slot the context up to p
+        # (its block dequantized). A trailing partial block's rows are the same values in both
+        # copies: taking them from the model-dtype copy too makes a row's arithmetic independent
+        # of where its chunk ends (bit for bit, for block sizes that divide 64 in multiples of 16)
+        start = p // bs * bs
+        fp = p % bs != bs - 1
+        ranges = torch.cat([torch.where(fp, start, p + 1), torch.where(fp, start - b0, 0),
+                            torch.where(fp, p + 1 - b0, 0)], 1)
+        return cpu_ops.prefill_ranges(q[seg.start : seg.end], kq.contiguous(), vq.contiguous(), kf.contiguous(),
+                                      vf.contiguous(), ranges, scale)
     # the query's own block is sealed by the step computing it (its last slot) or, for the chunk's
     # trailing block, only if the chunk ends at a block boundary: read_cache gives that block's
     # rows from the residual otherwise, which is what the query should see anyway
     own_full = (p % bs == bs - 1) | ((p // bs) < (L - 1) // bs) | (L % bs == 0)
     fp_own = (p % bs != bs - 1) & own_full  # sees its own block in the model dtype, not as read_cache gives it
-    H, hd = q.shape[1], q.shape[2]
-    if kernel and window is None and cpu_ops.prefill_ranges_supported(q.dtype, H, k.shape[1], hd):
-        # one kernel call: the query at p sees context keys [0, own block's start) or [0, p], then
-        # (fp_own) its own block's rows [block start, p] in the model dtype
-        start = p // bs * bs
-        ranges = torch.cat([torch.where(fp_own, start, p + 1), torch.where(fp_own, start - b0, 0),
-                            torch.where(fp_own, p + 1 - b0, 0)], 1)
-        return cpu_ops.prefill_ranges(q[seg.start : seg.end], kq.contiguous(), vq.contiguous(), kf.contiguous(),
-                                      vf.contiguous(), ranges, scale)
     j = torch.arange(lo, L, device=dev).unsqueeze(0)  # [1, L - lo]
     jf = torch.arange(b0, L, device=dev).unsqueeze(0)  # [1, L - b0]
     mask_q = (j <= p) & ~((j // bs == p // bs) & fp_own)
