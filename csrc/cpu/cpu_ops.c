@@ -1936,9 +1936,10 @@ INLINE TGT __m512 ld_half(const uint16_t* p, __mmask16 m) {
 }
 
 /* One full block's rows [0, n) of one KV head: K (per-channel scale/zero, loaded once per 16
- * channels) or V (per token and 32-channel group), into dst rows (model dtype, hd apart). */
+ * channels) or V (per token and 32-channel group), into dst rows (model dtype, ld elements
+ * apart). */
 INLINE TGT void dequant_block(const uint8_t* blk, int64_t n, int64_t bs, int64_t hd, int bits, int is_key, void* dst,
-                              int bf) {
+                              int64_t ld, int bf) {
     const int64_t cb = bs * hd * bits / 8, rowb = hd * bits / 8, ng = (hd + KV_VGROUP - 1) / KV_VGROUP;
     const uint16_t* sc = (const uint16_t*)(blk + cb);
     const uint16_t* zp = sc + (is_key ? hd : bs * ng);
@@ -1947,7 +1948,7 @@ INLINE TGT void dequant_block(const uint8_t* blk, int64_t n, int64_t bs, int64_t
             const __mmask16 m = tail_mask(hd - i);
             const __m512 s = ld_half(sc + i, m), z = ld_half(zp + i, m);
             for (int64_t t = 0; t < n; t++)
-                st(dst, t * hd + i, _mm512_add_ps(_mm512_mul_ps(ld_codes(blk + t * rowb, i, hd, bits), s), z), m, bf);
+                st(dst, t * ld + i, _mm512_add_ps(_mm512_mul_ps(ld_codes(blk + t * rowb, i, hd, bits), s), z), m, bf);
         }
         return;
     }
@@ -1958,7 +1959,7 @@ INLINE TGT void dequant_block(const uint8_t* blk, int64_t n, int64_t bs, int64_t
             const int64_t gi = t * ng + i / KV_VGROUP;
             const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16((short)sc[gi]));
             const __m512 z = _mm512_cvtph_ps(_mm256_set1_epi16((short)zp[gi]));
-            st(dst, t * hd + i, _mm512_add_ps(_mm512_mul_ps(ld_codes(row, i, hd, bits), s), z), m, bf);
+            st(dst, t * ld + i, _mm512_add_ps(_mm512_mul_ps(ld_codes(row, i, hd, bits), s), z), m, bf);
         }
     }
 }
@@ -1979,10 +1980,103 @@ INLINE TGT void dequant_ctx_lowbit(const uint8_t* data, const void* res, const i
                        (size_t)(hd * es));
         } else {
             if (j0 + bs < L) _mm_prefetch((const char*)(data + (bt[j0 / bs + 1] * KVH + g) * bb), _MM_HINT_T0);
-            dequant_block(data + (b * KVH + g) * bb, n, bs, hd, bits, is_key, (char*)dst + j0 * hd * es, bf);
+            dequant_block(data + (b * KVH + g) * bb, n, bs, hd, bits, is_key, (char*)dst + j0 * hd * es, hd, bf);
         }
     }
     if (Lpad > L) memset((char*)dst + L * hd * es, 0, (size_t)((Lpad - L) * hd * es));
+}
+
+/* Full blocks blocks[0 .. N) of a 2-/4-bit pool (data [num_blocks][KVH][block bytes]) dequantized
+ * into out [N][bs][KVH][hd] in the model dtype (bf: bf16, else float32), the values of
+ * kvserve.worker.kv_quant_lowbit.dequantize_blocks bit for bit (code * scale, then + zero, in
+ * float32; one rounding). Work items: a block and a KV head. */
+TGT void kv_lowbit_dequantize(const void* data, const int64_t* blocks, int64_t N, int64_t KVH, int64_t bs, int64_t hd,
+                              int bits, int is_key, void* out, int bf, int nthreads) {
+    const int64_t ng = (hd + KV_VGROUP - 1) / KV_VGROUP, es = bf ? 2 : 4;
+    const int64_t bb = bs * hd * bits / 8 + 4 * (is_key ? hd : bs * ng);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t it = 0; it < N * KVH; it++) {
+        const int64_t n = it / KVH, g = it % KVH;
+        dequant_block((const uint8_t*)data + (blocks[n] * KVH + g) * bb, bs, bs, hd, bits, is_key,
+                      (char*)out + ((n * bs * KVH + g) * hd) * es, KVH * hd, bf);
+    }
+}
+
+/* float32 -> float16 bits, round to nearest even (as torch's .to(float16)); and back. */
+INLINE TGT uint16_t f32_to_h(float f) {
+    return (uint16_t)_mm256_extract_epi16(_mm512_cvtps_ph(_mm512_set1_ps(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                          0);
+}
+INLINE TGT float h_to_f32(uint16_t h) { return _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16((short)h))); }
+
+/* torch.nextafter of a float16 toward -inf (up = 0) or +inf (up = 1), on its bits. */
+static inline uint16_t h_next(uint16_t h, int up) {
+    if ((h & 0x7fff) == 0) return up ? 0x0001 : 0x8001;
+    return (uint16_t)(((h & 0x8000) == 0) == (up != 0) ? h + 1 : h - 1);
+}
+
+/* (scale, zero) of a group with float32 minimum mn and maximum mx, as qparams in
+ * kv_quant_lowbit.py: zero = mn rounded down to float16, scale = (mx - zero) / qmax rounded up to
+ * float16, scale 1 for a group whose range is 0. */
+INLINE TGT void lowbit_qparams(float mn, float mx, float qmax, uint16_t* s, uint16_t* z) {
+    uint16_t zh = f32_to_h(mn);
+    if (h_to_f32(zh) > mn) zh = h_next(zh, 0);
+    const float rng = mx - h_to_f32(zh);
+    uint16_t sh = f32_to_h(rng / qmax);
+    if (h_to_f32(sh) * qmax < rng) sh = h_next(sh, 1);
+    *s = rng > 0.0f ? sh : (uint16_t)0x3c00;
+    *z = zh;
+}
+
+/* A bf16 value (its bits) as float32, exactly. */
+static inline float bf16_bits_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* clamp(round_half_even((x - z) / s), 0, qmax), as _codes. */
+INLINE uint8_t lowbit_code(float x, float s, float z, float qmax) {
+    float c = nearbyintf((x - z) / s);
+    c = c < 0.0f ? 0.0f : (c > qmax ? qmax : c);
+    return (uint8_t)c;
+}
+
+/* Blocks x [N][bs][KVH][hd] (model dtype: bf16 if bf, else float32) quantized into out
+ * [N][KVH][block bytes], the bytes of kvserve.worker.kv_quant_lowbit.quantize_blocks bit for bit:
+ * K per channel over the block's tokens, V per token and 32-channel group (the format above).
+ * Work items: a block and a KV head. */
+TGT void kv_lowbit_quantize(const void* x, int64_t N, int64_t KVH, int64_t bs, int64_t hd, int bits, int is_key,
+                            int bf, uint8_t* out, int nthreads) {
+    const int64_t ng = (hd + KV_VGROUP - 1) / KV_VGROUP, per = 8 / bits, rowb = hd * bits / 8;
+    const int64_t np = is_key ? hd : bs * ng, cb = bs * rowb, bb = cb + 4 * np;
+    const float qmax = (float)((1 << bits) - 1);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t it = 0; it < N * KVH; it++) {
+        const int64_t n = it / KVH, g = it % KVH;
+        uint8_t* blk = out + it * bb;
+        uint16_t* sc = (uint16_t*)(blk + cb);
+        uint16_t* zp = sc + np;
+#define XV(t, c) (bf ? bf16_bits_f32(((const uint16_t*)x)[((n * bs + (t)) * KVH + g) * hd + (c)]) \
+                     : ((const float*)x)[((n * bs + (t)) * KVH + g) * hd + (c)])
+        memset(blk, 0, (size_t)cb);
+        for (int64_t t = 0; t < bs; t++)
+            for (int64_t c = 0; c < hd; c++) {
+                const int64_t pi = is_key ? c : t * ng + c / KV_VGROUP;
+                if (is_key ? t == 0 : c % KV_VGROUP == 0) { /* the parameter's group first seen */
+                    float mn = INFINITY, mx = -INFINITY;
+                    if (is_key)
+                        for (int64_t u = 0; u < bs; u++) mn = fminf(mn, XV(u, c)), mx = fmaxf(mx, XV(u, c));
+                    else
+                        for (int64_t u = c; u < hd && u < c + KV_VGROUP; u++) mn = fminf(mn, XV(t, u)), mx = fmaxf(mx, XV(t, u));
+                    lowbit_qparams(mn, mx, qmax, sc + pi, zp + pi);
+                }
+                const uint8_t code = lowbit_code(XV(t, c), h_to_f32(sc[pi]), h_to_f32(zp[pi]), qmax);
+                blk[t * rowb + c / per] |= (uint8_t)(code << (bits * (c % per)));
+            }
+#undef XV
+    }
 }
 
 /* Whether kv_paged_attention_decode runs the AMX kernel (bf16 pools on a CPU with AMX-BF16). */

@@ -152,3 +152,44 @@ def test_the_registered_op_runs_the_kernel():
     assert torch.equal(out, cpu_ops.paged_attention_decode_lowbit(*args))
     torch.library.opcheck(torch.ops.kvserve.paged_attention_decode_lowbit, (*args, torch.empty_like(q)),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("is_key", [True, False])
+@pytest.mark.parametrize("hd", [64, 48, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_dequantize_equals_the_pytorch_formula_bit_for_bit(bits, is_key, hd, dtype):
+    """cpu_ops.lowbit_dequantize (what LowBitPool.dequantize, hence gather and the prefill path, runs
+    on here) gives lb.dequantize_blocks' values exactly: blocks in any order and repeated, a short
+    last value group (head_dim 48), outlier channels."""
+    g = torch.Generator().manual_seed(bits * 100 + hd)
+    x = torch.randn(20, 16, 3, hd, generator=g) * torch.logspace(-2, 1, hd)
+    x[..., 3] += 25.0
+    data = lb.quantize_blocks(x, bits, is_key)
+    blocks = torch.tensor([3, 0, 19, 7, 7])
+    ref = lb.dequantize_blocks(data.index_select(0, blocks), bits, is_key, 16, hd, dtype)
+    got = cpu_ops.lowbit_dequantize(data, blocks, bits, is_key, 16, hd, dtype)
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match=r"blocks must be in \[0, 20\)"):
+        cpu_ops.lowbit_dequantize(data, torch.tensor([20]), bits, is_key, 16, hd, dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("is_key", [True, False])
+@pytest.mark.parametrize("hd", [64, 48, 128, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_quantize_equals_the_pytorch_formula_bit_for_bit(bits, is_key, hd, dtype):
+    """cpu_ops.lowbit_quantize (what the KV write and compaction run on here, lb.quantize) gives
+    lb.quantize_blocks' bytes exactly, on channels of magnitudes 1e-3 .. 1e2 and the edge cases of
+    the parameters: constant blocks (scale 1), a channel beyond float16's range (the zero rounded
+    down from inf to 65504), codes exactly halfway between two levels (round half to even), float16
+    subnormal scales."""
+    g = torch.Generator().manual_seed(bits * 1000 + hd)
+    x = (torch.randn(12, 16, 3, hd, generator=g) * torch.logspace(-3, 2, hd)).to(dtype)
+    x[0], x[1] = 0.0, 1.5
+    x[2, :, :, 0] = 70000.0 if dtype == torch.float32 else 1e5
+    x[3] = (torch.randint(-4, 5, x[3].shape, generator=g) * 0.5).to(dtype)
+    x[4] *= 1e-7
+    assert torch.equal(cpu_ops.lowbit_quantize(x, bits, is_key), lb.quantize_blocks(x, bits, is_key))
+    with pytest.raises(ValueError, match="bits must be 2 or 4"):
+        cpu_ops.lowbit_quantize(x, 3, is_key)

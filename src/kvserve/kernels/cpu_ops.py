@@ -59,7 +59,8 @@ MAX_GQA_GROUP = 64
 
 
 #: Entry points a library built by an earlier kvserve may lack.
-_OPTIONAL = ("kv_paged_attention_decode_lowbit", "kv_prefill_ranges", "kv_prefill_ranges_supported")
+_OPTIONAL = ("kv_paged_attention_decode_lowbit", "kv_prefill_ranges", "kv_prefill_ranges_supported",
+             "kv_lowbit_dequantize", "kv_lowbit_quantize")
 
 
 class _Lib:
@@ -85,6 +86,8 @@ class _Lib:
                                                  i64, i64, cf, i64, ci, ci, ci],
             "kv_prefill_ranges": [vp, i64, vp, vp, i64, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, cf, ci],
             "kv_prefill_ranges_supported": [i64, i64, i64],
+            "kv_lowbit_dequantize": [vp, vp, i64, i64, i64, i64, ci, ci, vp, ci, ci],
+            "kv_lowbit_quantize": [vp, i64, i64, i64, i64, ci, ci, ci, vp, ci],
         }
         for name, args in spec.items():
             if name in _OPTIONAL and not hasattr(lib, name):
@@ -914,6 +917,80 @@ class DecodeStep:
 def lowbit_available() -> bool:
     """Whether the C decode kernel over 2-/4-bit pools is here (:func:`paged_attention_decode_lowbit`)."""
     return available() and hasattr(_lib(), "paged_attention_decode_lowbit")
+
+
+def lowbit_dequantize_supported(data: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`lowbit_dequantize` (and :func:`lowbit_quantize`) run for this pool data
+    (or these rows) and model dtype: a CPU tensor, float32 or bfloat16, the kernels built with them."""
+    return (data.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and available()
+            and hasattr(_lib(), "lowbit_dequantize") and hasattr(_lib(), "lowbit_quantize"))
+
+
+def lowbit_quantize(x: torch.Tensor, bits: int, is_key: bool) -> torch.Tensor:
+    """Whole blocks quantized in C: the bytes of :func:`kvserve.worker.kv_quant_lowbit.quantize_blocks`
+    bit for bit (KIVI, Liu et al. 2024: K per channel over the block's tokens, V per token in
+    groups of 32 channels; float16 scale and zero rounded outward; codes rounded half to even),
+    without its intermediate tensors.
+
+    Args:
+        x: ``[N, block_size, num_kv_heads, head_dim]`` float32 or bfloat16 on the CPU
+            (``head_dim % 4 == 0``).
+        bits: 4 or 2.
+        is_key: K layout (per-channel parameters) or V layout (per token and group).
+
+    Returns:
+        ``[N, num_kv_heads, block_bytes]`` uint8.
+
+    Raises:
+        ValueError: unsupported here (:func:`lowbit_dequantize_supported`), ``bits`` not 2 or 4, or
+            ``head_dim`` not a multiple of 4.
+    """
+    if not lowbit_dequantize_supported(x, x.dtype):
+        raise ValueError(f"lowbit_quantize: unsupported here (device {x.device}, dtype {x.dtype})")
+    N, bs, KVH, hd = x.shape
+    if bits not in (2, 4) or hd % 4:
+        raise ValueError(f"lowbit_quantize: bits must be 2 or 4 and head_dim a multiple of 4, got {bits}, {hd}")
+    ng = -(-hd // 32)
+    bb = bs * hd * bits // 8 + 4 * (hd if is_key else bs * ng)
+    x = x.contiguous()
+    out = torch.empty((N, KVH, bb), dtype=torch.uint8)
+    if N:
+        _k().lowbit_quantize(x.data_ptr(), N, KVH, bs, hd, bits, int(is_key), int(x.dtype == torch.bfloat16),
+                             out.data_ptr(), _threads(x.numel() * 8, N * KVH))
+    return out
+
+
+def lowbit_dequantize(data: torch.Tensor, blocks: torch.Tensor, bits: int, is_key: bool, block_size: int,
+                      head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Full blocks of a 2-/4-bit pool dequantized in C: the values of
+    :func:`kvserve.worker.kv_quant_lowbit.dequantize_blocks` of ``data[blocks]``, bit for bit
+    (``code · scale + zero`` in float32, one rounding to ``dtype``), without its intermediate
+    tensors.
+
+    Args:
+        data: ``[num_blocks, num_kv_heads, block_bytes]`` uint8 contiguous (a pool's ``data``).
+        blocks: ``[N]`` int64 block ids, each in ``[0, num_blocks)``.
+        bits, is_key, block_size, head_dim: the pool's format (:class:`kvserve.worker.kv_quant_lowbit.LowBitPool`).
+        dtype: float32 or bfloat16.
+
+    Returns:
+        ``[N, block_size, num_kv_heads, head_dim]`` of ``dtype``.
+
+    Raises:
+        ValueError: unsupported here (:func:`lowbit_dequantize_supported`), or a block id out of range.
+    """
+    if not lowbit_dequantize_supported(data, dtype):
+        raise ValueError(f"lowbit_dequantize: unsupported here (device {data.device}, dtype {dtype})")
+    blocks = blocks.to(torch.int64).contiguous()
+    N, KVH = blocks.numel(), data.shape[1]
+    if N and (int(blocks.min()) < 0 or int(blocks.max()) >= data.shape[0]):
+        raise ValueError(f"lowbit_dequantize: blocks must be in [0, {data.shape[0]})")
+    out = torch.empty((N, block_size, KVH, head_dim), dtype=dtype)
+    if N:
+        _k().lowbit_dequantize(data.contiguous().data_ptr(), blocks.data_ptr(), N, KVH, block_size, head_dim, bits,
+                               int(is_key), out.data_ptr(), int(dtype == torch.bfloat16),
+                               _threads(out.numel(), N * KVH))
+    return out
 
 
 def paged_attention_decode_lowbit(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor, k_residual: torch.Tensor,

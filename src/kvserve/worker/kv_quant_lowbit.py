@@ -202,6 +202,16 @@ def quantize_blocks(x: torch.Tensor, bits: int, is_key: bool) -> torch.Tensor:
     return torch.cat([packed, params], -1)
 
 
+def quantize(x: torch.Tensor, bits: int, is_key: bool) -> torch.Tensor:
+    """:func:`quantize_blocks`, on the C kernel where it runs
+    (:func:`kvserve.kernels.cpu_ops.lowbit_quantize`: the same bytes, tested bit for bit)."""
+    from kvserve.kernels import cpu_ops
+
+    if cpu_ops.lowbit_dequantize_supported(x, x.dtype):
+        return cpu_ops.lowbit_quantize(x, bits, is_key)
+    return quantize_blocks(x, bits, is_key)
+
+
 def dequantize_blocks(data: torch.Tensor, bits: int, is_key: bool, block_size: int, head_dim: int,
                       dtype: torch.dtype) -> torch.Tensor:
     """``code · scale + zero`` in float32, rounded to ``dtype``.
@@ -291,9 +301,16 @@ class LowBitPool:
         return self.residual.dtype
 
     def dequantize(self, blocks: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Blocks ``[N]`` int64 → ``[N, block_size, num_kv_heads, head_dim]`` (quantized data only)."""
+        """Blocks ``[N]`` int64 → ``[N, block_size, num_kv_heads, head_dim]`` (quantized data only):
+        :func:`dequantize_blocks`, on the C kernel where it runs (the same values bit for bit)."""
+        from kvserve.kernels import cpu_ops
+
+        dtype = dtype or self.model_dtype
+        if cpu_ops.lowbit_dequantize_supported(self.data, dtype):
+            return cpu_ops.lowbit_dequantize(self.data, blocks, self.bits, self.is_key, self.block_size,
+                                             self.head_dim, dtype)
         return dequantize_blocks(self.data.index_select(0, blocks), self.bits, self.is_key, self.block_size,
-                                 self.head_dim, dtype or self.model_dtype)
+                                 self.head_dim, dtype)
 
 
 def allocate_pools(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -385,7 +402,7 @@ def write(pool: LowBitPool, x: torch.Tensor, slot_mapping: torch.Tensor, residua
     if bool(hr.any()):
         rows[hr] = pool.residual.index_select(0, rsf[hr])
     rows.view(-1, kvh, hd).index_copy_(0, (p * bs + off)[member], x[member])
-    pool.data.index_copy_(0, sf, quantize_blocks(rows, pool.bits, pool.is_key))
+    pool.data.index_copy_(0, sf, quantize(rows, pool.bits, pool.is_key))
 
 
 def gather(pool: LowBitPool, slots: torch.Tensor, residual_map: torch.Tensor,
@@ -465,7 +482,7 @@ def store_compacted(pools: list[LowBitPool], rows: torch.Tensor, dst_blocks: tor
     if rest and dst_residual < 0:
         raise RuntimeError("kv_cache_dtype int4/int2: a compaction's partial last block has no residual slot")
     if nf:
-        q = quantize_blocks(rows[:, : nf * bs].reshape(L * nf, bs, kvh, hd), p0.bits, p0.is_key).view(L, nf, kvh, -1)
+        q = quantize(rows[:, : nf * bs].reshape(L * nf, bs, kvh, hd), p0.bits, p0.is_key).view(L, nf, kvh, -1)
         for p, ql in zip(pools, q):
             p.data.index_copy_(0, dst_blocks[:nf], ql)
     if rest:
