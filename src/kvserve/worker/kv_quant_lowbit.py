@@ -31,7 +31,8 @@ Here a key group is one KV block (``block_size`` tokens, 16 by default):
   own block's rows in the model dtype, unless it is the block's last slot (the step computing it
   fills the block: then dequantized). Decode rows get this from :func:`read_map`; a prefill chunk,
   whose queries span several blocks, gets it from a per-query mask over both copies of its blocks
-  (:func:`kvserve.worker.attention.prefill_lowbit`). So a request's tokens are the same alone or
+  (:func:`kvserve.worker.attention.prefill_lowbit`; on the CPU backend in bf16, per-query key
+  ranges over the two copies, :func:`kvserve.kernels.cpu_ops.prefill_ranges`). So a request's tokens are the same alone or
   batched, in one prefill chunk or many, and after a preemption (recompute).
 * KV compaction (:mod:`kvserve.worker.kv_compressor`, StreamingLLM / SnapKV / H2O): each kept
   token's K/V is read as a query read it (its full block dequantized, a partial block's rows
@@ -65,6 +66,11 @@ rounding of ``x̂`` to the model dtype), with ``scale ≤ (max - min) / qmax · 
 float16's subnormal step. A constant group gets scale 1 (codes 0, ``x̂ = zero``). Values must be
 finite and within float16's range (``|x| < 65504``); K/V activations are far below it.
 
+On the CPU (float32 or bfloat16) blocks are quantized and dequantized in C
+(:func:`kvserve.kernels.cpu_ops.lowbit_quantize`, :func:`~kvserve.kernels.cpu_ops.lowbit_dequantize`:
+the bytes of :func:`quantize_blocks` and the values of :func:`dequantize_blocks` bit for bit);
+those two functions are the reference, and what runs elsewhere.
+
 Bytes per token and KV head (``block_size`` 16, ``head_dim`` 64): int4 K 32 + 16, V 32 + 8 = 88
 (bf16: 256, ~2.9x); int2 K 16 + 16, V 16 + 8 = 56 (~4.6x); plus the residual slots
 (:func:`residual_bytes`).
@@ -76,6 +82,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from kvserve.kernels import cpu_ops
 
 #: ``kv_cache_dtype`` values of this module and their bits.
 BITS = {"int4": 4, "int2": 2}
@@ -205,8 +213,6 @@ def quantize_blocks(x: torch.Tensor, bits: int, is_key: bool) -> torch.Tensor:
 def quantize(x: torch.Tensor, bits: int, is_key: bool) -> torch.Tensor:
     """:func:`quantize_blocks`, on the C kernel where it runs
     (:func:`kvserve.kernels.cpu_ops.lowbit_quantize`: the same bytes, tested bit for bit)."""
-    from kvserve.kernels import cpu_ops
-
     if cpu_ops.lowbit_dequantize_supported(x, x.dtype):
         return cpu_ops.lowbit_quantize(x, bits, is_key)
     return quantize_blocks(x, bits, is_key)
@@ -303,8 +309,6 @@ class LowBitPool:
     def dequantize(self, blocks: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Blocks ``[N]`` int64 → ``[N, block_size, num_kv_heads, head_dim]`` (quantized data only):
         :func:`dequantize_blocks`, on the C kernel where it runs (the same values bit for bit)."""
-        from kvserve.kernels import cpu_ops
-
         dtype = dtype or self.model_dtype
         if cpu_ops.lowbit_dequantize_supported(self.data, dtype):
             return cpu_ops.lowbit_dequantize(self.data, blocks, self.bits, self.is_key, self.block_size,
