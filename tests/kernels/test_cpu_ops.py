@@ -55,6 +55,9 @@ VIA_OPS = {
     "paged_attention_decode": _decode_via_op,
     "paged_attention_prefill": lambda *a: torch.ops.kvserve.paged_attention_prefill(*a),
     "paged_attention_decode_lowbit": _decode_lowbit_via_op,  # (tested in test_cpu_ops_lowbit.py)
+    "prefill_ranges": None,  # (tested in test_prefill_ranges.py)
+    "lowbit_quantize": None,  # (these two in test_cpu_ops_lowbit.py)
+    "lowbit_dequantize": None,
 }
 assert set(VIA_OPS) == set(K.OPS)
 
@@ -65,7 +68,8 @@ def via(request, monkeypatch):
     its registered op (``torch.ops.kvserve.<name>``, the path torch.compile sees)."""
     if request.param == "torch.ops":
         for name, fn in VIA_OPS.items():
-            monkeypatch.setattr(K, name, fn)
+            if fn is not None:
+                monkeypatch.setattr(K, name, fn)
     return request.param
 
 

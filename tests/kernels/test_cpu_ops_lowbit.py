@@ -193,3 +193,18 @@ def test_c_quantize_equals_the_pytorch_formula_bit_for_bit(bits, is_key, hd, dty
     assert torch.equal(cpu_ops.lowbit_quantize(x, bits, is_key), lb.quantize_blocks(x, bits, is_key))
     with pytest.raises(ValueError, match="bits must be 2 or 4"):
         cpu_ops.lowbit_quantize(x, 3, is_key)
+
+
+def test_the_quantize_and_dequantize_ops_run_the_kernels():
+    """``torch.ops.kvserve.lowbit_quantize`` / ``lowbit_dequantize`` (opcheck: schema, fake, AOT
+    dispatch) return what the functions return."""
+    x = torch.randn(3, 16, 2, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    data = torch.ops.kvserve.lowbit_quantize(x, 4, False)
+    assert torch.equal(data, cpu_ops.lowbit_quantize(x, 4, False))
+    blocks = torch.tensor([2, 0])
+    deq = torch.ops.kvserve.lowbit_dequantize(data, blocks, 4, False, 16, 64, torch.bfloat16)
+    assert torch.equal(deq, cpu_ops.lowbit_dequantize(data, blocks, 4, False, 16, 64, torch.bfloat16))
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.kvserve.lowbit_quantize, (x, 4, False), test_utils=utils)
+    torch.library.opcheck(torch.ops.kvserve.lowbit_dequantize, (data, blocks, 4, False, 16, 64, torch.bfloat16),
+                          test_utils=utils)

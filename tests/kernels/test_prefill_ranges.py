@@ -95,3 +95,14 @@ def test_bad_arguments_name_the_field():
         cpu_ops.prefill_ranges(q, kd, vd, kf, vf, ranges, 0.125, out=torch.empty(8, 4, 32, dtype=torch.bfloat16))
     assert not cpu_ops.prefill_ranges_supported(torch.bfloat16, 4, 2, 48)  # head_dim % 32
     assert not cpu_ops.prefill_ranges_supported(torch.bfloat16, 5, 2, 64)  # heads % kv heads
+
+
+def test_the_registered_op_runs_the_kernel():
+    """``torch.ops.kvserve.prefill_ranges`` (opcheck: schema, fake, AOT dispatch) writes what the
+    function returns."""
+    q, kd, vd, kf, vf, ranges = _case(9, 4, 2, 64, 70, 20, seed=2)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    torch.ops.kvserve.prefill_ranges(q, kd, vd, kf, vf, ranges, 0.125, out)
+    assert torch.equal(out, cpu_ops.prefill_ranges(q, kd, vd, kf, vf, ranges, 0.125))
+    torch.library.opcheck(torch.ops.kvserve.prefill_ranges, (q, kd, vd, kf, vf, ranges, 0.125, torch.empty_like(out)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

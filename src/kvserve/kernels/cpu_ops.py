@@ -1077,7 +1077,8 @@ _py = types.SimpleNamespace(
     apply_token_bitmask_=apply_token_bitmask_, greedy=_greedy, rope_=rope_, gemma_rms_norm=gemma_rms_norm,
     gemma_add_rms_norm_=gemma_add_rms_norm_, gemma_qk_norm_rope_=gemma_qk_norm_rope_,
     reshape_and_cache=reshape_and_cache, paged_attention_decode=paged_attention_decode,
-    paged_attention_prefill=paged_attention_prefill, paged_attention_decode_lowbit=paged_attention_decode_lowbit)
+    paged_attention_prefill=paged_attention_prefill, paged_attention_decode_lowbit=paged_attention_decode_lowbit,
+    prefill_ranges=prefill_ranges, lowbit_quantize=lowbit_quantize, lowbit_dequantize=lowbit_dequantize)
 
 
 @torch.library.custom_op("kvserve::rms_norm", mutates_args=("residual",), device_types="cpu")
@@ -1238,8 +1239,43 @@ def _(q, k_data, v_data, k_residual, v_residual, residual_map, block_tables, con
     return None
 
 
+@torch.library.custom_op("kvserve::prefill_ranges", mutates_args=("out",), device_types="cpu")
+def _prefill_ranges_op(q: _Tensor, k_d: _Tensor, v_d: _Tensor, k_f: _Tensor, v_f: _Tensor, ranges: _Tensor,
+                       scale: float, out: _Tensor) -> None:
+    """:func:`prefill_ranges` into ``out``."""
+    _py.prefill_ranges(q, k_d, v_d, k_f, v_f, ranges, scale, out)
+
+
+@_prefill_ranges_op.register_fake
+def _(q, k_d, v_d, k_f, v_f, ranges, scale, out):
+    return None
+
+
+@torch.library.custom_op("kvserve::lowbit_quantize", mutates_args=(), device_types="cpu")
+def _lowbit_quantize_op(x: _Tensor, bits: int, is_key: bool) -> _Tensor:
+    return _py.lowbit_quantize(x, bits, is_key)
+
+
+@_lowbit_quantize_op.register_fake
+def _(x, bits, is_key):
+    N, bs, KVH, hd = x.shape
+    return x.new_empty((N, KVH, bs * hd * bits // 8 + 4 * (hd if is_key else bs * -(-hd // 32))), dtype=torch.uint8)
+
+
+@torch.library.custom_op("kvserve::lowbit_dequantize", mutates_args=(), device_types="cpu")
+def _lowbit_dequantize_op(data: _Tensor, blocks: _Tensor, bits: int, is_key: bool, block_size: int, head_dim: int,
+                          dtype: torch.dtype) -> _Tensor:
+    return _py.lowbit_dequantize(data, blocks, bits, is_key, block_size, head_dim, dtype)
+
+
+@_lowbit_dequantize_op.register_fake
+def _(data, blocks, bits, is_key, block_size, head_dim, dtype):
+    return data.new_empty((blocks.numel(), block_size, data.shape[1], head_dim), dtype=dtype)
+
+
 #: The registered ops (``torch.ops.kvserve.<name>``), by the Python function each wraps.
 OPS = ("rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "log_sum_exp", "apply_token_bitmask_", "greedy", "rope_",
        "gemma_rms_norm", "gemma_add_rms_norm_", "gemma_qk_norm_rope_", "reshape_and_cache", "paged_attention_decode",
-       "paged_attention_prefill", "paged_attention_decode_lowbit")
+       "paged_attention_prefill", "paged_attention_decode_lowbit", "prefill_ranges", "lowbit_quantize",
+       "lowbit_dequantize")
 
