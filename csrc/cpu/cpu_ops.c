@@ -1381,7 +1381,8 @@ INLINE TGT_DP __mmask16 pf_mask(int64_t n) { return n <= 0 ? (__mmask16)0 : tail
 
 /* Keys [k0, k1) (multiples of 32) of KV head g of a sequence with L cached keys (block table
  * bt) into kp and vp, the packed buffers of that chunk and KV head ([Lp / 16][hd / 2][16][2]
- * and [Lp / 2][hd / 16][16][2] u16, Lp = L rounded up to PF_KB); keys >= L are zero. */
+ * and [Lp / 2][hd / 16][16][2] u16, Lp = L rounded up to PF_KB); keys >= L are zero. vp NULL:
+ * K only. */
 static TGT_DP void pack_kv_prefill_dp(const uint16_t* kc, const uint16_t* vc, const int64_t* bt, int64_t L,
                                       int64_t KVH, int64_t g, int64_t hd, int64_t bs, int64_t k0, int64_t k1,
                                       uint16_t* kp, uint16_t* vp) {
@@ -1402,7 +1403,7 @@ static TGT_DP void pack_kv_prefill_dp(const uint16_t* kc, const uint16_t* vc, co
             transpose16(r);
             for (int64_t p = 0; p < 16; p++) _mm512_storeu_ps(kt + (16 * w + p) * 32, r[p]);
         }
-        for (int64_t pp = 0; pp < 8; pp++) { /* V: keys (2pp, 2pp + 1) of the 16, dims interleaved */
+        for (int64_t pp = 0; pp < 8 && vp; pp++) { /* V: keys (2pp, 2pp + 1) of the 16, dims interleaved */
             const int64_t ja = j0 + 2 * pp, jb = ja + 1;
             const uint16_t* va = ja < L ? vc + (bt[ja / bs] * bs + ja % bs) * rs + g * hd : NULL;
             const uint16_t* vb = jb < L ? vc + (bt[jb / bs] * bs + jb % bs) * rs + g * hd : NULL;
@@ -1424,13 +1425,10 @@ INLINE TGT_DP __m512bh pf_bcast(const uint16_t* p) { /* the bf16 pair at p in ev
     return (__m512bh)_mm512_set1_epi32(v);
 }
 
-/* Scores of rows r0 .. r0 + RB - 1 (query rows qr[]) against the 64 keys of the packed block
- * kb, then their online-softmax step: keys [lo[r], lim[r]) of the block count for row r (lo
- * NULL: from 0; lim <= 0: none, >= 64: to the end); m, l, the float32 outputs o ([R][hd]) and
- * the bf16 probabilities pb ([R][64]). */
-INLINE TGT_DP void pf_qk_rows(const int RB, const uint16_t* const* qr, const uint16_t* kb, int64_t hd, float scale,
-                              const int64_t* lim, const int64_t* lo, float* m, float* l, float* o, uint16_t* pb) {
-    __m512 acc[6][4]; /* (fixed sizes and full unrolling: the accumulators stay in registers) */
+/* acc[r][i] lane j = q_r . k_(16i + j): the unscaled scores of rows qr[0 .. RB - 1] against the
+ * 64 keys of the packed block kb (bf16 products, float32 sums). */
+INLINE TGT_DP void pf_qk_acc(const int RB, const uint16_t* const* qr, const uint16_t* kb, int64_t hd,
+                             __m512 acc[6][4]) {
 #pragma GCC unroll 6
     for (int r = 0; r < RB; r++)
 #pragma GCC unroll 4
@@ -1447,6 +1445,16 @@ INLINE TGT_DP void pf_qk_rows(const int RB, const uint16_t* const* qr, const uin
             for (int i = 0; i < 4; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], kv[i], b);
         }
     }
+}
+
+/* Scores of rows r0 .. r0 + RB - 1 (query rows qr[]) against the 64 keys of the packed block
+ * kb, then their online-softmax step: keys [lo[r], lim[r]) of the block count for row r (lo
+ * NULL: from 0; lim <= 0: none, >= 64: to the end); m, l, the float32 outputs o ([R][hd]) and
+ * the bf16 probabilities pb ([R][64]). */
+INLINE TGT_DP void pf_qk_rows(const int RB, const uint16_t* const* qr, const uint16_t* kb, int64_t hd, float scale,
+                              const int64_t* lim, const int64_t* lo, float* m, float* l, float* o, uint16_t* pb) {
+    __m512 acc[6][4]; /* (fixed sizes and full unrolling: the accumulators stay in registers) */
+    pf_qk_acc(RB, qr, kb, hd, acc);
     const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int r = 0; r < RB; r++) {
         uint16_t* pr = pb + r * PF_KB;
@@ -1559,6 +1567,23 @@ static TGT_DP void pf_store(int64_t R, int64_t G, uint16_t* out, int64_t ldo, in
     }
 }
 
+/* A thread's scratch for R rows of a prefill work item: o [R][hd] f32, m, l [R], pb [R][PF_KB] u16
+ * in one buffer (buf NULL: allocation failed). */
+typedef struct {
+    char* buf;
+    float *o, *m, *l;
+    uint16_t* pb;
+} pf_scratch_t;
+
+static inline int pf_scratch_alloc(pf_scratch_t* s, int64_t R, int64_t hd) {
+    s->buf = (char*)aligned_alloc(64, ((size_t)R * (hd * 4 + 8 + PF_KB * 2) + 63) & ~(size_t)63);
+    s->o = (float*)s->buf;
+    s->m = s->o + R * hd;
+    s->l = s->m + R;
+    s->pb = (uint16_t*)(s->l + R);
+    return s->buf != NULL;
+}
+
 /* One work item: tokens n < nt of a chunk (queries q + n * ldq, heads 0 .. G - 1 of the KV head
  * at q + h * hd), token n attending to keys [0, past + n + 1) (packed K/V of its chunk and KV
  * head in kp, vp); results to out + n * ldo + h * hd. Scratch: o [R][hd] f32, m, l [R],
@@ -1627,19 +1652,14 @@ static TGT_DP int prefill_dp(const void* q, int64_t ldq, const void* k_cache, co
                                kp, kp + Lp * hd);
         }
         /* (the barrier at the end of the loop: every chunk is packed) */
-        const int64_t R = MQ * G;
-        char* buf = (char*)aligned_alloc(64, ((size_t)R * (hd * 4 + 8 + PF_KB * 2) + 63) & ~(size_t)63);
-        if (!buf) {
+        pf_scratch_t sc;
+        if (!pf_scratch_alloc(&sc, MQ * G, hd)) {
 #pragma omp atomic write
             failed = 1;
         }
-        float* o = (float*)buf;
-        float* m = o + R * hd;
-        float* l = m + R;
-        uint16_t* pb = (uint16_t*)(l + R);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            if (!buf) continue;
+            if (!sc.buf) continue;
             int64_t rest = it, c = 0;
             while (rest >= KVH * ((seg[3 * c + 1] + MQ - 1) / MQ)) rest -= KVH * ((seg[3 * c + 1] + MQ - 1) / MQ), c++;
             const int64_t start = seg[3 * c], n_tok = seg[3 * c + 1], past = seg[3 * c + 2];
@@ -1649,9 +1669,9 @@ static TGT_DP int prefill_dp(const void* q, int64_t ldq, const void* k_cache, co
             const uint16_t* kp = kvp + base[c] + 2 * g * Lp * hd;
             prefill_dp_item((const uint16_t*)q + (start + t0) * ldq + g * G * hd, ldq,
                             (uint16_t*)out + (start + t0) * ldo + g * G * hd, ldo, nt, G, past + t0, kp, kp + Lp * hd,
-                            hd, scale, o, m, l, pb);
+                            hd, scale, sc.o, sc.m, sc.l, sc.pb);
         }
-        free(buf);
+        free(sc.buf);
     }
     free(kvp);
     free(base);
@@ -1733,30 +1753,167 @@ static TGT_DP int prefill_ranges_dp(const void* q, int64_t ldq, const void* kd, 
                                    (i - nd) * 128 + 128 < Lfp ? (i - nd) * 128 + 128 : Lfp, base + 2 * Ldp * hd,
                                    base + (2 * Ldp + Lfp) * hd);
         }
-        const int64_t R = MQ * G;
-        char* buf = (char*)aligned_alloc(64, ((size_t)R * (hd * 4 + 8 + PF_KB * 2) + 63) & ~(size_t)63);
-        if (!buf) {
+        pf_scratch_t sc;
+        if (!pf_scratch_alloc(&sc, MQ * G, hd)) {
 #pragma omp atomic write
             failed = 1;
         }
-        float* o = (float*)buf;
-        float* m = o + R * hd;
-        float* l = m + R;
-        uint16_t* pb = (uint16_t*)(l + R);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            if (!buf) continue;
+            if (!sc.buf) continue;
             const int64_t g = it / ntile, tb = ntile - 1 - it % ntile;
             const int64_t t0 = tb * MQ, nt = t0 + MQ < n ? MQ : n - t0;
             const uint16_t* base = kvp + g * per;
             prefill_ranges_item((const uint16_t*)q + t0 * ldq + g * G * hd, ldq,
                                 (uint16_t*)out + t0 * ldo + g * G * hd, ldo, nt, G, rg + 3 * t0, base,
                                 base + Ldp * hd, Ld, base + 2 * Ldp * hd, base + (2 * Ldp + Lfp) * hd, Lf, hd, scale,
-                                o, m, l, pb);
+                                sc.o, sc.m, sc.l, sc.pb);
         }
-        free(buf);
+        free(sc.buf);
     }
     free(kvp);
+    return failed ? -1 : 0;
+}
+
+/* Masked max of s[a, b). */
+INLINE TGT_DP float pc_max(const float* s, int64_t a, int64_t b, float m) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vm = _mm512_set1_ps(m);
+    for (int64_t j = a; j < b; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, pf_mask(b - j), s + j));
+    return b > a ? _mm512_reduce_max_ps(vm) : m;
+}
+
+/* s[j] = exp(s[j] - m) for j in [a, b); returns their sum. */
+INLINE TGT_DP float pc_exp(float* s, int64_t a, int64_t b, float m) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = a; j < b; j += 16) {
+        const __mmask16 k = pf_mask(b - j);
+        const __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm)));
+        _mm512_mask_storeu_ps(s + j, k, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* cs[j] += s[j] * w for j in [a, b). */
+INLINE TGT_DP void pc_add(float* cs, const float* s, int64_t a, int64_t b, float w) {
+    const __m512 vw = _mm512_set1_ps(w);
+    for (int64_t j = a; j < b; j += 16) {
+        const __mmask16 k = pf_mask(b - j);
+        _mm512_mask_storeu_ps(cs + j, k, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + j), vw,
+                                                         _mm512_maskz_loadu_ps(k, cs + j)));
+    }
+}
+
+/* Scaled scores of rows qr[0 .. R - 1] against the packed keys kp, blocks [k0, k1) (multiples of
+ * PF_KB), into s + r * ls + k (k = key index). */
+static TGT_DP void pc_scores(int64_t R, const uint16_t* const* qr, const uint16_t* kp, int64_t k0, int64_t k1,
+                             int64_t hd, float scale, float* s, int64_t ls) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t kb = k0; kb < k1; kb += PF_KB)
+        for (int64_t r0 = 0; r0 < R; r0 += 6) {
+            const int rb = R - r0 < 6 ? (int)(R - r0) : 6;
+            __m512 acc[6][4];
+            switch (rb) {
+#define KV_PC_QK(N) case N: pf_qk_acc(N, qr + r0, kp + kb * hd, hd, acc); break;
+                KV_PC_QK(1) KV_PC_QK(2) KV_PC_QK(3) KV_PC_QK(4) KV_PC_QK(5) default: KV_PC_QK(6)
+#undef KV_PC_QK
+            }
+            for (int r = 0; r < rb; r++)
+                for (int i = 0; i < 4; i++) _mm512_storeu_ps(s + (r0 + r) * ls + kb + 16 * i, _mm512_mul_ps(acc[r][i], vs));
+        }
+}
+
+/* One work item of probe_colsum: tokens n < nt (queries q + n * ldq, heads 0 .. G - 1 of the KV
+ * head), token n attending to keys [0, rg[3n]) of D (packed kd) and [rg[3n + 1], rg[3n + 2]) of F
+ * (packed kf); each row's softmax probabilities added to cs (D's key j at cs[j], F's key j at
+ * cs[fofs + j]). Scratch s: [nt * G][Ldp + Lfp] float32. */
+static TGT_DP void probe_colsum_item(const uint16_t* q, int64_t ldq, int64_t nt, int64_t G, const int64_t* rg,
+                                     const uint16_t* kd, int64_t Ld, int64_t Ldp, const uint16_t* kf, int64_t Lf,
+                                     int64_t Lfp, int64_t fofs, int64_t hd, float scale, float* s, float* cs) {
+    const int64_t R = nt * G, ls = Ldp + Lfp;
+    const uint16_t* qr[PF_ROWS];
+    int64_t dmax = 0, fmin = Lf, fmax = 0;
+    for (int64_t r = 0; r < R; r++) qr[r] = q + (r / G) * ldq + (r % G) * hd;
+    for (int64_t t = 0; t < nt; t++) {
+        const int64_t d = rg[3 * t] < Ld ? rg[3 * t] : Ld, f0 = rg[3 * t + 1], f1 = rg[3 * t + 2] < Lf ? rg[3 * t + 2] : Lf;
+        dmax = d > dmax ? d : dmax;
+        if (f1 > f0) {
+            fmin = f0 < fmin ? f0 : fmin;
+            fmax = f1 > fmax ? f1 : fmax;
+        }
+    }
+    pc_scores(R, qr, kd, 0, (dmax + PF_KB - 1) / PF_KB * PF_KB, hd, scale, s, ls);
+    if (fmax > fmin)
+        pc_scores(R, qr, kf, fmin / PF_KB * PF_KB, (fmax + PF_KB - 1) / PF_KB * PF_KB, hd, scale, s + Ldp, ls);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t t = r / G, d = rg[3 * t] < Ld ? rg[3 * t] : Ld;
+        const int64_t f0 = rg[3 * t + 1], f1 = rg[3 * t + 2] < Lf ? rg[3 * t + 2] : Lf;
+        float* sr = s + r * ls;
+        const float m = pc_max(sr + Ldp, f0, f1, pc_max(sr, 0, d, -INFINITY));
+        if (m == -INFINITY) continue; /* no key (or every score -inf) */
+        const float l = pc_exp(sr, 0, d, m) + (f1 > f0 ? pc_exp(sr + Ldp, f0, f1, m) : 0.0f);
+        pc_add(cs, sr, 0, d, 1.0f / l);
+        if (f1 > f0) pc_add(cs + fofs, sr + Ldp, f0, f1, 1.0f / l);
+    }
+}
+
+/* Column sums of attention probabilities (see kv_probe_colsum), on AVX512-BF16: K of both
+ * sources packed once per KV head (pack_kv_prefill_dp, K only), then work items of
+ * pf_tokens(G) tokens and one KV head, each thread adding into its own [KVH][c] sums, added
+ * into out at the end. Returns 0, or -1 when a work buffer could not be allocated. */
+static TGT_DP int probe_colsum_dp(const void* q, int64_t ldq, const void* kd, int64_t Ld, const void* kf, int64_t Lf,
+                                  const int64_t* rg, int64_t n, int64_t fofs, float* out, int64_t c, int64_t H,
+                                  int64_t KVH, int64_t hd, float scale, int nthreads) {
+    const int64_t G = H / KVH, MQ = pf_tokens(G);
+    const int64_t Ldp = (Ld + PF_KB - 1) / PF_KB * PF_KB, Lfp = (Lf + PF_KB - 1) / PF_KB * PF_KB;
+    const int64_t nd = (Ldp + 127) / 128, nf = (Lfp + 127) / 128, per = (Ldp + Lfp) * hd;
+    const int64_t pack_items = KVH * (nd + nf), ntile = (n + MQ - 1) / MQ, items = KVH * ntile;
+    const int64_t bt0 = 0;
+    memset(out, 0, sizeof(float) * (size_t)(KVH * c));
+    uint16_t* kp = (uint16_t*)aligned_alloc(64, ((size_t)(KVH * per) * 2 + 64 + 63) & ~(size_t)63);
+    if (!kp) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < pack_items; it++) { /* 128 keys of one source and KV head per item */
+            const int64_t g = it / (nd + nf), i = it % (nd + nf);
+            uint16_t* base = kp + g * per;
+            if (i < nd)
+                pack_kv_prefill_dp((const uint16_t*)kd, NULL, &bt0, Ld, KVH, g, hd, Ld, i * 128,
+                                   i * 128 + 128 < Ldp ? i * 128 + 128 : Ldp, base, NULL);
+            else
+                pack_kv_prefill_dp((const uint16_t*)kf, NULL, &bt0, Lf, KVH, g, hd, Lf, (i - nd) * 128,
+                                   (i - nd) * 128 + 128 < Lfp ? (i - nd) * 128 + 128 : Lfp, base + Ldp * hd, NULL);
+        }
+        const int64_t R = MQ * G;
+        float* s = (float*)aligned_alloc(64, ((size_t)(R * (Ldp + Lfp) + KVH * c) * 4 + 63) & ~(size_t)63);
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float* cs = s ? s + R * (Ldp + Lfp) : NULL;
+        if (cs) memset(cs, 0, sizeof(float) * (size_t)(KVH * c));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!s) continue;
+            const int64_t g = it / ntile, tb = ntile - 1 - it % ntile;
+            const int64_t t0 = tb * MQ, nt = t0 + MQ < n ? MQ : n - t0;
+            probe_colsum_item((const uint16_t*)q + t0 * ldq + g * G * hd, ldq, nt, G, rg + 3 * t0, kp + g * per, Ld,
+                              Ldp, kp + g * per + Ldp * hd, Lf, Lfp, fofs, hd, scale, s, cs + g * c);
+        }
+        if (s) {
+#pragma omp critical
+            for (int64_t j = 0; j < KVH * c; j += 16)
+                _mm512_mask_storeu_ps(out + j, pf_mask(KVH * c - j),
+                                      _mm512_add_ps(_mm512_maskz_loadu_ps(pf_mask(KVH * c - j), out + j),
+                                                    _mm512_maskz_loadu_ps(pf_mask(KVH * c - j), cs + j)));
+        }
+        free(s);
+    }
+    free(kp);
     return failed ? -1 : 0;
 }
 #endif /* KV_AVX512BF16 */
@@ -1794,6 +1951,28 @@ int kv_prefill_ranges(const void* q, int64_t ldq, const void* kd, const void* vd
 #else
     (void)q, (void)ldq, (void)kd, (void)vd, (void)Ld, (void)kf, (void)vf, (void)Lf, (void)rg, (void)n, (void)out;
     (void)ldo, (void)scale, (void)nthreads;
+    return -2;
+#endif
+}
+
+/* Column sums of softmax attention probabilities, the scores of H2O and SnapKV
+ * (kvserve.worker.attention.record_kv_probes): n query tokens (q: [n][H][hd] bf16, row stride
+ * ldq) over two key sources D (kd: Ld contiguous rows [KVH][hd] bf16) and F (kf: Lf rows), token
+ * t attending to D's keys [0, rg[3t]) and F's keys [rg[3t + 1], rg[3t + 2]) (rg: [n][3] int64)
+ * with one softmax(q.k * scale) over both (bf16 products, float32 sums, exp and softmax); out
+ * ([KVH][c] float32, overwritten) gets, per KV head, the probabilities summed over the tokens and
+ * the head's G = H / KVH query heads, D's key j in column j and F's key j in column fofs + j
+ * (Ld <= c, fofs + Lf <= c; a token that sees no key adds nothing). Returns 0, -1 when a work
+ * buffer could not be allocated, -2 when !kv_prefill_ranges_supported. */
+int kv_probe_colsum(const void* q, int64_t ldq, const void* kd, int64_t Ld, const void* kf, int64_t Lf,
+                    const int64_t* rg, int64_t n, int64_t fofs, float* out, int64_t c, int64_t H, int64_t KVH,
+                    int64_t hd, float scale, int nthreads) {
+    if (!kv_prefill_ranges_supported(H, KVH, hd)) return -2;
+#ifdef KV_AVX512BF16
+    return probe_colsum_dp(q, ldq, kd, Ld, kf, Lf, rg, n, fofs, out, c, H, KVH, hd, scale, nthreads);
+#else
+    (void)q, (void)ldq, (void)kd, (void)Ld, (void)kf, (void)Lf, (void)rg, (void)n, (void)fofs, (void)out, (void)c;
+    (void)scale, (void)nthreads;
     return -2;
 #endif
 }

@@ -997,6 +997,11 @@ def test_metrics_of_echo_only_and_beam_search_requests(server):
     assert d["kvserve:time_to_first_token_seconds_count"] == 0 and d["kvserve:time_per_output_token_seconds_count"] == 0
     assert d["kvserve:e2e_request_latency_seconds_count"] == 1
     assert d["kvserve:request_success_total{finished_reason=length}"] == 1
+    # ... also when the dropped token would have stopped it (the response's reason is length: so is the count)
+    d, usage, _ = deltas({"echo": True, "max_tokens": 0, "logit_bias": {"5": 100}, "stop_token_ids": [5]})
+    assert usage["completion_tokens"] == 0
+    assert d["kvserve:request_success_total{finished_reason=length}"] == 1
+    assert d["kvserve:request_success_total{finished_reason=stop}"] == 0
     # beam search: TTFT is the search's first token, not its end; TPOT spreads the rest over the tokens
     d, usage, wall = deltas({"use_beam_search": True, "n": 2, "max_tokens": 8, "ignore_eos": True, "temperature": 0})
     assert d["kvserve:generation_tokens_total"] == usage["completion_tokens"] == 16

@@ -58,6 +58,7 @@ VIA_OPS = {
     "prefill_ranges": None,  # (tested in test_prefill_ranges.py)
     "lowbit_quantize": None,  # (these two in test_cpu_ops_lowbit.py)
     "lowbit_dequantize": None,
+    "probe_colsum": None,  # (tested in test_probe_colsum.py)
 }
 assert set(VIA_OPS) == set(K.OPS)
 

@@ -60,7 +60,7 @@ MAX_GQA_GROUP = 64
 
 #: Entry points a library built by an earlier kvserve may lack.
 _OPTIONAL = ("kv_paged_attention_decode_lowbit", "kv_prefill_ranges", "kv_prefill_ranges_supported",
-             "kv_lowbit_dequantize", "kv_lowbit_quantize")
+             "kv_lowbit_dequantize", "kv_lowbit_quantize", "kv_probe_colsum")
 
 
 class _Lib:
@@ -86,6 +86,7 @@ class _Lib:
                                                  i64, i64, cf, i64, ci, ci, ci],
             "kv_prefill_ranges": [vp, i64, vp, vp, i64, vp, vp, i64, vp, i64, vp, i64, i64, i64, i64, cf, ci],
             "kv_prefill_ranges_supported": [i64, i64, i64],
+            "kv_probe_colsum": [vp, i64, vp, i64, vp, i64, vp, i64, i64, vp, i64, i64, i64, i64, cf, ci],
             "kv_lowbit_dequantize": [vp, vp, i64, i64, i64, i64, ci, ci, vp, ci, ci],
             "kv_lowbit_quantize": [vp, i64, i64, i64, i64, ci, ci, ci, vp, ci],
         }
@@ -94,7 +95,7 @@ class _Lib:
                 continue  # (a library built before that kernel: lowbit_available() / prefill_ranges_supported())
             fn = getattr(lib, name)
             fn.argtypes = args
-            fn.restype = ctypes.c_int if name.startswith(("kv_paged_attention", "kv_prefill_ranges")) else None
+            fn.restype = ctypes.c_int if name.startswith(("kv_paged_attention", "kv_prefill_ranges", "kv_probe_colsum")) else None
             setattr(self, name[3:], fn)
 
 
@@ -740,6 +741,76 @@ def prefill_ranges(q: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor, k_f: t
     return out
 
 
+def probe_colsum_supported(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`probe_colsum` runs here: as :func:`prefill_ranges_supported`, and a library
+    that has the kernel."""
+    return prefill_ranges_supported(dtype, num_heads, num_kv_heads, head_dim) and hasattr(_k(), "probe_colsum")
+
+
+def probe_colsum(q: torch.Tensor, k_d: torch.Tensor, k_f: torch.Tensor, ranges: torch.Tensor, scale: float,
+                 num_cols: int, f_offset: int = 0) -> torch.Tensor:
+    """Column sums of softmax attention probabilities: the attention scores H2O and SnapKV rank
+    keys by (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle"; Li et al. 2024, "SnapKV"), for
+    :func:`kvserve.worker.attention.record_kv_probes`.
+
+    Token ``t`` attends to keys ``[0, ranges[t, 0])`` of source D and ``[ranges[t, 1],
+    ranges[t, 2])`` of source F with one ``softmax(q·kᵀ · scale)`` over both (as
+    :func:`prefill_ranges`: bf16 products, float32 sums, exp and softmax); the result adds each
+    probability to its key's column, per KV head, over the tokens and the head's query heads.
+
+    Args:
+        q: ``[n, num_heads, head_dim]`` bf16, heads contiguous within a row (row stride free).
+        k_d: ``[Ld, num_kv_heads, head_dim]`` bf16 contiguous (``Ld`` may be 0); key ``j`` is
+            column ``j``.
+        k_f: ``[Lf, num_kv_heads, head_dim]`` bf16 contiguous (``Lf`` may be 0); key ``j`` is
+            column ``f_offset + j``.
+        ranges: ``[n, 3]`` int64 contiguous: (end in D, start in F, end in F), with
+            ``0 <= ranges[:, 0] <= Ld`` and ``0 <= ranges[:, 1], ranges[:, 2] <= Lf``.
+        scale: softmax scale.
+        num_cols: columns of the result, ``>= Ld`` and ``>= f_offset + Lf``.
+        f_offset: column of F's first key (``>= 0``).
+
+    Returns:
+        ``[num_kv_heads, num_cols]`` float32 (a token that sees no key adds nothing).
+
+    Raises:
+        ValueError: unsupported here (:func:`probe_colsum_supported`), or shapes, dtypes, ranges
+            or columns out of bounds.
+        MemoryError: if work buffers cannot be allocated.
+    """
+    n, H, hd = q.shape
+    KVH = k_d.shape[1]
+    if not probe_colsum_supported(q.dtype, H, KVH, hd):
+        raise ValueError(f"probe_colsum: unsupported here (dtype {q.dtype}, heads {H}, kv_heads {KVH}, "
+                         f"head_dim {hd}; needs bf16, head_dim % 32 == 0 and AVX512_BF16)")
+    Ld, Lf = k_d.shape[0], k_f.shape[0]
+    for name, t, L in (("k_d", k_d, Ld), ("k_f", k_f, Lf)):
+        if t.dtype != torch.bfloat16 or tuple(t.shape) != (L, KVH, hd) or not t.is_contiguous():
+            raise ValueError(f"probe_colsum: {name} must be contiguous bf16 [{L}, {KVH}, {hd}], "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    if q.stride(2) != 1 or q.stride(1) != hd:
+        raise ValueError("probe_colsum: q's heads must be contiguous within a row")
+    if ranges.dtype != torch.int64 or tuple(ranges.shape) != (n, 3) or not ranges.is_contiguous():
+        raise ValueError(f"probe_colsum: ranges must be contiguous int64 [{n}, 3], got {ranges.dtype} "
+                         f"{tuple(ranges.shape)}")
+    if n and (int(ranges[:, 0].min()) < 0 or int(ranges[:, 0].max()) > Ld or int(ranges[:, 1:].min()) < 0
+              or int(ranges[:, 1:].max()) > Lf):
+        raise ValueError(f"probe_colsum: ranges must lie in [0, {Ld}] (D) and [0, {Lf}] (F)")
+    if f_offset < 0 or num_cols < Ld or num_cols < f_offset + Lf:
+        raise ValueError(f"probe_colsum: num_cols must be >= {Ld} (Ld) and >= f_offset + {Lf} (Lf) with "
+                         f"f_offset >= 0, got num_cols {num_cols}, f_offset {f_offset}")
+    out = torch.zeros((KVH, num_cols), dtype=torch.float32)
+    if n == 0:
+        return out
+    rc = _k().probe_colsum(q.data_ptr(), q.stride(0), k_d.data_ptr(), Ld, k_f.data_ptr(), Lf, ranges.data_ptr(), n,
+                           int(f_offset), out.data_ptr(), num_cols, H, KVH, hd, float(scale), torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError("probe_colsum: could not allocate work buffers")
+    if rc:
+        raise ValueError("probe_colsum: unsupported here")
+    return out
+
+
 class _LayerPtrs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in
                 ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "ln2", "gu_w", "down_w", "k_cache", "v_cache",
@@ -1078,7 +1149,8 @@ _py = types.SimpleNamespace(
     gemma_add_rms_norm_=gemma_add_rms_norm_, gemma_qk_norm_rope_=gemma_qk_norm_rope_,
     reshape_and_cache=reshape_and_cache, paged_attention_decode=paged_attention_decode,
     paged_attention_prefill=paged_attention_prefill, paged_attention_decode_lowbit=paged_attention_decode_lowbit,
-    prefill_ranges=prefill_ranges, lowbit_quantize=lowbit_quantize, lowbit_dequantize=lowbit_dequantize)
+    prefill_ranges=prefill_ranges, lowbit_quantize=lowbit_quantize, lowbit_dequantize=lowbit_dequantize,
+    probe_colsum=probe_colsum)
 
 
 @torch.library.custom_op("kvserve::rms_norm", mutates_args=("residual",), device_types="cpu")
@@ -1273,9 +1345,20 @@ def _(data, blocks, bits, is_key, block_size, head_dim, dtype):
     return data.new_empty((blocks.numel(), block_size, data.shape[1], head_dim), dtype=dtype)
 
 
+@torch.library.custom_op("kvserve::probe_colsum", mutates_args=(), device_types="cpu")
+def _probe_colsum_op(q: _Tensor, k_d: _Tensor, k_f: _Tensor, ranges: _Tensor, scale: float, num_cols: int,
+                     f_offset: int = 0) -> _Tensor:
+    return _py.probe_colsum(q, k_d, k_f, ranges, scale, num_cols, f_offset)
+
+
+@_probe_colsum_op.register_fake
+def _(q, k_d, k_f, ranges, scale, num_cols, f_offset=0):
+    return q.new_empty((k_d.shape[1], num_cols), dtype=torch.float32)
+
+
 #: The registered ops (``torch.ops.kvserve.<name>``), by the Python function each wraps.
 OPS = ("rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "log_sum_exp", "apply_token_bitmask_", "greedy", "rope_",
        "gemma_rms_norm", "gemma_add_rms_norm_", "gemma_qk_norm_rope_", "reshape_and_cache", "paged_attention_decode",
        "paged_attention_prefill", "paged_attention_decode_lowbit", "prefill_ranges", "lowbit_quantize",
-       "lowbit_dequantize")
+       "lowbit_dequantize", "probe_colsum")
 

@@ -106,7 +106,9 @@ def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMet
     and over the query heads of each KV head's group → ``[num_kv_heads, c]``; appended (one list
     per layer, one tensor per probe) to ``meta.derived["kv_probe"]``. Called by every backend once
     per layer, after the step's K/V are written (so keys are read from the cache, 8-bit ones
-    dequantized). A plain PyTorch path (the C kernels do not return probabilities).
+    dequantized). On the CPU with bf16 models where the AVX512-BF16 kernels run, one C call per probe
+    and layer (:func:`kvserve.kernels.cpu_ops.probe_colsum`: bf16 products, float32 softmax);
+    elsewhere PyTorch in float32, ``PROBE_ROWS`` query rows at a time.
 
     2-/4-bit pools (:class:`~kvserve.worker.kv_quant_lowbit.LowBitPool`): the keys each query
     attended (:func:`prefill_lowbit`, the decode kernels): the query at KV index ``p`` sees the
@@ -132,11 +134,18 @@ def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMet
     H = q.shape[1]
     for p in meta.kv_probes:
         if lowbit:
-            ks = read_cache(k_cache, p.context_slots, q.dtype, meta).float()  # [c, KVH, hd]
+            ks = read_cache(k_cache, p.context_slots, q.dtype, meta)  # [c, KVH, hd]
             b0, kf = _probe_own_keys(k, k_cache, meta, p)  # [c - b0, KVH, hd] model-dtype rows from b0
         else:
-            ks = kv_quant.gather(k_cache, p.context_slots, q.dtype).float()  # [c, KVH, hd]
+            ks = kv_quant.gather(k_cache, p.context_slots, q.dtype)  # [c, KVH, hd]
         c, KVH, hd = ks.shape
+        if q.is_cpu and cpu_ops.probe_colsum_supported(q.dtype, H, KVH, hd):
+            out.append(_probe_colsum_c(q, ks, kf if lowbit else None, b0 if lowbit else 0,
+                                       k_cache.block_size if lowbit else 0, p, scale))
+            continue
+        ks = ks.float()
+        if lowbit:
+            kf = kf.float()
         g = H // KVH
         sums = torch.zeros(KVH, c, dtype=torch.float32, device=q.device)
         cols = torch.arange(c, device=q.device)
@@ -156,9 +165,30 @@ def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMet
     meta.derived.setdefault("kv_probe", []).append(out)
 
 
+def _probe_colsum_c(q: torch.Tensor, ks: torch.Tensor, kf: Optional[torch.Tensor], b0: int, bs: int, p: KVProbe,
+                    scale: float) -> torch.Tensor:
+    """:func:`record_kv_probes` of one probe on the C kernel (:func:`kvserve.kernels.cpu_ops.probe_colsum`):
+    ``ks`` the context as read (source D), ``kf`` (2-/4-bit pools) the model-dtype keys from KV
+    index ``b0`` (source F, its own block's rows for a query not at a block's last slot, as
+    :func:`prefill_lowbit` reads them). ``[KVH, c]`` float32."""
+    c, KVH, hd = ks.shape
+    qkv = p.query_kv
+    end = qkv + 1
+    if kf is None:
+        kf = ks.new_empty((0, KVH, hd))
+        ranges = torch.stack([end, torch.zeros_like(end), torch.zeros_like(end)], 1)
+    else:
+        start = qkv // bs * bs
+        fp = qkv % bs != bs - 1  # its block's rows in the model dtype
+        ranges = torch.stack([torch.where(fp, start, end), torch.where(fp, start - b0, 0),
+                              torch.where(fp, end - b0, 0)], 1)
+    return cpu_ops.probe_colsum(q.index_select(0, p.rows), ks.contiguous(), kf.contiguous(), ranges.contiguous(),
+                                scale, c, b0)
+
+
 def _probe_own_keys(k: torch.Tensor, k_cache: LowBitPool, meta: "AttentionMetadata",
                     p: KVProbe) -> tuple[int, torch.Tensor]:
-    """``(b0, [c - b0, KVH, hd] float32)``: the model-dtype keys of KV indices ``b0 .. c - 1``,
+    """``(b0, [c - b0, KVH, hd] model dtype)``: the model-dtype keys of KV indices ``b0 .. c - 1``,
     ``b0`` the first position of the block of the probe's first query: a row this step computed
     from ``k`` (found by its slot: the request's rows are consecutive in the batch), an earlier
     one from its block's residual slot (the step's raw residual map; a block partly written
@@ -173,7 +203,7 @@ def _probe_own_keys(k: torch.Tensor, k_cache: LowBitPool, meta: "AttentionMetada
     now &= meta.slot_mapping.index_select(0, br.clamp(0, T - 1)) == slots
     kf = kv_quant_lowbit.gather(k_cache, slots, meta.residual_map, k.dtype)  # earlier rows: their slot
     kf[now] = k.index_select(0, br[now])
-    return b0, kf.float()
+    return b0, kf
 
 
 @dataclass

@@ -116,6 +116,13 @@ class _Track:
     finished_indices: set = field(default_factory=set)
 
 
+def _reason(t: _Track, reason: Optional[str]) -> Optional[str]:
+    """The finish reason a request's metrics count: the engine's, except that an echo with
+    max_tokens 0 ends by its length whatever the dropped token was (a stop token, EOS), as its
+    response says."""
+    return "length" if t.prompt_only and reason not in (None, "abort", "error") else reason
+
+
 class AsyncEngine:
     """Runs ``engine.step()`` in a background thread and feeds per-request queues.
 
@@ -455,7 +462,7 @@ class AsyncEngine:
         for o in out.outputs if not t.beam or out.finished else ():
             if o.finish_reason is not None and o.index not in t.finished_indices:
                 t.finished_indices.add(o.index)
-                m.finished(o.finish_reason)
+                m.finished(_reason(t, o.finish_reason))
         if out.finished:
             m.e2e.observe(now - t.arrival)
             longest = max((len(o.token_ids) for o in out.outputs), default=0)
@@ -467,7 +474,7 @@ class AsyncEngine:
             m.record_request(len(out.prompt_token_ids), 0 if t.prompt_only else total,
                              None if t.first_token is None else t.first_token - t.arrival, tpot, now - t.arrival,
                              None if scheduled is None else max(0.0, scheduled - t.arrival),
-                             out.outputs[0].finish_reason if out.outputs else None)
+                             _reason(t, out.outputs[0].finish_reason) if out.outputs else None)
 
     def _update_gauges(self) -> None:
         if self.metrics is None:
