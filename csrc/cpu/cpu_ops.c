@@ -1369,6 +1369,7 @@ static TGT_AMX int prefill_amx(const void* q, int64_t ldq, const void* k_cache, 
 #ifdef KV_AVX512BF16
 #define PF_KB 64   /* keys per block */
 #define PF_ROWS 64 /* most rows (tokens x G) of a work item */
+#define PF_DIRECT_ROWS 16 /* probe_colsum: at most this many rows (tokens x G) read the keys unpacked */
 
 /* Tokens per work item for GQA group G: 16, fewer when G > 4 so that tokens * G <= 64. */
 static inline int64_t pf_tokens(int64_t G) {
@@ -1825,13 +1826,34 @@ static TGT_DP void pc_scores(int64_t R, const uint16_t* const* qr, const uint16_
         }
 }
 
+/* pc_scores for keys as stored (key j of the KV head at kr + j * rs, keys [k0, k1)), for a few rows:
+ * per 16 keys and row, the dot products reduced across lanes (as the decode kernels do), no packing. */
+static TGT_DP void pc_scores_rows(int64_t R, const uint16_t* const* qr, const uint16_t* kr, int64_t rs, int64_t k0,
+                                  int64_t k1, int64_t hd, float scale, float* s, int64_t ls) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t j0 = k0; j0 < k1; j0 += 16) {
+        const int64_t n = k1 - j0 < 16 ? k1 - j0 : 16;
+        for (int64_t r = 0; r < R; r++) {
+            __m512 P[16];
+            for (int jj = 0; jj < 16; jj++) P[jj] = _mm512_setzero_ps();
+            for (int64_t jj = 0; jj < n; jj++)
+                for (int64_t w = 0; w < hd / 32; w++)
+                    P[jj] = _mm512_dpbf16_ps(P[jj], (__m512bh)_mm512_loadu_si512(qr[r] + w * 32),
+                                             (__m512bh)_mm512_loadu_si512(kr + (j0 + jj) * rs + w * 32));
+            _mm512_mask_storeu_ps(s + r * ls + j0, pf_mask(n), _mm512_mul_ps(hsum16(P), vs));
+        }
+    }
+}
+
 /* One work item of probe_colsum: tokens n < nt (queries q + n * ldq, heads 0 .. G - 1 of the KV
  * head), token n attending to keys [0, rg[3n]) of D (packed kd) and [rg[3n + 1], rg[3n + 2]) of F
- * (packed kf); each row's softmax probabilities added to cs (D's key j at cs[j], F's key j at
- * cs[fofs + j]). Scratch s: [nt * G][Ldp + Lfp] float32. */
+ * (packed kf; rs > 0: kd, kf are the sources as stored, at the KV head, rows rs apart); each
+ * row's softmax probabilities added to cs (D's key j at cs[j], F's key j at cs[fofs + j]).
+ * Scratch s: [nt * G][Ldp + Lfp] float32. */
 static TGT_DP void probe_colsum_item(const uint16_t* q, int64_t ldq, int64_t nt, int64_t G, const int64_t* rg,
                                      const uint16_t* kd, int64_t Ld, int64_t Ldp, const uint16_t* kf, int64_t Lf,
-                                     int64_t Lfp, int64_t fofs, int64_t hd, float scale, float* s, float* cs) {
+                                     int64_t Lfp, int64_t rs, int64_t fofs, int64_t hd, float scale, float* s,
+                                     float* cs) {
     const int64_t R = nt * G, ls = Ldp + Lfp;
     const uint16_t* qr[PF_ROWS];
     int64_t dmax = 0, fmin = Lf, fmax = 0;
@@ -1844,9 +1866,14 @@ static TGT_DP void probe_colsum_item(const uint16_t* q, int64_t ldq, int64_t nt,
             fmax = f1 > fmax ? f1 : fmax;
         }
     }
-    pc_scores(R, qr, kd, 0, (dmax + PF_KB - 1) / PF_KB * PF_KB, hd, scale, s, ls);
-    if (fmax > fmin)
-        pc_scores(R, qr, kf, fmin / PF_KB * PF_KB, (fmax + PF_KB - 1) / PF_KB * PF_KB, hd, scale, s + Ldp, ls);
+    if (rs) {
+        pc_scores_rows(R, qr, kd, rs, 0, dmax, hd, scale, s, ls);
+        if (fmax > fmin) pc_scores_rows(R, qr, kf, rs, fmin, fmax, hd, scale, s + Ldp, ls);
+    } else {
+        pc_scores(R, qr, kd, 0, (dmax + PF_KB - 1) / PF_KB * PF_KB, hd, scale, s, ls);
+        if (fmax > fmin)
+            pc_scores(R, qr, kf, fmin / PF_KB * PF_KB, (fmax + PF_KB - 1) / PF_KB * PF_KB, hd, scale, s + Ldp, ls);
+    }
     for (int64_t r = 0; r < R; r++) {
         const int64_t t = r / G, d = rg[3 * t] < Ld ? rg[3 * t] : Ld;
         const int64_t f0 = rg[3 * t + 1], f1 = rg[3 * t + 2] < Lf ? rg[3 * t + 2] : Lf;
@@ -1860,23 +1887,31 @@ static TGT_DP void probe_colsum_item(const uint16_t* q, int64_t ldq, int64_t nt,
 }
 
 /* Column sums of attention probabilities (see kv_probe_colsum), on AVX512-BF16: K of both
- * sources packed once per KV head (pack_kv_prefill_dp, K only), then work items of
+ * sources packed once per KV head (pack_kv_prefill_dp, K only; not for <= PF_DIRECT_ROWS rows,
+ * a decode step's, which read the keys as stored), then work items of
  * pf_tokens(G) tokens and one KV head, each thread adding into its own [KVH][c] sums, added
- * into out at the end. Returns 0, or -1 when a work buffer could not be allocated. */
+ * into out at the end in thread order (the same result every call for a thread count). Returns
+ * 0, or -1 when a work buffer could not be allocated. */
 static TGT_DP int probe_colsum_dp(const void* q, int64_t ldq, const void* kd, int64_t Ld, const void* kf, int64_t Lf,
                                   const int64_t* rg, int64_t n, int64_t fofs, float* out, int64_t c, int64_t H,
                                   int64_t KVH, int64_t hd, float scale, int nthreads) {
     const int64_t G = H / KVH, MQ = pf_tokens(G);
     const int64_t Ldp = (Ld + PF_KB - 1) / PF_KB * PF_KB, Lfp = (Lf + PF_KB - 1) / PF_KB * PF_KB;
     const int64_t nd = (Ldp + 127) / 128, nf = (Lfp + 127) / 128, per = (Ldp + Lfp) * hd;
-    const int64_t pack_items = KVH * (nd + nf), ntile = (n + MQ - 1) / MQ, items = KVH * ntile;
+    const int direct = n * G <= PF_DIRECT_ROWS; /* a few rows (decode): keys read as stored */
+    const int64_t pack_items = direct ? 0 : KVH * (nd + nf), ntile = (n + MQ - 1) / MQ, items = KVH * ntile;
     const int64_t bt0 = 0;
-    memset(out, 0, sizeof(float) * (size_t)(KVH * c));
-    uint16_t* kp = (uint16_t*)aligned_alloc(64, ((size_t)(KVH * per) * 2 + 64 + 63) & ~(size_t)63);
-    if (!kp) return -1;
+    uint16_t* kp = direct ? NULL : (uint16_t*)aligned_alloc(64, ((size_t)(KVH * per) * 2 + 64 + 63) & ~(size_t)63);
+    float** sums = (float**)calloc((size_t)(nthreads > 0 ? nthreads : 1), sizeof(float*)); /* each thread's [KVH][c] */
+    if ((!direct && !kp) || !sums) {
+        free(kp);
+        free(sums);
+        return -1;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
+        const int tid = omp_get_thread_num(), T = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < pack_items; it++) { /* 128 keys of one source and KV head per item */
             const int64_t g = it / (nd + nf), i = it % (nd + nf);
@@ -1888,7 +1923,7 @@ static TGT_DP int probe_colsum_dp(const void* q, int64_t ldq, const void* kd, in
                 pack_kv_prefill_dp((const uint16_t*)kf, NULL, &bt0, Lf, KVH, g, hd, Lf, (i - nd) * 128,
                                    (i - nd) * 128 + 128 < Lfp ? (i - nd) * 128 + 128 : Lfp, base + Ldp * hd, NULL);
         }
-        const int64_t R = MQ * G;
+        const int64_t R = (n < MQ ? n : MQ) * G; /* (rows of the largest item) */
         float* s = (float*)aligned_alloc(64, ((size_t)(R * (Ldp + Lfp) + KVH * c) * 4 + 63) & ~(size_t)63);
         if (!s) {
 #pragma omp atomic write
@@ -1896,24 +1931,35 @@ static TGT_DP int probe_colsum_dp(const void* q, int64_t ldq, const void* kd, in
         }
         float* cs = s ? s + R * (Ldp + Lfp) : NULL;
         if (cs) memset(cs, 0, sizeof(float) * (size_t)(KVH * c));
-#pragma omp for schedule(dynamic, 1)
+        sums[tid] = cs;
+        /* (round robin, the last tokens of each KV head first: the same items on the same thread
+         * every call, so the sums below add in a fixed order: deterministic for a thread count) */
+#pragma omp for schedule(static, 1)
         for (int64_t it = 0; it < items; it++) {
             if (!s) continue;
             const int64_t g = it / ntile, tb = ntile - 1 - it % ntile;
             const int64_t t0 = tb * MQ, nt = t0 + MQ < n ? MQ : n - t0;
-            probe_colsum_item((const uint16_t*)q + t0 * ldq + g * G * hd, ldq, nt, G, rg + 3 * t0, kp + g * per, Ld,
-                              Ldp, kp + g * per + Ldp * hd, Lf, Lfp, fofs, hd, scale, s, cs + g * c);
+            const uint16_t* q0 = (const uint16_t*)q + t0 * ldq + g * G * hd;
+            if (direct)
+                probe_colsum_item(q0, ldq, nt, G, rg + 3 * t0, (const uint16_t*)kd + g * hd, Ld, Ldp,
+                                  (const uint16_t*)kf + g * hd, Lf, Lfp, KVH * hd, fofs, hd, scale, s, cs + g * c);
+            else
+                probe_colsum_item(q0, ldq, nt, G, rg + 3 * t0, kp + g * per, Ld, Ldp, kp + g * per + Ldp * hd, Lf, Lfp,
+                                  0, fofs, hd, scale, s, cs + g * c);
         }
-        if (s) {
-#pragma omp critical
-            for (int64_t j = 0; j < KVH * c; j += 16)
-                _mm512_mask_storeu_ps(out + j, pf_mask(KVH * c - j),
-                                      _mm512_add_ps(_mm512_maskz_loadu_ps(pf_mask(KVH * c - j), out + j),
-                                                    _mm512_maskz_loadu_ps(pf_mask(KVH * c - j), cs + j)));
+        /* (the barrier at the end of the loop: every thread's sums are final) */
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < KVH * c; j += 16) { /* out = the threads' sums, added in thread order */
+            const __mmask16 k = pf_mask(KVH * c - j);
+            __m512 acc = _mm512_setzero_ps();
+            for (int t = 0; t < T; t++)
+                if (sums[t]) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(k, sums[t] + j));
+            _mm512_mask_storeu_ps(out + j, k, acc);
         }
         free(s);
     }
     free(kp);
+    free(sums);
     return failed ? -1 : 0;
 }
 #endif /* KV_AVX512BF16 */

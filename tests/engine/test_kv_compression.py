@@ -425,20 +425,83 @@ def check_preemption_workload(llm, alone, comps, mode: str):
     return core
 
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
 def test_speculative_decoding_streaming(tiny_model_dir):
-    """n-gram drafts verified over a compacted KV: the run completes with drafts accepted; SnapKV /
-    H2O are refused with speculative decoding (their scores would count rejected drafts)."""
+    """n-gram drafts verified over a compacted KV: the run completes with drafts accepted."""
     folder = tiny_model_dir("llama")[0]
     llm = LLM(model=str(folder), dtype="float32", max_model_len=512, num_blocks=64, block_size=16,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                                  "prompt_lookup_min": 1})
+              speculative_config=SPEC)
     prompt = [5, 6, 7, 8, 9] * 8
     o = llm.generate([prompt], greedy(150, STREAM))[0].outputs[0]
     core = llm.engine.core
     assert len(o.token_ids) == 150 and core.num_kv_compactions > 0 and core.spec_num_draft_tokens > 0
     core.kv.check_invariants()
-    with pytest.raises(ValueError, match="kv_compression: h2o is not supported with speculative decoding"):
-        llm.generate([prompt], greedy(4, {"method": "h2o", "budget": 24, "recent": 8}))
+    llm.engine.shutdown()
+
+
+def _final_scores(llm: LLM, num_kv_tokens: int) -> dict:
+    """sequence id -> its H2O/SnapKV scores ``[L, KVH, c]`` as the worker forgets it (it finished),
+    its set-aside verification rows counted up to ``num_kv_tokens``."""
+    comp = llm.engine.core.executor.driver_worker.kv_mover.compressor
+    forget, out = comp.forget, {}
+
+    def capture(request_id):
+        if request_id in comp.states:
+            comp.settle(request_id, num_kv_tokens)
+            out[request_id] = comp.states[request_id].scores.clone()
+        forget(request_id)
+
+    comp.forget = capture
+    return out
+
+
+def test_speculative_decoding_counts_only_accepted_queries(tiny_model_dir):
+    """H2O with n-gram drafts, a budget the request never reaches: the tokens equal the run without
+    speculation (greedy), and so do the scores at the end: every input token's query counted once,
+    a rejected draft's never (each (layer, KV head) row of scores sums to G = 2 query heads x the
+    input tokens: each query's softmax sums to 1 per head). Then H2O and SnapKV at budgets that
+    compact, batched with drafts: SnapKV (compacted after prefill, before any draft) gives the
+    tokens it gives without speculation, H2O runs within its bound; drafts were accepted and
+    rejected; nothing leaks."""
+    folder = str(tiny_model_dir("llama")[0])
+    prompt = [5, 6, 7, 8, 9] * 8 + prompt_ids(20, 3)
+    big = {"method": "h2o", "budget": 400, "recent": 8}
+    n = len(prompt) + 80 - 1  # input tokens: the prompt and the output but its last
+    runs = {}
+    for name, spec in (("plain", None), ("spec", SPEC)):
+        llm = LLM(model=folder, dtype="float32", max_model_len=512, num_blocks=64, block_size=16,
+                  speculative_config=spec)
+        scores = _final_scores(llm, n)
+        out = llm.generate([prompt], greedy(80, big))[0]
+        llm.generate([[5, 6]], greedy(1))  # (a step after the request's end: the worker forgets it)
+        assert len(scores) == 1  # (keyed by the sequence's id)
+        runs[name] = (out.outputs[0].token_ids, scores.popitem()[1], llm)
+    (plain_ids, plain, _), (spec_ids, spec, llm) = runs["plain"], runs["spec"]
+    core = llm.engine.core
+    assert core.spec.num_accepted_tokens > 0 and core.spec.num_draft_tokens > core.spec.num_accepted_tokens
+    assert spec_ids == plain_ids
+    G = core.model_config.num_heads // core.model_config.num_kv_heads
+    assert plain.shape[-1] == n and bool((spec[..., n:] == 0).all())
+    torch.testing.assert_close(spec[..., :n], plain, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(spec.sum(-1), torch.full(spec.shape[:2], float(G * n)), rtol=1e-5, atol=1e-3)
+    runs["plain"][2].engine.shutdown()
+
+    h2o = {"method": "h2o", "budget": 24, "recent": 8}
+    snap = {"method": "snapkv", "budget": 24, "observation_window": 8}
+    accepted = core.spec.num_accepted_tokens
+    outs = llm.generate([prompt, prompt[:50]], [greedy(120, h2o), greedy(60, snap)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [120, 60]
+    assert core.spec.num_accepted_tokens > accepted and core.num_kv_compactions >= 3
+    plain_llm = LLM(model=folder, dtype="float32", max_model_len=512, num_blocks=64, block_size=16)
+    assert outs[1].outputs[0].token_ids == plain_llm.generate([prompt[:50]], greedy(60, snap))[0].outputs[0].token_ids
+    plain_llm.engine.shutdown()
+    llm.generate([[5, 6]], greedy(1))  # (the workers forget finished requests at the next step)
+    core.kv.check_invariants()
+    assert core.kv.num_used_blocks == 0
+    comp = core.executor.driver_worker.kv_mover.compressor
+    assert comp.states == {} and comp.pending == {}
     llm.engine.shutdown()
 
 

@@ -52,7 +52,8 @@ def _case(n, H, KVH, hd, Ld, Lf, seed):
     (5, 4, 4, 128, 0, 20, 3),      # no D
     (70, 8, 1, 32, 129, 0, 0),     # no F, GQA group 8
     (16, 16, 1, 64, 1000, 16, 990),  # group 16
-    (1, 9, 3, 64, 2049, 7, 2048),  # a decode row over a long context
+    (1, 9, 3, 64, 2049, 7, 2048),  # a decode row over a long context (keys read unpacked: <= 16 rows)
+    (4, 8, 2, 64, 300, 40, 270),   # 16 rows: still unpacked, with F ranges
     (33, 4, 2, 64, 64, 64, 64),    # sources exactly one key block, F after D
 ])
 def test_matches_the_exact_masked_softmax(n, H, KVH, hd, Ld, Lf, f_offset):
@@ -64,6 +65,7 @@ def test_matches_the_exact_masked_softmax(n, H, KVH, hd, Ld, Lf, f_offset):
     got = cpu_ops.probe_colsum(q, kd, kf, ranges, hd ** -0.5, cols, f_offset)
     ref = _reference(q, kd, kf, ranges, hd ** -0.5, cols, f_offset)
     assert got.dtype == torch.float32 and got.shape == (KVH, cols)
+    assert torch.equal(got, cpu_ops.probe_colsum(q, kd, kf, ranges, hd ** -0.5, cols, f_offset))  # deterministic
     # float32 scores, exp and sums: relative error ~1e-6 of a probability, summed over <= n * G rows
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-6)
     seen_rows = ((ranges[:, 0] > 0) | (ranges[:, 2] > ranges[:, 1])).sum().item()

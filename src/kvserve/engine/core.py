@@ -184,18 +184,15 @@ class EngineCore:
     def _check_kv_compression(self, cfg: KVCompressionConfig, params: Optional[SamplingParams] = None) -> None:
         """Raises ValueError naming ``kv_compression`` where a policy cannot work: kept tokens above
         max_model_len, a model with sliding-window layers (their windows count KV indices as
-        positions), SnapKV / H2O with speculative decoding (rejected drafts' queries would count in
-        the scores), any policy with speculative decoding on a 2-/4-bit KV cache (not built),
-        beam search."""
+        positions), any policy with speculative decoding on a 2-/4-bit KV cache (not built), beam
+        search. (With speculative decoding, SnapKV's and H2O's scores count only accepted tokens'
+        queries: :meth:`kvserve.worker.kv_compressor.KVCompressor.accumulate`.)"""
         if not cfg.enabled:
             return
         cfg.check_fits(self.max_model_len)
         if self.model_config.sliding_window is not None:
             raise ValueError(f"kv_compression is not supported for models with sliding-window layers (window "
                              f"{self.model_config.sliding_window}): their windows are counted in cached tokens")
-        if self.spec is not None and cfg.uses_scores:
-            raise ValueError(f"kv_compression: {cfg.method} is not supported with speculative decoding (the "
-                             f"attention of rejected drafts would count in its scores); streaming_llm is")
         if self.spec is not None and self.args.kv_cache_dtype in ("int4", "int2"):
             raise ValueError(f"kv_compression is not supported with speculative decoding on a 2-/4-bit KV cache "
                              f"(kv_cache_dtype={self.args.kv_cache_dtype!r}): a compaction between verifications "

@@ -85,6 +85,8 @@ class KVProbe:
         context_slots: ``[c]`` int64 cache slots of KV indices ``0 .. c - 1`` (``c = max(query_kv) + 1``).
         num_dropped: the request's ``num_dropped_tokens`` (a KV index's position is index + it,
             for tokens after its last compaction).
+        verify: a row of a verification (speculative decoding: the request's last token or a
+            draft), whose scores count only if its token is accepted.
     """
 
     request_id: str
@@ -92,6 +94,7 @@ class KVProbe:
     query_kv: torch.Tensor
     context_slots: torch.Tensor
     num_dropped: int = 0
+    verify: bool = False
 
 
 #: Query rows per block when a probe's probabilities are computed (bounds the ``[KVH, g, m, c]``

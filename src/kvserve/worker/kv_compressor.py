@@ -72,34 +72,60 @@ class KVCompressor:
         self.device = kv_caches[0][0].device
         self.states: dict[str, ScoreState] = {}
         self.last_keep: dict[str, torch.Tensor] = {}  # request id -> its last compaction's kept indices [L, KVH, k]
+        # request id -> its last verification's rows' (KV index, num_dropped, [L, KVH, c] sums), not yet counted
+        self.pending: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
 
     # ------------------------------------------------------------------ scores
     def accumulate(self, meta) -> None:
         """Add the step's recorded column sums (``meta.derived["kv_probe"]``: per layer, per
-        probe ``[KVH, c]``) to each probed request's scores, growing them to its KV length."""
+        probe ``[KVH, c]``) to each probed request's scores, growing them to its KV length.
+
+        Speculative decoding: a verification's rows (probes marked ``verify``, one row each) are
+        kept aside, and counted once the request's KV length shows which were accepted
+        (:meth:`settle`: at its next probe, whose first row's KV index is that length, or at its
+        next compaction): a rejected draft's query never counts, as if the accepted tokens had
+        been decoded one at a time."""
         probes = getattr(meta, "kv_probes", None)
         rec = meta.derived.pop("kv_probe", None)
         if not probes or not rec or len(rec) != len(self.kv_caches):
             return
+        settled = set()
         for i, p in enumerate(probes):
+            if p.request_id not in settled:  # (the step's first probe of the request: rows before it are cached)
+                settled.add(p.request_id)
+                self.settle(p.request_id, int(p.query_kv[0]))
             add = torch.stack([layer[i] for layer in rec])  # [L, KVH, c]
-            c = add.shape[-1]
-            st = self.states.get(p.request_id)
-            n = 0 if st is None else st.scores.shape[-1]
-            if c > n:
-                L, H = add.shape[0], add.shape[1]
-                grow = torch.zeros(L, H, c - n, dtype=torch.float32, device=add.device)
-                pos = (torch.arange(n, c, dtype=torch.long, device=add.device) + p.num_dropped).expand(L, H, c - n)
-                if st is None:
-                    st = self.states[p.request_id] = ScoreState(grow, pos.clone())
-                else:
-                    st.scores = torch.cat([st.scores, grow], -1)
-                    st.positions = torch.cat([st.positions, pos], -1)
-            st.scores[..., :c] += add
+            if p.verify:
+                self.pending.setdefault(p.request_id, []).append((int(p.query_kv[-1]), p.num_dropped, add))
+            else:
+                self._add(p.request_id, add, p.num_dropped)
+
+    def settle(self, request_id: str, num_kv_tokens: int) -> None:
+        """Count the request's set-aside verification rows whose KV index is below
+        ``num_kv_tokens`` (accepted: their tokens are cached), drop the others (rejected drafts)."""
+        for kv_index, num_dropped, add in self.pending.pop(request_id, ()):
+            if kv_index < num_kv_tokens:
+                self._add(request_id, add, num_dropped)
+
+    def _add(self, request_id: str, add: torch.Tensor, num_dropped: int) -> None:
+        c = add.shape[-1]
+        st = self.states.get(request_id)
+        n = 0 if st is None else st.scores.shape[-1]
+        if c > n:
+            L, H = add.shape[0], add.shape[1]
+            grow = torch.zeros(L, H, c - n, dtype=torch.float32, device=add.device)
+            pos = (torch.arange(n, c, dtype=torch.long, device=add.device) + num_dropped).expand(L, H, c - n)
+            if st is None:
+                st = self.states[request_id] = ScoreState(grow, pos.clone())
+            else:
+                st.scores = torch.cat([st.scores, grow], -1)
+                st.positions = torch.cat([st.positions, pos], -1)
+        st.scores[..., :c] += add
 
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
         self.last_keep.pop(request_id, None)
+        self.pending.pop(request_id, None)
 
     # ------------------------------------------------------------------ compaction
     def select(self, c: Compaction) -> torch.Tensor:
@@ -120,7 +146,9 @@ class KVCompressor:
         raise ValueError(f"kv_compression.method {c.method!r} has no per-head selection")
 
     def compact(self, c: Compaction) -> None:
-        """Apply ``c`` to the pools and to the request's scores."""
+        """Apply ``c`` to the pools and to the request's scores (its verification rows settled
+        first: ``c.src_len`` is its KV length)."""
+        self.settle(c.request_id, c.src_len)
         bs = self.block_size
         keep = self.select(c)  # [L, KVH, k]
         src_tab = torch.tensor(c.src_table, dtype=torch.long, device=self.device)

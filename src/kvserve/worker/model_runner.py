@@ -282,7 +282,7 @@ class ModelRunner:
         if rmap is not None and rmap.device != torch.device(self.device):  # (the KV manager's is on the CPU)
             rmap = rmap.to(self.device)
         meta.residual_map = rmap
-        meta.kv_probes = self._kv_probes(probe_rows)
+        meta.kv_probes = self._kv_probes(probe_rows, verifying)
         return BatchInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.cat(pos_parts).to(self.device),
@@ -295,11 +295,13 @@ class ModelRunner:
             spec_rows=spec_rows,
         )
 
-    def _kv_probes(self, rows: list[tuple[Request, int, int]]) -> list[KVProbe]:
+    def _kv_probes(self, rows: list[tuple[Request, int, int]], verifying: set[str]) -> list[KVProbe]:
         """The :class:`KVProbe` of each request whose KV compression needs attention scores
         (``rows``: request, first batch row, rows): H2O's every query; SnapKV's queries at positions
         ``≥ num_tokens - observation_window`` while its prompt (prompt + output, when recomputed)
-        has not been compressed yet."""
+        has not been compressed yet. A verification (``verifying``: its last token and drafts)
+        gets one probe per row, marked ``verify``: the compressor keeps them aside until it knows
+        which drafts were accepted (:meth:`~kvserve.worker.kv_compressor.KVCompressor.accumulate`)."""
         bs = self.block_size
         probes = []
         for r, row0, n in rows:
@@ -318,12 +320,15 @@ class ModelRunner:
             c = k0 + n
             table = torch.tensor(self.block_tables[r.request_id], dtype=torch.long)
             ctx = torch.arange(c, dtype=torch.long)
-            probes.append(KVProbe(
-                request_id=r.request_id,
-                rows=torch.arange(row0 + lo, row0 + n, dtype=torch.long, device=self.device),
-                query_kv=torch.arange(k0 + lo, k0 + n, dtype=torch.long, device=self.device),
-                context_slots=(table[ctx // bs] * bs + ctx % bs).to(self.device),
-                num_dropped=r.num_dropped_tokens))
+            slots = (table[ctx // bs] * bs + ctx % bs).to(self.device)
+            spans = [(i, i + 1) for i in range(lo, n)] if r.request_id in verifying else [(lo, n)]
+            for a, b in spans:
+                probes.append(KVProbe(
+                    request_id=r.request_id,
+                    rows=torch.arange(row0 + a, row0 + b, dtype=torch.long, device=self.device),
+                    query_kv=torch.arange(k0 + a, k0 + b, dtype=torch.long, device=self.device),
+                    context_slots=slots[: k0 + b],
+                    num_dropped=r.num_dropped_tokens, verify=r.request_id in verifying))
         return probes
 
     # --------------------------------------------------------------- execute
