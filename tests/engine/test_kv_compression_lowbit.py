@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from kvserve import LLM
+from kvserve.core.kv_compression import KVCompressionConfig
 from kvserve.worker import attention as attention_mod
 from kvserve.worker import kv_quant_lowbit as lb
 
@@ -381,3 +382,53 @@ def test_tensor_parallel_equals_one_rank(int4, tiny_model_dir):
     finally:
         tp.engine.shutdown()
     assert got == want
+
+
+# ---------------------------------------------------------------------------- speculative decoding
+def _oracle(core, reference: list[int], k: int, kept: int, bs: int):
+    """A proposer that knows the run without speculation (``reference``: prompt + its output): step
+    i drafts ``i % (k + 1)`` of its next tokens, then wrong ones (accepted, then rejected), but never
+    more right ones than keep the KV at or below ``kept + bs`` tokens, where the run without drafts
+    compacts: the compactions then fall at the same KV lengths, with blocks filled and sealed by
+    verifications that accepted and rejected drafts."""
+    step = iter(range(10 ** 6))
+
+    def propose(token_ids, max_drafts):
+        L = len(token_ids)
+        n = core.scheduler.running[0].num_kv_tokens  # (the step adds the last token and the accepted drafts)
+        d = min(k, max_drafts)
+        a = max(0, min(next(step) % (k + 1), kept + bs - n - 1, d, len(reference) - L - 1))
+        right = [int(t) for t in reference[L : L + a]]
+        wrong = [(int(reference[L + a]) + 1) % 300 + 3] * (d - a) if L + a < len(reference) else []
+        return right + wrong
+
+    return propose
+
+
+@pytest.mark.parametrize("kv", ["int4", "int2"])
+@pytest.mark.parametrize("policy", [STREAM, H2O, SNAP], ids=["streaming_llm", "h2o", "snapkv"])
+def test_speculation_with_compression_gives_the_tokens_of_decoding(tiny_model_dir, kv, policy):
+    """KV compression with speculative decoding over a 2-/4-bit cache: verifications that accept
+    and reject drafts (blocks sealed by verifications, blocks keeping their residual slot because
+    rows of rejected drafts were written in them) between compactions that read the kept rows from
+    both, and H2O's scores counting accepted queries only: the tokens equal the run without
+    speculation, with as many compactions; every block and residual slot free at the end."""
+    folder = tiny_model_dir("llama")[0]
+    prompt, max_tokens = prompt_ids(30, 6), 110
+    plain = make(folder, kv)
+    want = plain.generate([prompt], greedy(max_tokens, policy))[0].outputs[0].token_ids
+    plain_compactions = plain.engine.core.num_kv_compactions
+    plain.engine.shutdown()
+    llm = make(folder, kv, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    core = llm.engine.core
+    kept = KVCompressionConfig.parse(policy).kept
+    core.spec.proposer.propose = _oracle(core, prompt + want, 3, kept, 16)
+    got = llm.generate([prompt], greedy(max_tokens, policy))[0].outputs[0].token_ids
+    assert got == want
+    assert core.num_kv_compactions == plain_compactions and plain_compactions >= (1 if policy is SNAP else 4)
+    spec = core.spec
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert core.kv.num_verify_sealed > 0 and core.kv.num_verify_unsealed > 0
+    llm.generate([[5, 6]], greedy(1))
+    all_free(llm)
+    llm.engine.shutdown()

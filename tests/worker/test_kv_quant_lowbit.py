@@ -189,32 +189,10 @@ def test_bad_kv_cache_dtype_lists_the_allowed_values(bad):
 
 
 @pytest.mark.parametrize("kv", LOWBIT)
-def test_speculation_with_compression_is_refused(kv, tiny_model_dir):
-    """Speculative decoding and KV compression run on 2-/4-bit KV each, not together: engine-wide
-    (EngineArgs) and per request (a compression policy on an engine that speculates)."""
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{kv}' is not supported with speculative_config and "
-                                         r"kv_compression together \(2-/4-bit KV runs with either, not both\); "
-                                         r"use kv_cache_dtype 'int8' or 'auto' for that"):
-        EngineArgs(kv_cache_dtype=kv, speculative_config=spec,
-                   kv_compression={"method": "streaming_llm", "sink_tokens": 4, "window": 64}).check()
-    eng = LLMEngine(EngineArgs(model=str(tiny_model_dir("llama")[0]), dtype="float32", kv_cache_dtype=kv,
-                               num_blocks=64, max_model_len=128, speculative_config=spec))
-    bad = SamplingParams(max_tokens=4, kv_compression={"method": "streaming_llm", "sink_tokens": 4, "window": 32})
-    with pytest.raises(ValueError, match=r"kv_compression is not supported with speculative decoding on a 2-/4-bit "
-                                         rf"KV cache \(kv_cache_dtype='{kv}'\)"):
-        eng.add_request([1, 2, 3], bad)
-    eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # the engine goes on
-    while eng.has_unfinished_requests():
-        eng.step()
-    eng.core.shutdown()
-
-
-@pytest.mark.parametrize("kv", LOWBIT)
 def test_the_disk_tier_swap_kv_connector_tp_compression_and_speculation_are_accepted(kv, tmp_path):
     """(their engine tests: tests/engine/test_kv_offload_lowbit.py, tests/core/test_kv_swap_lowbit.py,
     tests/distributed/test_kv_transfer_lowbit.py, tests/executor/test_tensor_parallel_engine.py,
-    tests/engine/test_kv_compression_lowbit.py, tests/spec_decode/test_spec_decode_lowbit.py)"""
+    tests/engine/test_kv_compression_lowbit.py (with speculation too), tests/spec_decode/test_spec_decode_lowbit.py)"""
     EngineArgs(kv_cache_dtype=kv, swap_space=1.0).check()
     EngineArgs(kv_cache_dtype=kv, tensor_parallel_size=2).check()
     EngineArgs(kv_cache_dtype=kv, preemption_mode="swap", swap_space=0.5).check()
@@ -225,12 +203,8 @@ def test_the_disk_tier_swap_kv_connector_tp_compression_and_speculation_are_acce
     EngineArgs(kv_cache_dtype=kv, kv_compression={"method": "h2o", "budget": 64, "recent": 8}).check()
     EngineArgs(kv_cache_dtype=kv, tensor_parallel_size=2, kv_compression={"method": "snapkv", "budget": 64}).check()
     EngineArgs(kv_cache_dtype=kv, speculative_config={"method": "ngram", "num_speculative_tokens": 4}).check()
-    # still refused, with the message that says what runs
-    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{kv}' is not supported with speculative_config and "
-                                         r"kv_compression together \(2-/4-bit KV runs with either, not both\); use "
-                                         r"kv_cache_dtype 'int8' or 'auto' for that"):
-        EngineArgs(kv_cache_dtype=kv, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-                   kv_compression={"method": "streaming_llm", "window": 64}).check()
+    EngineArgs(kv_cache_dtype=kv, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+               kv_compression={"method": "streaming_llm", "window": 64}).check()
     # a bad policy is still named by its field
     with pytest.raises(ValueError, match=r"kv_compression\.window must be ≥ 1"):
         EngineArgs(kv_cache_dtype=kv, kv_compression={"method": "streaming_llm", "window": 0}).check()

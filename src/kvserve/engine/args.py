@@ -278,41 +278,6 @@ class EngineArgs:
         if self.kv_offload_dir is not None and not self.enable_prefix_caching:
             raise ValueError(f"{name('kv_offload_dir')}: the disk tier extends the prefix cache, which is off "
                              f"({'--no-prefix-caching' if option_names else 'enable_prefix_caching=False'})")
-        if self.kv_cache_dtype in kv_quant.LOWBIT_DTYPES:
-            self._check_lowbit(name)
-
-    def _check_lowbit(self, name) -> None:
-        """The combinations a 2-/4-bit KV cache does not support (yet).
-
-        Supported: the prefix cache's disk tier (``kv_offload_dir``: it holds full blocks only,
-        written and read as the pools' packed codes and scales), swap preemption
-        (``preemption_mode='swap'``: packed blocks, and a partial last block's residual rows in a
-        host residual slot: :mod:`kvserve.core.kv_swap`), a KV connector (``kv_connector``:
-        the prompt's full blocks travel packed; the decode engine computes the tokens of the
-        last partial block itself), tensor parallelism (each rank packs its own KV heads;
-        the residual map goes to the other ranks with each step), KV compression
-        (``kv_compression``, engine-wide or per request: the kept tokens' K/V are dequantized and
-        requantized into the new blocks, :mod:`kvserve.worker.kv_compressor`) and speculative
-        decoding (``speculative_config``: a block a verification fills is sealed only if its rows
-        are all accepted tokens, else it keeps its residual slot:
-        :meth:`kvserve.core.kv_cache_manager.KVCacheManager.end_verification`; a draft model's
-        own pool is 8-bit).
-
-        Raises:
-            ValueError: naming ``kv_cache_dtype`` and the combination it cannot run with:
-                speculative decoding together with KV compression (a compaction between
-                verifications moves the residual slots a verification keeps; not built).
-        """
-        kd = f"{name('kv_cache_dtype')}={self.kv_cache_dtype!r}"
-        refused = [
-            (self.speculative_config is not None and self.kv_compression is not None,
-             name("speculative_config") + " and " + name("kv_compression") + " together"),
-        ]
-        for bad, what in refused:
-            if bad:
-                raise ValueError(f"{kd} is not supported with {what} (2-/4-bit KV runs with either, "
-                                 f"not both); "
-                                 f"use kv_cache_dtype 'int8' or 'auto' for that")
 
 
 #: the largest KV budget accepted (GiB): beyond it the block count overflows, and no machine has it

@@ -193,10 +193,6 @@ class EngineCore:
         if self.model_config.sliding_window is not None:
             raise ValueError(f"kv_compression is not supported for models with sliding-window layers (window "
                              f"{self.model_config.sliding_window}): their windows are counted in cached tokens")
-        if self.spec is not None and self.args.kv_cache_dtype in ("int4", "int2"):
-            raise ValueError(f"kv_compression is not supported with speculative decoding on a 2-/4-bit KV cache "
-                             f"(kv_cache_dtype={self.args.kv_cache_dtype!r}): a compaction between verifications "
-                             f"would move the residual slots a verification keeps")
         if params is not None and params.use_beam_search:
             raise ValueError("kv_compression is not supported with use_beam_search (beams share their KV blocks "
                              "copy-on-write by position, which compaction would break)")
