@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.core.kv_compression import KVCompressionConfig, h2o_keep, snapkv_keep, streaming_keep
 from kvserve.worker import attention as attention_mod
 
 STREAM = {"method": "streaming_llm", "sink_tokens": 4, "window": 32}

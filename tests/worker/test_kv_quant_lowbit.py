@@ -15,7 +15,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.config import ModelConfig
 from kvserve.core.kv_cache_manager import plan_kv_cache
-from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.llm_engine import EngineArgs
 from kvserve.worker import kv_quant
 from kvserve.worker import kv_quant_lowbit as lb
 

@@ -675,6 +675,34 @@ def prefill_ranges_supported(dtype: torch.dtype, num_heads: int, num_kv_heads: i
     return bool(k.prefill_ranges_supported(num_heads, num_kv_heads, head_dim))
 
 
+def _check_two_sources(fn: str, q: torch.Tensor, sources: tuple, ranges: torch.Tensor) -> tuple[int, int]:
+    """The argument checks :func:`prefill_ranges` and :func:`probe_colsum` share: support here, each
+    source ``(name, tensor, which)`` contiguous bf16 ``[L, num_kv_heads, head_dim]`` (``which``: "d"
+    or "f"), q's heads contiguous, ``ranges`` ``[n, 3]`` int64 within the sources. Returns
+    ``(Ld, Lf)``; raises ValueError naming ``fn`` and the field."""
+    n, H, hd = q.shape
+    KVH = sources[0][1].shape[1]
+    if not prefill_ranges_supported(q.dtype, H, KVH, hd) or (fn == "probe_colsum" and not hasattr(_k(), fn)):
+        raise ValueError(f"{fn}: unsupported here (dtype {q.dtype}, heads {H}, kv_heads {KVH}, "
+                         f"head_dim {hd}; needs bf16, head_dim % 32 == 0 and AVX512_BF16)")
+    lens = {which: t.shape[0] for _, t, which in sources}
+    for name, t, which in sources:
+        L = lens[which]
+        if t.dtype != torch.bfloat16 or tuple(t.shape) != (L, KVH, hd) or not t.is_contiguous():
+            raise ValueError(f"{fn}: {name} must be contiguous bf16 [{L}, {KVH}, {hd}], "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    Ld, Lf = lens["d"], lens["f"]
+    if q.stride(2) != 1 or q.stride(1) != hd:
+        raise ValueError(f"{fn}: q's heads must be contiguous within a row")
+    if ranges.dtype != torch.int64 or tuple(ranges.shape) != (n, 3) or not ranges.is_contiguous():
+        raise ValueError(f"{fn}: ranges must be contiguous int64 [{n}, 3], got {ranges.dtype} "
+                         f"{tuple(ranges.shape)}")
+    if n and (int(ranges[:, 0].min()) < 0 or int(ranges[:, 0].max()) > Ld or int(ranges[:, 1:].min()) < 0
+              or int(ranges[:, 1:].max()) > Lf):
+        raise ValueError(f"{fn}: ranges must lie in [0, {Ld}] (D) and [0, {Lf}] (F)")
+    return Ld, Lf
+
+
 def prefill_ranges(q: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor, k_f: torch.Tensor, v_f: torch.Tensor,
                    ranges: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``n`` query tokens over two key/value sources with a key range per token:
@@ -708,22 +736,8 @@ def prefill_ranges(q: torch.Tensor, k_d: torch.Tensor, v_d: torch.Tensor, k_f: t
     """
     n, H, hd = q.shape
     KVH = k_d.shape[1]
-    if not prefill_ranges_supported(q.dtype, H, KVH, hd):
-        raise ValueError(f"prefill_ranges: unsupported here (dtype {q.dtype}, heads {H}, kv_heads {KVH}, "
-                         f"head_dim {hd}; needs bf16, head_dim % 32 == 0 and AVX512_BF16)")
-    Ld, Lf = k_d.shape[0], k_f.shape[0]
-    for name, t, L in (("k_d", k_d, Ld), ("v_d", v_d, Ld), ("k_f", k_f, Lf), ("v_f", v_f, Lf)):
-        if t.dtype != torch.bfloat16 or tuple(t.shape) != (L, KVH, hd) or not t.is_contiguous():
-            raise ValueError(f"prefill_ranges: {name} must be contiguous bf16 [{L}, {KVH}, {hd}], "
-                             f"got {t.dtype} {tuple(t.shape)}")
-    if q.stride(2) != 1 or q.stride(1) != hd:
-        raise ValueError("prefill_ranges: q's heads must be contiguous within a row")
-    if ranges.dtype != torch.int64 or tuple(ranges.shape) != (n, 3) or not ranges.is_contiguous():
-        raise ValueError(f"prefill_ranges: ranges must be contiguous int64 [{n}, 3], got {ranges.dtype} "
-                         f"{tuple(ranges.shape)}")
-    if n and (int(ranges[:, 0].min()) < 0 or int(ranges[:, 0].max()) > Ld or int(ranges[:, 1:].min()) < 0
-              or int(ranges[:, 1:].max()) > Lf):
-        raise ValueError(f"prefill_ranges: ranges must lie in [0, {Ld}] (D) and [0, {Lf}] (F)")
+    Ld, Lf = _check_two_sources("prefill_ranges", q, (("k_d", k_d, "d"), ("v_d", v_d, "d"), ("k_f", k_f, "f"),
+                                                      ("v_f", v_f, "f")), ranges)
     if out is None:
         out = torch.empty((n, H, hd), dtype=q.dtype)
     elif out.dtype != torch.bfloat16 or tuple(out.shape) != (n, H, hd) or out.stride(2) != 1 or out.stride(1) != hd:
@@ -780,22 +794,7 @@ def probe_colsum(q: torch.Tensor, k_d: torch.Tensor, k_f: torch.Tensor, ranges: 
     """
     n, H, hd = q.shape
     KVH = k_d.shape[1]
-    if not probe_colsum_supported(q.dtype, H, KVH, hd):
-        raise ValueError(f"probe_colsum: unsupported here (dtype {q.dtype}, heads {H}, kv_heads {KVH}, "
-                         f"head_dim {hd}; needs bf16, head_dim % 32 == 0 and AVX512_BF16)")
-    Ld, Lf = k_d.shape[0], k_f.shape[0]
-    for name, t, L in (("k_d", k_d, Ld), ("k_f", k_f, Lf)):
-        if t.dtype != torch.bfloat16 or tuple(t.shape) != (L, KVH, hd) or not t.is_contiguous():
-            raise ValueError(f"probe_colsum: {name} must be contiguous bf16 [{L}, {KVH}, {hd}], "
-                             f"got {t.dtype} {tuple(t.shape)}")
-    if q.stride(2) != 1 or q.stride(1) != hd:
-        raise ValueError("probe_colsum: q's heads must be contiguous within a row")
-    if ranges.dtype != torch.int64 or tuple(ranges.shape) != (n, 3) or not ranges.is_contiguous():
-        raise ValueError(f"probe_colsum: ranges must be contiguous int64 [{n}, 3], got {ranges.dtype} "
-                         f"{tuple(ranges.shape)}")
-    if n and (int(ranges[:, 0].min()) < 0 or int(ranges[:, 0].max()) > Ld or int(ranges[:, 1:].min()) < 0
-              or int(ranges[:, 1:].max()) > Lf):
-        raise ValueError(f"probe_colsum: ranges must lie in [0, {Ld}] (D) and [0, {Lf}] (F)")
+    Ld, Lf = _check_two_sources("probe_colsum", q, (("k_d", k_d, "d"), ("k_f", k_f, "f")), ranges)
     if f_offset < 0 or num_cols < Ld or num_cols < f_offset + Lf:
         raise ValueError(f"probe_colsum: num_cols must be >= {Ld} (Ld) and >= f_offset + {Lf} (Lf) with "
                          f"f_offset >= 0, got num_cols {num_cols}, f_offset {f_offset}")
