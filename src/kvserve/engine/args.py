@@ -79,7 +79,7 @@ class EngineArgs:
             transfer leaves the prompt's last partial block to the decode engine), tensor
             parallelism, KV compression (the kept tokens requantized into the new blocks:
             :mod:`kvserve.worker.kv_compressor`) and speculative decoding (a block a verification
-            fills is sealed once its rows are all accepted; a draft model's pool is int8), not with the
+            fills is sealed once its rows are all accepted; a draft model's pool is int8), also the
             last two together.
         device: "cpu", "cuda" or None (CUDA when available).
         kv_cache_memory: KV pool budget in GiB; None (default): ``kv_cache_memory_fraction`` of the

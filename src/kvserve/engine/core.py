@@ -184,8 +184,7 @@ class EngineCore:
     def _check_kv_compression(self, cfg: KVCompressionConfig, params: Optional[SamplingParams] = None) -> None:
         """Raises ValueError naming ``kv_compression`` where a policy cannot work: kept tokens above
         max_model_len, a model with sliding-window layers (their windows count KV indices as
-        positions), any policy with speculative decoding on a 2-/4-bit KV cache (not built), beam
-        search. (With speculative decoding, SnapKV's and H2O's scores count only accepted tokens'
+        positions), beam search. (With speculative decoding, SnapKV's and H2O's scores count only accepted tokens'
         queries: :meth:`kvserve.worker.kv_compressor.KVCompressor.accumulate`.)"""
         if not cfg.enabled:
             return

@@ -87,6 +87,8 @@ class KVProbe:
             for tokens after its last compaction).
         verify: a row of a verification (speculative decoding: the request's last token or a
             draft), whose scores count only if its token is accepted.
+        num_cached: the request's KV tokens cached before this step (the KV index of its first
+            row this step, probed or not).
     """
 
     request_id: str
@@ -95,6 +97,7 @@ class KVProbe:
     context_slots: torch.Tensor
     num_dropped: int = 0
     verify: bool = False
+    num_cached: int = 0
 
 
 #: Query rows per block when a probe's probabilities are computed (bounds the ``[KVH, g, m, c]``

@@ -82,7 +82,7 @@ class KVCompressor:
 
         Speculative decoding: a verification's rows (probes marked ``verify``, one row each) are
         kept aside, and counted once the request's KV length shows which were accepted
-        (:meth:`settle`: at its next probe, whose first row's KV index is that length, or at its
+        (:meth:`settle`: at its next probe, which carries that length, ``num_cached``, or at its
         next compaction): a rejected draft's query never counts, as if the accepted tokens had
         been decoded one at a time."""
         probes = getattr(meta, "kv_probes", None)
@@ -91,9 +91,9 @@ class KVCompressor:
             return
         settled = set()
         for i, p in enumerate(probes):
-            if p.request_id not in settled:  # (the step's first probe of the request: rows before it are cached)
+            if p.request_id not in settled:  # (the step's first probe of the request)
                 settled.add(p.request_id)
-                self.settle(p.request_id, int(p.query_kv[0]))
+                self.settle(p.request_id, p.num_cached)
             add = torch.stack([layer[i] for layer in rec])  # [L, KVH, c]
             if p.verify:
                 self.pending.setdefault(p.request_id, []).append((int(p.query_kv[-1]), p.num_dropped, add))

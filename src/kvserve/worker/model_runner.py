@@ -328,7 +328,7 @@ class ModelRunner:
                     rows=torch.arange(row0 + a, row0 + b, dtype=torch.long, device=self.device),
                     query_kv=torch.arange(k0 + a, k0 + b, dtype=torch.long, device=self.device),
                     context_slots=slots[: k0 + b],
-                    num_dropped=r.num_dropped_tokens, verify=r.request_id in verifying))
+                    num_dropped=r.num_dropped_tokens, verify=r.request_id in verifying, num_cached=k0))
         return probes
 
     # --------------------------------------------------------------- execute
