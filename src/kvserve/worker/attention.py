@@ -138,13 +138,14 @@ def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMet
         raise ValueError("record_kv_probes: k (the step's keys) is required with a 2-/4-bit K pool")
     out = []
     H = q.shape[1]
+    read = _probe_keys(q, k_cache, meta, k, lowbit)
     for p in meta.kv_probes:
+        c = p.context_slots.shape[0]
+        ks, b0, kf = read[p.request_id]
+        ks = ks[:c]  # [c, KVH, hd]
         if lowbit:
-            ks = read_cache(k_cache, p.context_slots, q.dtype, meta)  # [c, KVH, hd]
-            b0, kf = _probe_own_keys(k, k_cache, meta, p)  # [c - b0, KVH, hd] model-dtype rows from b0
-        else:
-            ks = kv_quant.gather(k_cache, p.context_slots, q.dtype)  # [c, KVH, hd]
-        c, KVH, hd = ks.shape
+            kf = kf[: c - b0]  # [c - b0, KVH, hd] model-dtype rows from b0
+        _, KVH, hd = ks.shape
         if q.is_cpu and cpu_ops.probe_colsum_supported(q.dtype, H, KVH, hd):
             out.append(_probe_colsum_c(q, ks, kf if lowbit else None, b0 if lowbit else 0,
                                        k_cache.block_size if lowbit else 0, p, scale))
@@ -169,6 +170,30 @@ def record_kv_probes(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMet
             sums += torch.softmax(logits, dim=-1).sum(dim=(1, 2))
         out.append(sums)
     meta.derived.setdefault("kv_probe", []).append(out)
+
+
+def _probe_keys(q: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMetadata", k: Optional[torch.Tensor],
+                lowbit: bool) -> dict:
+    """request id -> ``(ks, b0, kf)``: the keys its probes read, read once per request (a
+    verification's rows are a probe each, their contexts prefixes of the longest): ``ks`` ``[c,
+    KVH, hd]`` the context as read (8-bit keys dequantized; 2-/4-bit full blocks dequantized), and
+    for 2-/4-bit pools ``kf`` the model-dtype keys from KV index ``b0``, the block of the request's
+    first probed query (:func:`_probe_own_keys`; ``None``, 0 otherwise)."""
+    groups: dict[str, list[KVProbe]] = {}
+    for p in meta.kv_probes:
+        groups.setdefault(p.request_id, []).append(p)
+    read = {}
+    for rid, ps in groups.items():
+        longest = max(ps, key=lambda p: p.context_slots.shape[0])
+        if not lowbit:
+            read[rid] = (kv_quant.gather(k_cache, longest.context_slots, q.dtype), 0, None)
+            continue
+        merged = ps[0] if len(ps) == 1 else KVProbe(
+            request_id=rid, rows=torch.cat([p.rows for p in ps]), query_kv=torch.cat([p.query_kv for p in ps]),
+            context_slots=longest.context_slots, num_dropped=longest.num_dropped)
+        read[rid] = (read_cache(k_cache, longest.context_slots, q.dtype, meta),
+                     *_probe_own_keys(k, k_cache, meta, merged))
+    return read
 
 
 def _probe_colsum_c(q: torch.Tensor, ks: torch.Tensor, kf: Optional[torch.Tensor], b0: int, bs: int, p: KVProbe,
