@@ -47,14 +47,20 @@ def _best_time(fn: Callable[[], object], *, min_reps: int, budget_s: float,
 def measure_memory_bandwidth(size_bytes: int = 512 << 20, budget_s: float = 1.5, device: str = "cpu") -> float:
     """Sustained read bandwidth from main memory (``device``'s memory), in bytes/s.
 
-    Streams a ``size_bytes`` float32 matrix ``[size / 16 KiB, 4096]`` through a matrix-vector
-    product (MKL ``sgemv``): every byte is read once, almost no compute, the same access
-    pattern as a decode step reading its weights. Keep ``size_bytes`` well above the last-level
-    cache (the development machine reports a shared 300 MiB L3; the default is 512 MiB; a GPU's
-    L2 is tens of MiB).
+    Streams a ``size_bytes`` float32 matrix ``[size / 16 KiB, 4096]`` two ways and keeps the
+    faster: a matrix-vector product (MKL ``sgemv``, the access pattern of a decode step reading
+    its weights) and a sum of all its elements (``torch.sum``, one sequential stream per
+    thread, as STREAM's read kernels). Every byte is read once, with almost no compute. Keep
+    ``size_bytes`` well above the last-level cache (the 2-core AMD EPYC reports 32 MiB of L3,
+    the AMX Xeon 300 MiB; the default is 512 MiB; a GPU's L2 is tens of MiB).
+
+    Until 2026-12-03 this was ``sgemv`` alone, which on the AMD EPYC reads 20-21 GB/s where
+    the sum reads 29-33 GB/s (and kvserve's own bf16 decode GEMVs, once they read one
+    sequential stream per thread, 26-29): rooflines computed with it were too low by about a
+    third there, and shares of them too high.
 
     Args:
-        device: ``"cpu"`` or a CUDA device (cuBLAS ``sgemv``, synchronized).
+        device: ``"cpu"`` or a CUDA device (cuBLAS ``sgemv`` and a reduction, synchronized).
 
     Returns:
         Best observed bytes/s (a ceiling for "bytes of weights per second").
@@ -65,8 +71,10 @@ def measure_memory_bandwidth(size_bytes: int = 512 << 20, budget_s: float = 1.5,
     w = torch.empty(rows, cols, dtype=torch.float32, device=dev).uniform_(-1.0, 1.0)
     x = torch.ones(cols, dtype=torch.float32, device=dev)
     y = torch.empty(rows, dtype=torch.float32, device=dev)
-    t = _best_time(lambda: torch.mv(w, x, out=y), min_reps=3, budget_s=budget_s, sync=lambda: synchronize(dev))
-    return w.numel() * w.element_size() / t
+    sync = lambda: synchronize(dev)  # noqa: E731
+    t_mv = _best_time(lambda: torch.mv(w, x, out=y), min_reps=3, budget_s=budget_s / 2, sync=sync)
+    t_sum = _best_time(lambda: torch.sum(w), min_reps=3, budget_s=budget_s / 2, sync=sync)
+    return w.numel() * w.element_size() / min(t_mv, t_sum)
 
 
 def measure_matmul_flops(dtype: torch.dtype = torch.bfloat16, n: int = 2048, budget_s: float = 1.5,
