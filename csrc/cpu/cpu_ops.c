@@ -189,11 +189,13 @@ TGT void kv_apply_token_bitmask(float* x, int64_t ldx, const int32_t* mask, int6
 
 /* ---- Greedy choice over logit rows --------------------------------------------------------
  * Per row m of x (float32 or bf16, stride ldx): token[m] = the first index of the row maximum,
- * row_max[m] = that maximum and log_z[m] = lse_row (so the token's logprob is -log_z[m]);
- * token[m] = -1 when the maximum is not finite (a NaN or +-inf in the row's max). */
-TGT void kv_greedy(const void* x, int64_t ldx, int bf, int64_t* token, float* row_max, float* log_z, int64_t M,
-                   int64_t V, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+ * row_max[m] (unless row_max is NULL) = that maximum and log_z[m] = lse_row, or with logprob != 0
+ * its negation -lse_row, the token's logprob; token[m] = -1 (and log_z[m] NaN) when the maximum
+ * is not finite (a NaN or +-inf in the row's max). Returns the number of such rows. */
+TGT int kv_greedy(const void* x, int64_t ldx, int bf, int64_t* token, float* row_max, float* log_z, int64_t M,
+                  int64_t V, int nthreads, int logprob) {
+    int bad = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : bad) if (nthreads > 1)
     for (int64_t m = 0; m < M; m++) {
         const void* row = at(x, m * ldx, bf);
         __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -205,10 +207,11 @@ TGT void kv_greedy(const void* x, int64_t ldx, int bf, int64_t* token, float* ro
             vmax = _mm512_mask_max_ps(vmax, t, vmax, a);
         }
         const float mxv = _mm512_reduce_max_ps(vmax);
-        row_max[m] = mxv;
+        if (row_max) row_max[m] = mxv;
         if (nan || !isfinite(mxv)) {
             token[m] = -1;
             log_z[m] = NAN;
+            bad++;
             continue;
         }
         const __m512 vm = _mm512_set1_ps(mxv);
@@ -219,8 +222,10 @@ TGT void kv_greedy(const void* x, int64_t ldx, int bf, int64_t* token, float* ro
             if (eq) idx = v + __builtin_ctz((unsigned)eq);
         }
         token[m] = idx;
-        log_z[m] = lse_row(row, V, mxv, bf);
+        const float lz = lse_row(row, V, mxv, bf);
+        log_z[m] = logprob ? 0.0f - lz : lz;
     }
+    return bad;
 }
 
 /* ---- RoPE (GPT-NeoX / Hugging Face rotate_half layout), in place ---------------------------

@@ -623,6 +623,33 @@ def test_greedy_gives_up_on_non_finite_maxima_and_rejects_bad_input(via):
         K.greedy(torch.randn(4, 6).t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,V", [(1, 49152), (5, 37), (64, 1000)])
+def test_greedy_sample_gives_greedy_tokens_and_minus_log_z(dtype, M, V):
+    """The sampler's fast path: greedy's tokens and ``0.0 - log_z`` bit for bit (one call, the
+    rows' maxima checked in C); None as soon as one row's maximum is not finite."""
+    if not K.available():
+        pytest.skip("needs the CPU kernels")
+    g = torch.Generator().manual_seed(M * V)
+    x = (torch.randn(M, V + 3, generator=g) * 4).to(dtype)[:, 1 : 1 + V]
+    x[0, : V // 2] = float("-inf")
+    tokens, _, log_z = K.greedy(x)
+    got = K.greedy_sample(x)
+    assert got is not None
+    assert torch.equal(got[0], tokens) and torch.equal(got[1], 0.0 - log_z)
+    assert got[1].dtype == torch.float32 and bool((got[1] <= 0).all())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[M - 1] = float("-inf") if bad == float("-inf") else y[M - 1]
+        y[M - 1, V // 3] = bad
+        assert K.greedy_sample(y) is None and K.greedy(y) is None
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        K.greedy_sample(x.half())
+    with pytest.raises(ValueError, match="unit stride"):
+        K.greedy_sample(torch.randn(4, 6).t())
+    assert K.greedy_sample(torch.empty(0, V)) is None
+
+
 @pytest.mark.parametrize("V,W", [(100, 3), (64, 2)])
 def test_apply_token_bitmask(V, W, via):
     """Columns whose bit is clear become -inf in the rows the mask rows name (columns at or past

@@ -71,7 +71,7 @@ class _Lib:
             "kv_rms_norm": [vp, i64, vp, i64, vp, vp, i64, i64, i64, cf, ci, ci],
             "kv_silu_and_mul": [vp, i64, vp, i64, i64, i64, ci, ci],
             "kv_log_sum_exp": [vp, i64, vp, vp, i64, i64, ci],
-            "kv_greedy": [vp, i64, ci, vp, vp, vp, i64, i64, ci],
+            "kv_greedy": [vp, i64, ci, vp, vp, vp, i64, i64, ci, ci],
             "kv_apply_token_bitmask": [vp, i64, vp, i64, vp, i64, i64, ci],
             "kv_rope": [vp, i64, i64, i64, i64, vp, vp, vp, ci, ci],
             "kv_gemma_rms_norm": [vp, i64, vp, vp, i64, vp, vp, i64, i64, i64, cf, ci, ci],
@@ -95,7 +95,8 @@ class _Lib:
                 continue  # (a library built before that kernel: lowbit_available() / prefill_ranges_supported())
             fn = getattr(lib, name)
             fn.argtypes = args
-            fn.restype = ctypes.c_int if name.startswith(("kv_paged_attention", "kv_prefill_ranges", "kv_probe_colsum")) else None
+            fn.restype = (ctypes.c_int if name.startswith(("kv_paged_attention", "kv_prefill_ranges", "kv_probe_colsum", "kv_greedy"))
+                          else None)
             setattr(self, name[3:], fn)
 
 
@@ -316,8 +317,34 @@ def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     log_z = torch.empty(M, dtype=torch.float32)
     if M and V:
         _k().greedy(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), tokens.data_ptr(),
-                  row_max.data_ptr(), log_z.data_ptr(), M, V, _threads(M * V, M))
+                    row_max.data_ptr(), log_z.data_ptr(), M, V, _threads(M * V, M), 0)
     return tokens, row_max, log_z
+
+
+def greedy_sample(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`greedy` as the sampler's fast path needs it, in one call and two allocations:
+    ``(tokens [M] int64, logprobs [M] float32)``, the logprob being ``-log_z`` (the same
+    float32 number ``0.0 - log_z`` gives). Right after a decode step has streamed the weights
+    through the caches every further PyTorch op costs tens of microseconds, so this checks the
+    rows' maxima in C instead of with ``(tokens < 0).any()``.
+
+    Args:
+        logits: ``[M, V]`` float32 or bfloat16 on the CPU, unit last stride, ``M, V > 0``.
+
+    Returns:
+        None when some row's maximum is not finite (the caller takes its general path).
+    """
+    _rows(logits, "logits")
+    if logits.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"greedy needs float32 or bfloat16 logits, got {logits.dtype}")
+    M, V = logits.shape
+    if M == 0 or V == 0:
+        return None
+    tokens = torch.empty(M, dtype=torch.int64)
+    logprobs = torch.empty(M, dtype=torch.float32)
+    bad = _k().greedy(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), tokens.data_ptr(),
+                      None, logprobs.data_ptr(), M, V, _threads(M * V, M), 1)
+    return None if bad else (tokens, logprobs)
 
 
 def rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,

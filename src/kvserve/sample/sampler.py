@@ -133,6 +133,8 @@ multiply, which on CPU is several times faster than ``masked_fill_`` with a bool
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -652,6 +654,14 @@ class SamplerOutput:
 
 
 # ------------------------------------------------------------------------ sampler
+@functools.lru_cache(maxsize=64)
+def _zero_ranks(batch_size: int) -> torch.Tensor:
+    """``[batch_size]`` int64 zeros: the ranks of :meth:`Sampler.greedy`'s rows (none asked for
+    logprobs). Shared between calls (read-only: the engine only reads ranks) so that the fast
+    path allocates nothing more after a decode step has left the caches cold."""
+    return torch.zeros(batch_size, dtype=torch.int64)
+
+
 def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row with these parameters, ``num_output_tokens`` into its output, gets the
     bare argmax from :class:`Sampler`: greedy, no logprobs asked, and none of steps 1-3 (logit
@@ -679,11 +689,11 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] == 0 or not cpu_ops.supports(logits) or logits.stride(-1) != 1:
             return None
-        fast = cpu_ops.greedy(logits.detach())
+        fast = cpu_ops.greedy_sample(logits.detach())
         if fast is None:
             return None
-        tokens, _, log_z = fast
-        return SamplerOutput(tokens, 0.0 - log_z, torch.zeros_like(tokens), None, None)
+        tokens, logprobs = fast
+        return SamplerOutput(tokens, logprobs, _zero_ranks(tokens.shape[0]), None, None)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row.
