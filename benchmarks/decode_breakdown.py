@@ -24,8 +24,8 @@ A step is split into
 Each piece is timed by wrapping the method with ``time.perf_counter_ns`` (~1 us per step in all).
 The roofline: the bytes of weights one decode step reads (every linear and the LM head,
 :attr:`Linear.weight_nbytes`: bf16, or the packed Q4_1 blocks) at the memory bandwidth
-:func:`kvserve.roofline.measure_memory_bandwidth` measures before and after the runs (best of
-several sgemv passes over 512 MiB); KV reads (~0.2 MB per step at these lengths) are left out.
+:func:`kvserve.roofline.measure_memory_bandwidth` measures before and after the runs (the best of
+several ``sgemv`` and ``sum`` passes over 512 MiB; the larger of the two measurements is used). KV reads (~0.2 MB per step at these lengths) are left out.
 
 Usage:
     python benchmarks/decode_breakdown.py [--modes bf16,q4_1] [--max-tokens 256] [--runs 3] [--json out.json]

@@ -19,6 +19,7 @@ HAS_AMX = KERNELS is not None and KERNELS.has_amx
 # N not a multiple of the 4-row block), plus M above the gemv threshold (eager path).
 SHAPES = [(1, 576, 960), (1, 1536, 576), (3, 64, 5), (8, 33, 7), (5, 1, 3), (2, 100, 1), (1, 576, 192),
           (L.GEMV_MAX_M_BF16, 80, 12), (L.GEMV_MAX_M_F32 + 1, 80, 12), (40, 96, 33),
+          (L.GEMV_MAX_M_BF16_NO_AMX, 80, 12), (L.GEMV_MAX_M_BF16_NO_AMX + 1, 576, 96),
           # AMX-eligible (N % 16 == 0, K % 32 == 0): one partial tile of rows, full tiles,
           # the largest M it takes, and the first M past it
           (L.GEMV_MAX_M_BF16 + 1, 576, 960), (16, 64, 32), (21, 1536, 576), (L.AMX_MAX_M_BF16, 96, 48),
@@ -62,6 +63,8 @@ def test_resolved_backend():
     assert Linear(w.bfloat16()).backend == want
     assert Linear(w.bfloat16(), backend="gemv").backend == ("gemv" if HAS_BF16 else "eager")
     assert Linear(w.double()).backend == "eager"  # no kernel for float64: plain F.linear
+    if HAS_BF16:  # bf16 gemv up to 4 tokens where AMX takes 5-64, up to 16 where oneDNN would
+        assert Linear(w.bfloat16())._gemv_max_m == (L.GEMV_MAX_M_BF16 if HAS_AMX else L.GEMV_MAX_M_BF16_NO_AMX)
     assert Linear(w).quantization is None  # int8 only on request
 
 

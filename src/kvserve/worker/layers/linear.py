@@ -64,10 +64,15 @@ from kvserve.worker.layers.quant import (INT4_GROUP_SIZES, GGUFWeight, PackedWei
                                         pack_gguf, q_kernels, qlinear, quantize_activations, quantize_int4,
                                         weight_only_available)
 
-#: Largest number of tokens (rows of ``x``) sent to the bf16 gemv kernel; above it oneDNN's
-#: AMX/AVX-512 GEMM wins (measured crossover: gemv faster at M <= 4 on every model shape,
+#: Largest number of tokens (rows of ``x``) sent to the bf16 gemv kernel on CPUs with AMX;
+#: above it the AMX kernel runs (measured crossover: gemv faster at M <= 4 on every model shape,
 #: oneDNN faster on the large ones from M = 8).
 GEMV_MAX_M_BF16 = 4
+#: The same on CPUs with AVX512_BF16 but no AMX, where oneDNN's GEMM runs above it. Measured
+#: 2026-12-03 (2-core AMD EPYC, SmolLM2's four linear shapes x 30 layers, 212 MB of bf16
+#: weights, so from DRAM; gemv reading its rows as one sequential stream): gemv 2.06x faster
+#: than oneDNN at 4 tokens, 1.36x at 8, 1.14x at 16, 0.97x at 24, 0.82x at 32.
+GEMV_MAX_M_BF16_NO_AMX = 16
 #: Same for float32 (gemv faster than MKL up to M = 8 on every model shape, mixed at 16).
 GEMV_MAX_M_F32 = 8
 #: Largest number of tokens sent to the AMX kernel (:func:`amx_linear`) when the CPU has
@@ -534,7 +539,7 @@ class Linear(nn.Module):
         if k is None:
             return 0
         if weight.dtype == torch.bfloat16 and k.has_bf16:
-            return GEMV_MAX_M_BF16
+            return GEMV_MAX_M_BF16 if k.has_amx else GEMV_MAX_M_BF16_NO_AMX
         if weight.dtype == torch.float32 and k.has_f32:
             return GEMV_MAX_M_F32
         return 0
