@@ -134,7 +134,6 @@ multiply, which on CPU is several times faster than ``masked_fill_`` with a bool
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
