@@ -196,11 +196,14 @@ class ModelRunner:
             tables = [self.block_tables[r.request_id] for r, _ in rows]
             max_blocks = max(len(t) for t in tables)
             bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-            nc = torch.tensor([r.num_computed_tokens + i for r, i in rows], dtype=torch.long)
-            # KV index = position - dropped tokens (0 unless the request's KV was compacted)
-            kv = nc - torch.tensor([r.num_dropped_tokens for r, _ in rows], dtype=torch.long)
-            ctx_len = kv + 1
-            max_ctx = int(ctx_len.max())
+            # positions, KV indices (position - dropped tokens: 0 unless the request's KV was
+            # compacted) and slots as Python ints, then one tensor: right after a decode step has
+            # streamed the weights through the caches each PyTorch op costs tens of microseconds
+            nc_l = [r.num_computed_tokens + i for r, i in rows]
+            kv_l = [p - r.num_dropped_tokens for p, (r, _) in zip(nc_l, rows)]
+            slot_l = [t[k // bs] * bs + k % bs for t, k in zip(tables, kv_l)]
+            nc, slots, ctx_len = torch.tensor([nc_l, slot_l, [k + 1 for k in kv_l]], dtype=torch.long).unbind(0)
+            max_ctx = max(kv_l) + 1
             meta.num_decode_tokens = D
             meta.decode_max_context_len = max_ctx
             if self.uses_context_slots:
@@ -213,7 +216,7 @@ class ModelRunner:
             meta.decode_block_tables = bt.to(self.device)
             meta.decode_context_lens = ctx_len.to(self.device)
             pos_parts.append(nc)
-            slot_parts.append(bt.gather(1, (kv // bs).unsqueeze(1)).squeeze(1) * bs + kv % bs)
+            slot_parts.append(slots)
             probe_rows = [(r, i, 1) for i, (r, _) in enumerate(decodes)]
             row = len(decodes)
             for r, n in verify:
@@ -277,7 +280,7 @@ class ModelRunner:
                                                      dtype=torch.long, device=self.device)
             meta.prefill_chunks = torch.tensor([[seg.start, seg.end - seg.start, seg.num_past]
                                                 for seg in meta.prefills], dtype=torch.long, device=self.device)
-        meta.slot_mapping = torch.cat(slot_parts).to(self.device)
+        meta.slot_mapping = (slot_parts[0] if len(slot_parts) == 1 else torch.cat(slot_parts)).to(self.device)
         rmap = self.residual_map
         if rmap is not None and rmap.device != torch.device(self.device):  # (the KV manager's is on the CPU)
             rmap = rmap.to(self.device)
@@ -285,7 +288,7 @@ class ModelRunner:
         meta.kv_probes = self._kv_probes(probe_rows, verifying)
         return BatchInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.cat(pos_parts).to(self.device),
+            positions=(pos_parts[0] if len(pos_parts) == 1 else torch.cat(pos_parts)).to(self.device),
             meta=meta,
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=self.device),
             sample_requests=sample_reqs,
