@@ -300,51 +300,49 @@ def greedy(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, t
         row_max [M] float32, log_z [M] float32)``, or None when some row's maximum is not
         finite (a NaN or an infinity: the caller takes its general path).
     """
-    tokens, row_max, log_z = _greedy(logits)
-    if logits.shape[1] == 0 or bool((tokens < 0).any()):
-        return None
-    return tokens, row_max, log_z
+    tokens, row_max, log_z, bad = _greedy_run(logits, logprob=False)
+    return None if logits.shape[1] == 0 or bad else (tokens, row_max, log_z)
 
 
 def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`greedy`'s kernel call: ``tokens`` has -1 in rows whose maximum is not finite."""
-    _rows(logits, "logits")
-    if logits.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"greedy needs float32 or bfloat16 logits, got {logits.dtype}")
-    M, V = logits.shape
-    tokens = torch.empty(M, dtype=torch.int64)
-    row_max = torch.empty(M, dtype=torch.float32)
-    log_z = torch.empty(M, dtype=torch.float32)
-    if M and V:
-        _k().greedy(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), tokens.data_ptr(),
-                    row_max.data_ptr(), log_z.data_ptr(), M, V, _threads(M * V, M), 0)
-    return tokens, row_max, log_z
+    return _greedy_run(logits, logprob=False)[:3]
 
 
 def greedy_sample(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`greedy` as the sampler's fast path needs it, in one call and two allocations:
     ``(tokens [M] int64, logprobs [M] float32)``, the logprob being ``-log_z`` (the same
     float32 number ``0.0 - log_z`` gives). Right after a decode step has streamed the weights
-    through the caches every further PyTorch op costs tens of microseconds, so this checks the
-    rows' maxima in C instead of with ``(tokens < 0).any()``.
+    through the caches every further PyTorch op costs tens of microseconds, so the rows' maxima
+    are checked in C, not with ``(tokens < 0).any()``.
 
     Args:
-        logits: ``[M, V]`` float32 or bfloat16 on the CPU, unit last stride, ``M, V > 0``.
+        logits: ``[M, V]`` float32 or bfloat16 on the CPU, unit last stride.
 
     Returns:
-        None when some row's maximum is not finite (the caller takes its general path).
+        None when some row's maximum is not finite, or ``M`` or ``V`` is 0 (the caller takes
+        its general path).
     """
+    tokens, _, logprobs, bad = _greedy_run(logits, logprob=True)
+    return None if bad or 0 in logits.shape else (tokens, logprobs)
+
+
+def _greedy_run(logits: torch.Tensor, logprob: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, int]:
+    """Check ``logits`` and run ``kv_greedy``: ``(tokens, row_max (None with logprob), log_z (with
+    logprob: the token's logprob -log_z), the number of rows whose maximum is not finite)``."""
     _rows(logits, "logits")
     if logits.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"greedy needs float32 or bfloat16 logits, got {logits.dtype}")
     M, V = logits.shape
-    if M == 0 or V == 0:
-        return None
     tokens = torch.empty(M, dtype=torch.int64)
-    logprobs = torch.empty(M, dtype=torch.float32)
-    bad = _k().greedy(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), tokens.data_ptr(),
-                      None, logprobs.data_ptr(), M, V, _threads(M * V, M), 1)
-    return None if bad else (tokens, logprobs)
+    row_max = None if logprob else torch.empty(M, dtype=torch.float32)
+    out = torch.empty(M, dtype=torch.float32)
+    bad = 0
+    if M and V:
+        bad = _k().greedy(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), tokens.data_ptr(),
+                          None if row_max is None else row_max.data_ptr(), out.data_ptr(), M, V, _threads(M * V, M),
+                          int(logprob))
+    return tokens, row_max, out, bad
 
 
 def rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
