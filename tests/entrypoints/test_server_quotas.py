@@ -19,7 +19,19 @@ from kvserve.sampling_params import SamplingParams
 
 
 def _engine(folder) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=str(folder), dtype="float32", num_blocks=1024, block_size=4, max_model_len=512))
+    """The tiny model's engine, each step held back 5 ms so that LONG takes at least 2 s on any
+    CPU (a bare step is well under 1 ms on a fast one, and LONG could finish before the test
+    looks at it or before a 0.3 s timeout)."""
+    engine = LLMEngine(EngineArgs(model=str(folder), dtype="float32", num_blocks=1024, block_size=4,
+                                  max_model_len=512))
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    engine.step = slow_step
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +75,7 @@ def _released(s, user, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-LONG = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True}  # 403 tokens in flight, a few seconds
+LONG = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True}  # 403 tokens in flight, >= 2 s (_engine)
 
 
 def test_requests_per_user(server):
