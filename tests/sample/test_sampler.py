@@ -852,7 +852,7 @@ def test_engine_penalties_same_with_and_without_history(tiny_model_dir, monkeypa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_fast_path_equals_the_general_path(dtype, monkeypatch):
     """A greedy batch with nothing to edit and no logprobs asked takes the fused CPU pass
-    (cpu_ops.greedy, no upcast of bf16 logits); it gives the general path's tokens and token
+    (cpu_ops.greedy_sample, no upcast of bf16 logits); it gives the general path's tokens and token
     logprobs bit for bit, ties included."""
     from kvserve.kernels import cpu_ops
 
@@ -862,18 +862,18 @@ def test_greedy_fast_path_equals_the_general_path(dtype, monkeypatch):
     logits[5, 100] = logits[5, 40000] = logits[5].float().amax() + 1  # tie: the first index wins
     rows = _rows(SamplingParams(temperature=0.0), 64)
     calls = []
-    real = cpu_ops.greedy
-    monkeypatch.setattr(cpu_ops, "greedy", lambda x: calls.append(1) or real(x))
+    real = cpu_ops.greedy_sample
+    monkeypatch.setattr(cpu_ops, "greedy_sample", lambda x: calls.append(1) or real(x))
     fast = _sample(logits, rows)
     assert calls == [1]
-    monkeypatch.setattr(cpu_ops, "greedy", lambda x: None)  # "not finite": the general path
+    monkeypatch.setattr(cpu_ops, "greedy_sample", lambda x: None)  # "not finite": the general path
     slow = _sample(logits, rows)
     assert fast.sampled_token_ids[5] == 100
     assert torch.equal(fast.sampled_token_ids, slow.sampled_token_ids)
     assert torch.equal(fast.logprobs, slow.logprobs) and torch.equal(fast.ranks, slow.ranks)
     # asking for logprobs (or any edit) leaves the fast path
     calls.clear()
-    monkeypatch.setattr(cpu_ops, "greedy", lambda x: calls.append(1) or real(x))
+    monkeypatch.setattr(cpu_ops, "greedy_sample", lambda x: calls.append(1) or real(x))
     _sample(logits, _rows(SamplingParams(temperature=0.0, logprobs=1), 64))
     _sample(logits, _rows(SamplingParams(temperature=0.0, repetition_penalty=1.2), 64, prompt=[3, 4]))
     assert calls == []

@@ -153,7 +153,7 @@ def test_gbnf_grammar_is_accepted(llm):
 
 
 def test_bfloat16_greedy_skips_the_fused_greedy_path(tiny_model_dir):
-    """bf16 greedy batches without edits take the fused argmax (cpu_ops.greedy); a grammar must
+    """bf16 greedy batches without edits take the fused argmax (cpu_ops.greedy_sample); a grammar must
     keep them off it."""
     llm = LLM(model=str(tiny_model_dir("llama")[0]), dtype="bfloat16", num_blocks=256, block_size=4)
     pattern = r"[0-9]{3}\.[a-z]{2}"

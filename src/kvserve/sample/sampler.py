@@ -710,14 +710,12 @@ class Sampler:
             raise ValueError(
                 f"logits must have shape [{meta.batch_size}, {meta.vocab_size}], got {tuple(logits.shape)}"
             )
-        if (meta.num_greedy == meta.batch_size > 0 and not meta.any_logprobs and not meta.edits_logits
-                and cpu_ops.supports(logits) and logits.stride(-1) == 1):
+        if meta.num_greedy == meta.batch_size > 0 and not meta.any_logprobs and not meta.edits_logits:
             # greedy, nothing to edit, no logprobs asked: one fused pass over the (bf16) logits
             # gives what the general path does (the token's logprob is 0 - log_z)
-            fast = cpu_ops.greedy(logits.detach())
+            fast = self.greedy(logits)
             if fast is not None:
-                tokens, _, log_z = fast
-                return SamplerOutput(tokens, 0.0 - log_z, torch.zeros_like(tokens), None, None)
+                return fast
         raw = logits.detach() if logits.dtype == torch.float32 else logits.detach().float()
         if meta.batch_size == 0:
             empty = torch.empty(0, dtype=torch.int64, device=raw.device)
