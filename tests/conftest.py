@@ -1,12 +1,20 @@
+import atexit
 import functools
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # OpenMP threads that spin ~300k times between parallel regions collapse when other processes
 # want the same cores (a test of a few decode steps took minutes next to three other jobs on
 # 2 cores): the wait policy kvserve's CLI sets, before torch loads libgomp (see kvserve/__init__)
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# kvserve's on-disk cache (GGUF tokenizers rebuilt once: kvserve.engine.tokenizer) in a folder of
+# this test session, which the server and rank processes the tests start inherit
+if "KVSERVE_CACHE_DIR" not in os.environ:
+    os.environ["KVSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvserve-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["KVSERVE_CACHE_DIR"], True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -71,6 +71,26 @@ def test_config_and_tokenizer(gemma_fp32, reference):
         assert ids == case["prompt_ids"] and ids[0] == 2  # transformers' ids, BOS first
 
 
+def test_tokenizer_from_the_cache_equals_the_rebuilt_one(gemma_fp32, gemma_path, chat_case, monkeypatch):
+    """The engine rebuilt the 262k-token tokenizer from the GGUF (~20 s) and saved it in the
+    session's cache; a load now reads it (~3.5 s) and gives the same tokenizer."""
+    from kvserve.engine import tokenizer as tokenizer_mod
+
+    built = gemma_fp32.engine.tokenizer
+    assert tokenizer_mod._gguf_cache_entry(gemma_path).is_dir()
+    monkeypatch.setattr(tokenizer_mod, "_build_gguf", None)  # (not called: read from the cache)
+    cached = tokenizer_mod.load_tokenizer(gemma_path)
+    assert type(cached) is type(built) and cached.get_vocab() == built.get_vocab()
+    assert cached.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
+    assert (cached.bos_token_id, cached.eos_token_id, cached.pad_token_id, cached.chat_template) == (
+        built.bos_token_id, built.eos_token_id, built.pad_token_id, built.chat_template)
+    for text in ["The capital of France is", "  two\n\n\ttabs ünïcödé 👋 <start_of_turn>", ""]:
+        assert cached.encode(text) == built.encode(text)
+    messages = chat_case["messages"]
+    assert (tokenizer_mod.apply_chat_template(cached, messages)
+            == tokenizer_mod.apply_chat_template(built, messages))
+
+
 def test_greedy_matches_transformers_batched(gemma_fp32, reference):
     cases = reference["cases"]
     outs = gemma_fp32.generate([c["prompt_ids"] for c in cases], _params(16, logprobs=5))

@@ -8,10 +8,23 @@ Chat prompts use the tokenizer's own Jinja chat template: the template is render
 text and then encoded with ``add_special_tokens=False`` (the template already writes
 the special tokens), which gives the same ids as transformers'
 ``apply_chat_template(..., tokenize=True)``.
+
+A GGUF file's tokenizer is rebuilt from its metadata once (1.8 s for SmolLM2's 49k tokens,
+21 s for Gemma 3's 262k on the 2-core test machine) and kept on disk as a Hugging Face
+tokenizer (``save_pretrained``) under ``$KVSERVE_CACHE_DIR/tokenizers`` (default
+``$XDG_CACHE_HOME/kvserve`` or ``~/.cache/kvserve``), one entry per file path, size and
+modification time and per transformers / tokenizers version; later loads read that entry
+(0.2 s and 3.3 s). ``KVSERVE_CACHE_DIR=off`` turns the cache off; an unwritable or damaged
+cache is skipped (the tokenizer is rebuilt), never an error.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -94,7 +107,88 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
+#: Bumped when what a tokenizer cache entry holds changes (older entries are then ignored).
+_TOKENIZER_CACHE_VERSION = 1
+
+
+def cache_dir() -> Path | None:
+    """kvserve's on-disk cache folder: ``$KVSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvserve``,
+    else ``~/.cache/kvserve``; None when ``KVSERVE_CACHE_DIR`` is ``off`` (or ``0``/``none``)."""
+    env = os.environ.get("KVSERVE_CACHE_DIR")
+    if env is not None and env.strip().lower() in ("off", "0", "none", ""):
+        return None
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvserve"
+
+
+def _gguf_cache_entry(path: Path) -> Path | None:
+    """The cache folder of this GGUF file's tokenizer (it may not exist yet): keyed by the
+    resolved path, size, modification time (ns) and inode, and by the transformers and
+    tokenizers versions that built it. None when the cache is off or the file cannot be read."""
+    root = cache_dir()
+    if root is None:
+        return None
+    try:
+        import tokenizers
+        import transformers
+
+        st = path.stat()
+        key = json.dumps([_TOKENIZER_CACHE_VERSION, str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino,
+                          transformers.__version__, tokenizers.__version__])
+    except (OSError, ImportError):
+        return None
+    return root / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _load_cached(entry: Path) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved in ``entry``, or None when there is none or it cannot be read."""
+    try:
+        config = json.loads((entry / "tokenizer_config.json").read_text())
+        if config.get("tokenizer_class") == "TokenizersBackend":
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(entry), local_files_only=True)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+    except Exception:  # missing, partly written by hand, or from an incompatible build: rebuild
+        return None
+
+
+def _save_cached(tok: PreTrainedTokenizerBase, entry: Path) -> None:
+    """Write ``tok`` to ``entry`` atomically (a temporary folder renamed into place; a process
+    that wrote it first wins); any failure leaves no entry and is not an error."""
+    tmp = entry.parent / f".{entry.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(tmp))
+        if entry.exists():
+            shutil.rmtree(entry, ignore_errors=True)  # a damaged entry (a good one loaded before)
+        os.rename(tmp, entry)
+    except Exception:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _load_gguf(path: Path) -> PreTrainedTokenizerBase:
+    entry = _gguf_cache_entry(path)
+    tok = _load_cached(entry) if entry is not None else None
+    if tok is None:
+        tok = _build_gguf(path)
+        if entry is not None:
+            _save_cached(tok, entry)
+    tok.name_or_path = str(path.parent)
+    if not getattr(tok, "chat_template", None) and _has_tokens(tok, "<start_of_turn>", "<end_of_turn>"):
+        # Gemma GGUFs converted without their template (llama.cpp falls back the same way)
+        tok.chat_template = GEMMA_CHAT_TEMPLATE
+    return tok
+
+
+def _build_gguf(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer transformers rebuilds from the GGUF file's metadata."""
     try:
         if _gguf_tokenizer_is_backend(path):
             # What AutoTokenizer returns for these files, without its model-config step: that
@@ -111,9 +205,6 @@ def _load_gguf(path: Path) -> PreTrainedTokenizerBase:
             )
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from the GGUF file {str(path)!r}: {e}") from e
-    if not getattr(tok, "chat_template", None) and _has_tokens(tok, "<start_of_turn>", "<end_of_turn>"):
-        # Gemma GGUFs converted without their template (llama.cpp falls back the same way)
-        tok.chat_template = GEMMA_CHAT_TEMPLATE
     return tok
 
 
