@@ -626,7 +626,7 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
         const int64_t base = (blk * bs + o0) * rs + g * hd;
         prefetch_rows(vc, bf ? 2 : 4, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
         for (int64_t o = 0; o < n; o++) {
-            __m512 vv[NV];
+            __m512 vv[16]; /* (fixed size: a VLA here was a stack allocation per key) */
             for (int64_t v = 0; v < NV; v++) vv[v] = ld(vc, base + o * rs + v * 16, tail_mask(hd - v * 16), bf);
             for (int64_t h = 0; h < G; h++) {
                 const __m512 p = _mm512_set1_ps(sc[h * Lw + (j0 - J) + o]);
@@ -699,7 +699,7 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
         prefetch_rows(vc, 2, bt, j0 + KV_PFD, j0 + n + KV_PFD, L, bs, rs, g * hd, pf_bytes);
         for (int64_t o = 0; o < n; o += 2) {
             const int two = o + 1 < n;
-            __m512i a[NW], b[NW];
+            __m512i a[8], b[8]; /* (fixed size: a VLA here was a stack allocation per pair of keys) */
             for (int64_t w = 0; w < NW; w++) {
                 __m512i v0 = _mm512_loadu_si512(vb + o * rs + w * 32);
                 __m512i v1 = two ? _mm512_loadu_si512(vb + (o + 1) * rs + w * 32) : _mm512_setzero_si512();
