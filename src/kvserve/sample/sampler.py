@@ -673,6 +673,18 @@ def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
             and p.presence_penalty == 0.0)
 
 
+def _fused_greedy(logits: torch.Tensor) -> Optional[SamplerOutput]:
+    """:meth:`Sampler.greedy` (the model runner's call for plain-greedy batches), and the fast path
+    of :meth:`Sampler.__call__` for greedy batches with nothing to edit."""
+    if logits.dim() != 2 or logits.shape[0] == 0 or not cpu_ops.supports(logits) or logits.stride(-1) != 1:
+        return None
+    fast = cpu_ops.greedy_sample(logits.detach())
+    if fast is None:
+        return None
+    tokens, logprobs = fast
+    return SamplerOutput(tokens, logprobs, _zero_ranks(tokens.shape[0]), None, None)
+
+
 class Sampler:
     """Stateless sampler; see the module docstring for the order of processing."""
 
@@ -686,13 +698,7 @@ class Sampler:
         Args:
             logits: ``[B, V]``, ``B > 0``.
         """
-        if logits.dim() != 2 or logits.shape[0] == 0 or not cpu_ops.supports(logits) or logits.stride(-1) != 1:
-            return None
-        fast = cpu_ops.greedy_sample(logits.detach())
-        if fast is None:
-            return None
-        tokens, logprobs = fast
-        return SamplerOutput(tokens, logprobs, _zero_ranks(tokens.shape[0]), None, None)
+        return _fused_greedy(logits)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row.
@@ -713,7 +719,7 @@ class Sampler:
         if meta.num_greedy == meta.batch_size > 0 and not meta.any_logprobs and not meta.edits_logits:
             # greedy, nothing to edit, no logprobs asked: one fused pass over the (bf16) logits
             # gives what the general path does (the token's logprob is 0 - log_z)
-            fast = self.greedy(logits)
+            fast = _fused_greedy(logits)
             if fast is not None:
                 return fast
         raw = logits.detach() if logits.dtype == torch.float32 else logits.detach().float()
