@@ -13,7 +13,7 @@ A GGUF file's tokenizer is rebuilt from its metadata once (1.8 s for SmolLM2's 4
 21 s for Gemma 3's 262k on the 2-core test machine) and kept on disk as a Hugging Face
 tokenizer (``save_pretrained``) under ``$KVSERVE_CACHE_DIR/tokenizers`` (default
 ``$XDG_CACHE_HOME/kvserve`` or ``~/.cache/kvserve``), one entry per file path, size and
-modification time and per transformers / tokenizers version; later loads read that entry
+modification time, inode and transformers / tokenizers version; later loads read that entry
 (0.2 s and 3.3 s). ``KVSERVE_CACHE_DIR=off`` turns the cache off; an unwritable or damaged
 cache is skipped (the tokenizer is rebuilt), never an error.
 """
@@ -158,8 +158,10 @@ def _load_cached(entry: Path) -> PreTrainedTokenizerBase | None:
 
 
 def _save_cached(tok: PreTrainedTokenizerBase, entry: Path) -> None:
-    """Write ``tok`` to ``entry`` atomically (a temporary folder renamed into place; a process
-    that wrote it first wins); any failure leaves no entry and is not an error."""
+    """Write ``tok`` to ``entry`` atomically: a temporary folder renamed into place, after removing
+    an entry that could not be loaded (if another process renames its own copy in first, the
+    rename fails and that copy stays: they hold the same tokenizer). Any failure leaves at most
+    a complete entry and is not an error."""
     tmp = entry.parent / f".{entry.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
