@@ -523,7 +523,7 @@ def test_queue_full_503(tiny_folder):
         s.api.async_engine.pause()
         first = {}
         t = threading.Thread(target=lambda: first.update(r=client.completions.create(
-            model="tiny", prompt="x", max_tokens=2)))
+            model="tiny", prompt="x", max_tokens=2, extra_body={"ignore_eos": True})))
         t.start()
         deadline = time.monotonic() + 10
         while s.engine_call(lambda e: len(e.scheduler.waiting)) < 1:
@@ -594,7 +594,7 @@ def test_batch_that_overfills_the_queue_runs_nothing(tiny_folder):
         assert "a batch of 3 prompts exceeds the waiting-queue limit of this server (2 requests" in r.text
         s.api.async_engine.resume()
         r = httpx.post(s.base_url + "/v1/completions", timeout=60,
-                       json={"prompt": [[5, 6], [7, 8]], "max_tokens": 2})
+                       json={"prompt": [[5, 6], [7, 8]], "max_tokens": 2, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         metrics = _metrics(s)
         assert metrics.get("kvserve:request_success_total{finished_reason=abort}", 0.0) == 0.0
@@ -860,7 +860,8 @@ def test_engine_failure_fails_live_requests_only(server, client):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
     assert ei.value.status_code == 503 and "boom" in ei.value.body["message"]
     server.wait_idle()
-    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3,
+                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 3
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 
