@@ -57,9 +57,10 @@ def free_port() -> int:
 class CLIServer:
     """``kvserve serve --model MODEL`` in a subprocess (float32, a 0.05 GiB KV pool, 4,096-token
     context unless ``extra`` says otherwise: later options win), its stderr collected by a thread;
-    ready once ``/health`` answers 200 (at most 180 s)."""
+    ready once ``/health`` answers 200 (at most 180 s). ``new_session``: the server leads a
+    process group of its own (its engine core in it), for signals sent to the whole group."""
 
-    def __init__(self, folder, *extra: str) -> None:
+    def __init__(self, folder, *extra: str, new_session: bool = False) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
@@ -67,7 +68,8 @@ class CLIServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--model", str(folder), "--dtype", "float32",
              "--kv-cache-memory", "0.05", "--max-model-len", "4096", "--port", str(self.port), "--no-access-log",
-             *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=new_session)
         self.lines: list[str] = []
         self.core_pid = None
         self._reader = threading.Thread(target=self._read, daemon=True)

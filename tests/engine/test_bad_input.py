@@ -28,7 +28,8 @@ GOOD = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         ([], GOOD, "prompt is empty"),
         ("", GOOD, "prompt is empty"),
         (list(range(3, 70)), GOOD, "max_model_len is 64"),
-        ([5, 6], SamplingParams(max_tokens=63), r"exceeds max_model_len \(64\)"),
+        ([5, 6], SamplingParams(max_tokens=63),
+         r"= 65 exceeds max_model_len \(64\): set max_tokens to at most 62 or shorten the prompt"),
         ([5, 100000], GOOD, r"token ids must be integers in \[0, 384\)"),
         ([True, 2], GOOD, r"token ids must be integers in \[0, 384\); got True"),
         # no allowed token left to sample (the tiny model's EOS is 2)

@@ -7,6 +7,7 @@ exits 0 with the engine core gone and no traceback; a second SIGTERM exits at on
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -103,6 +104,31 @@ def test_sigterm_drains_live_streams_then_exits(tiny_folder):
         assert "SIGTERM: shutting down; no new requests, 10 live request(s) may finish within 10 s" in err, err
         assert "shutdown time-out: ending 9 live request(s)" in err, err
     finally:
+        s.kill()
+
+
+def test_sigterm_to_the_process_group_drains_too(tiny_folder):
+    """``kill -- -PGID`` (or systemd's stop) signals the engine core as well: it must not die of
+    it, so the live stream still finishes and nothing reports a dead core."""
+    s = CLIServer(tiny_folder, "--shutdown-timeout", "30", new_session=True)
+    try:
+        out, started = {}, threading.Event()
+        t = threading.Thread(target=_stream, args=(
+            s.base, {"prompt": [4, 5], "max_tokens": 150, "ignore_eos": True}, out, started))
+        t.start()
+        assert started.wait(60)
+        os.killpg(s.proc.pid, signal.SIGTERM)
+        assert s.wait(60) == 0, s.stderr
+        t.join(30)
+        assert "error" not in out and out["status"] == 200, out
+        assert out["events"][-1] == "[DONE]" and out["events"][-2]["choices"][0]["finish_reason"] == "length"
+        assert not any("error" in e for e in out["events"] if e != "[DONE]")
+        assert "process died" not in s.stderr and "Traceback" not in s.stderr, s.stderr
+        assert "SIGTERM: shutting down; no new requests, 1 live request(s) may finish" in s.stderr, s.stderr
+        assert pid_gone(s.core_pid, timeout=5.0)
+    finally:
+        if s.proc.poll() is None:
+            os.killpg(s.proc.pid, signal.SIGKILL)
         s.kill()
 
 

@@ -103,7 +103,8 @@ def test_cli_serve_tp_flag_and_clear_errors(folder):
     port = free_port()
     p = subprocess.Popen(cmd + ["serve", "--model", str(folder), "--dtype", "float32", "--kv-cache-memory", "0.05",
                                 "--block-size", "4", "-tp", "2", "--port", str(port), "--no-access-log"],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -118,8 +119,33 @@ def test_cli_serve_tp_flag_and_clear_errors(folder):
                        json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         kids = _children(p.pid)
+        # SIGTERM to the whole group (kill -- -PGID, systemd) during a stream: the core and rank 1
+        # ignore it, the server drains the stream and then stops them itself
+        events: list = []
+
+        def stream():
+            body = {"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not events:
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGTERM)
+        assert p.wait(90) == 0
+        t.join(30)
+        err = p.stderr.read()
+        assert "died" not in err and "Traceback" not in err, err
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length", events[-3:]
+        assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) > 0
     finally:
-        p.send_signal(signal.SIGTERM)
-        p.wait(60)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(60)
     for k in kids:  # the core and, under it, rank 1: all gone with the server
         assert pid_gone(k, 10.0)

@@ -420,7 +420,8 @@ class EngineCore:
         if n + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                f"max_model_len ({self.max_model_len})"
+                f"max_model_len ({self.max_model_len}): set max_tokens to at most {self.max_model_len - n} "
+                f"or shorten the prompt"
             )
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})")

@@ -230,10 +230,10 @@ class CoreClient:
             return not self._closed and self.process.is_alive()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the core (``stop``, then SIGTERM, then SIGKILL) and wait for it; idempotent.
+        """Stop the core (``stop``, then SIGKILL: the core ignores SIGTERM) and wait for it; idempotent.
 
         Args:
-            timeout: seconds to wait for the core to stop by itself before it is terminated.
+            timeout: seconds to wait for the core to stop by itself before it is killed.
         """
         if self._closed:
             return
@@ -248,11 +248,9 @@ class CoreClient:
                 except (OSError, ValueError):
                     pass
             if not self._wait_exit(timeout):
-                logger.warning("the engine core process did not stop within %.1f s; terminating it", timeout)
-                proc.terminate()
-                if not self._wait_exit(5.0):
-                    proc.kill()
-                    self._wait_exit(5.0)
+                logger.warning("the engine core process did not stop within %.1f s; killing it", timeout)
+                proc.kill()  # (it ignores SIGTERM: see core_proc)
+                self._wait_exit(5.0)
         self._closed = True
         self._sendq.put(None)
         try:

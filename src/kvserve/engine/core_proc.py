@@ -25,8 +25,9 @@ core → API (``out`` pipe):
     core goes on serving new ones); ``("stopped",)``.
 
 The core exits when told to stop, when the command pipe closes (the API process died) or
-when its parent process is gone; it ignores SIGINT (Ctrl-C reaches the whole process group:
-the API process decides when the core stops).
+when its parent process is gone; it ignores SIGINT and SIGTERM (Ctrl-C, ``kill -- -PGID`` and
+systemd's default stop reach the whole process group: the API process drains its requests and
+then decides when the core stops; SIGKILL still ends the core).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def run_engine_core(args, cmd_conn, out_conn, parent_pid: int, log_level: int = 
         parent_pid: the API process's pid (the core exits when it is gone).
         log_level: the level of the ``kvserve`` loggers in this process.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # (the API process decides: module docstring)
+        signal.signal(sig, signal.SIG_IGN)
     logging.getLogger("kvserve").setLevel(log_level)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s (core): %(message)s")

@@ -134,7 +134,8 @@ def run_worker(rank: int, world_size: int, dtype: torch.dtype, device: str, init
     (:meth:`Worker.execute_forward`); ``("stop",)``. Replies: ``("ready",)`` once, then
     ``("ok", value)`` or ``("err", exception)`` for each message.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the group: the core decides)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # (Ctrl-C or a SIGTERM to the group: the core decides)
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     try:
         worker = Worker(dtype, torch.device(device), rank, world_size, init_method, distributed_timeout_s=timeout_s,
@@ -375,7 +376,7 @@ class MultiprocExecutor(Executor):
             p.join(5.0)
 
     def shutdown(self) -> None:
-        """Stop every rank (``stop``, then SIGTERM, then SIGKILL) and leave the group; idempotent."""
+        """Stop every rank (``stop``, then SIGKILL: ranks ignore SIGTERM) and leave the group; idempotent."""
         for c in self.conns:
             try:
                 c.send(("stop",))
@@ -384,9 +385,6 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + 5.0
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.terminate()
-                p.join(2.0)
             if p.is_alive():
                 p.kill()
                 p.join(2.0)
