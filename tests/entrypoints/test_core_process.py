@@ -532,8 +532,14 @@ def test_engine_calls_take_method_names(server):
 
 
 # --------------------------------------------------------------- the core dies
-def test_core_killed_mid_stream(tiny_folder):
-    args = EngineArgs(model=str(tiny_folder), num_blocks=96, max_waiting=1, **TINY)  # 96 blocks: 384 tokens
+def test_core_killed_mid_stream(tiny_model_dir):
+    # The tiny model with a 4,096-token context and a pool of 768 blocks (3,072 tokens): the two
+    # requests killed below generate 1,200 tokens each, so both still run when the core dies.
+    # (With 150 tokens each, on the 512-token model, the non-streamed one ended 0.10-0.16 s
+    # after the stream's third event on a quiet machine: a test process held up that long before
+    # its SIGKILL saw it answered 200 instead of 503.)
+    args = EngineArgs(model=str(tiny_model_dir("llama_long")[0]), num_blocks=768, max_waiting=1,
+                      **{**TINY, "max_model_len": 4096})
     with ServerThread(args, names=["tiny"]) as s:
         base = s.base_url
         # the waiting queue's limit is the core's: QueueFullError crosses the pipe as a 503
@@ -553,7 +559,8 @@ def test_core_killed_mid_stream(tiny_folder):
         first_waiting.join(30)
         s.wait_idle()
         # the pool is smaller than max_model_len: a request that could never fit gets 400 at once
-        r = httpx.post(base + "/v1/completions", json={"prompt": list(range(1, 301)), "max_tokens": 100})
+        r = httpx.post(base + "/v1/completions", json={"prompt": [3 + i % 380 for i in range(3000)],
+                                                       "max_tokens": 100})
         assert r.status_code == 400 and "KV" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "prompt"
         pid = s.api.async_engine.core_pid
@@ -562,12 +569,12 @@ def test_core_killed_mid_stream(tiny_folder):
 
         def non_streaming():
             plain["r"] = httpx.post(base + "/v1/completions", timeout=30,
-                                    json={"prompt": [1, 2, 3], "max_tokens": 150, "ignore_eos": True})
+                                    json={"prompt": [1, 2, 3], "max_tokens": 1200, "ignore_eos": True})
 
         def streaming():
             events = []
             with httpx.stream("POST", base + "/v1/completions", timeout=30,
-                              json={"prompt": [4, 5, 6], "max_tokens": 150, "ignore_eos": True,
+                              json={"prompt": [4, 5, 6], "max_tokens": 1200, "ignore_eos": True,
                                     "stream": True}) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
