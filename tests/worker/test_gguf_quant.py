@@ -119,7 +119,11 @@ def test_activation_quantization_matches_the_reference_and_its_bound():
     assert torch.equal(cq, q) and torch.equal(cs, s)
     torch.testing.assert_close(css, s * q.view(5, 4, 32).sum(-1).float())
     err = (x.view(5, 4, 32) - s.unsqueeze(-1) * q.view(5, 4, 32).float()).abs()
-    assert bool((err <= x.view(5, 4, 32).abs().amax(-1, keepdim=True) / 254 * (1 + 1e-6)).all())
+    # half a step, s / 2 = max|x| / 254, plus float32 rounding: x · (1 / s) is off by up to ~127 · 2^-23
+    # of a step, so a value next to a half step can round the other way, and err's own product and
+    # difference round too (2.2e-5 of the bound at most in 200,000 draws of x; with 1e-6, 4.5e-4 of
+    # the draws failed: x is unseeded, so a run could)
+    assert bool((err <= x.view(5, 4, 32).abs().amax(-1, keepdim=True) / 254 * (1 + 1e-4)).all())
     assert bool((q[2, :32] == 0).all()) and float(s[2, 0]) == 0.0
 
 
