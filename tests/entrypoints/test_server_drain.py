@@ -113,8 +113,10 @@ def test_sigterm_to_the_process_group_drains_too(tiny_folder):
     s = CLIServer(tiny_folder, "--shutdown-timeout", "30", new_session=True)
     try:
         out, started = {}, threading.Event()
+        # 1,500 tokens: still live when the signal lands (150 ended 0.12-0.16 s after the first
+        # event on a quiet machine, and a SIGTERM handled later found 0 live requests)
         t = threading.Thread(target=_stream, args=(
-            s.base, {"prompt": [4, 5], "max_tokens": 150, "ignore_eos": True}, out, started))
+            s.base, {"prompt": [4, 5], "max_tokens": 1500, "ignore_eos": True}, out, started))
         t.start()
         assert started.wait(60)
         os.killpg(s.proc.pid, signal.SIGTERM)
