@@ -120,7 +120,8 @@ def make_model(path: Path, arch: str, seed: int = 0):
 
 
 def prefill_logits(llm, ids: list[int]) -> torch.Tensor:
-    """Logits at every position from one prefill through the engine's model and KV pool (on CPU)."""
+    """Logits at every position from one prefill through the engine's model and KV pool (returned
+    on the CPU, whatever the engine's device)."""
     eng = llm.engine
     T = len(ids)
     pos = torch.arange(T, device=eng.device)
@@ -131,7 +132,7 @@ def prefill_logits(llm, ids: list[int]) -> torch.Tensor:
         if T % bs:
             res.ensure(T // bs)
             res.release_later(T // bs)
-        meta.residual_map = res.map
+        meta.residual_map = res.map.to(eng.device)  # (the KV manager's is on the CPU, as the runner's)
     with torch.inference_mode():
         out = eng.model(torch.tensor(ids, device=eng.device), pos, eng.kv_caches, meta, pos).cpu()
     if res is not None:

@@ -200,9 +200,9 @@ class ProbeRecorder:
             from kvserve.worker import kv_quant
 
             self.scale = scale
-            self.calls.append([(p.request_id, q.index_select(0, p.rows).float().numpy().copy(),
-                                p.query_kv.numpy().copy(),
-                                kv_quant.gather(k_cache, p.context_slots, q.dtype).float().numpy().copy())
+            self.calls.append([(p.request_id, q.index_select(0, p.rows).float().cpu().numpy().copy(),
+                                p.query_kv.cpu().numpy().copy(),
+                                kv_quant.gather(k_cache, p.context_slots, q.dtype).float().cpu().numpy().copy())
                                for p in meta.kv_probes])
             orig(q, k_cache, meta, scale)
 
@@ -266,7 +266,7 @@ def test_snapkv_kept_positions_match_numpy(tiny, monkeypatch):
     want = np.array(want)  # [L, KVH, B]
     eng.step()  # the compaction is applied before this step's forward
     comp = core.executor.driver_worker.kv_mover.compressor
-    kept = comp.last_keep[seq.request_id].numpy()
+    kept = comp.last_keep[seq.request_id].cpu().numpy()
     np.testing.assert_array_equal(kept, want)
     assert seq.num_dropped_tokens == 90 - B and seq.num_kv_tokens == B + 1
     # the K rows now in KV slots 0..B-1 are the kept positions' keys, per layer and head
@@ -275,7 +275,7 @@ def test_snapkv_kept_positions_match_numpy(tiny, monkeypatch):
     for layer in range(L):
         kc = llm.engine.core.kv_caches[layer][0]
         for h in range(kc.shape[2]):
-            rows = np.stack([kc[table[j // 16], j % 16, h].numpy() for j in range(B)])
+            rows = np.stack([kc[table[j // 16], j % 16, h].cpu().numpy() for j in range(B)])
             np.testing.assert_array_equal(rows, full_k[layer][want[layer, h], h])
     while eng.has_unfinished_requests():
         eng.step()
@@ -326,8 +326,8 @@ def test_h2o_kept_positions_match_numpy(tiny, monkeypatch):
         st = comp.states.get(seq.request_id)
         assert st is not None
         # the engine's bookkeeping after this step (its last compaction applied before the forward)
-        np.testing.assert_array_equal(st.positions.numpy(), positions)
-        np.testing.assert_allclose(st.scores.numpy(), scores, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(st.positions.cpu().numpy(), positions)
+        np.testing.assert_allclose(st.scores.cpu().numpy(), scores, rtol=1e-4, atol=1e-5)
         n = scores.shape[-1]
         if seq.status.value == "running" and n >= B + bs:
             scores, positions = np_h2o_compact(scores, positions, B, R)
@@ -484,7 +484,8 @@ def test_speculative_decoding_counts_only_accepted_queries(tiny_model_dir):
     G = core.model_config.num_heads // core.model_config.num_kv_heads
     assert plain.shape[-1] == n and bool((spec[..., n:] == 0).all())
     torch.testing.assert_close(spec[..., :n], plain, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(spec.sum(-1), torch.full(spec.shape[:2], float(G * n)), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(spec.sum(-1), torch.full(spec.shape[:2], float(G * n), device=spec.device),
+                               rtol=1e-5, atol=1e-3)
     runs["plain"][2].engine.shutdown()
 
     h2o = {"method": "h2o", "budget": 24, "recent": 8}

@@ -144,7 +144,7 @@ def seen_keys(q_rows_kv: np.ndarray, k_step: torch.Tensor, k_cache: lb.LowBitPoo
             stored.append(deq.float())
         else:
             stored.append(model.float())
-    raw_t, stored_t = torch.stack(raw).numpy(), torch.stack(stored).numpy()
+    raw_t, stored_t = torch.stack(raw).cpu().numpy(), torch.stack(stored).cpu().numpy()
     out = np.empty((len(q_rows_kv), c, *raw_t.shape[1:]), dtype=np.float32)
     for i, pk in enumerate(q_rows_kv):
         own = (np.arange(c) // bs == pk // bs) & (pk % bs != bs - 1)
@@ -163,12 +163,12 @@ class LowBitProbeRecorder:
         def rec(q, k_cache, meta, scale, k=None):
             assert isinstance(k_cache, lb.LowBitPool) and k is not None
             self.scale = scale
-            calls = [(p.request_id, q.index_select(0, p.rows).float().numpy().copy(),
-                      p.query_kv.numpy().copy(), seen_keys(p.query_kv.numpy(), k, k_cache, meta, p))
+            calls = [(p.request_id, q.index_select(0, p.rows).float().cpu().numpy().copy(),
+                      p.query_kv.cpu().numpy().copy(), seen_keys(p.query_kv.cpu().numpy(), k, k_cache, meta, p))
                      for p in meta.kv_probes]
             orig(q, k_cache, meta, scale, k=k)
             sums = meta.derived["kv_probe"][-1]  # (this layer's column sums, one per probe)
-            self.calls.append([(*c, s.numpy().copy()) for c, s in zip(calls, sums)])
+            self.calls.append([(*c, s.cpu().numpy().copy()) for c, s in zip(calls, sums)])
 
         monkeypatch.setattr(attention_mod, "record_kv_probes", rec)
 
@@ -220,7 +220,7 @@ def test_snapkv_kept_positions_match_numpy(int4, monkeypatch):
         seen.append(k[-1])  # [n, KVH, hd]: the keys as stored (the last row: its own block is the partial one)
     want = np.array(want)  # [L, KVH, B]
     eng.step()  # the compaction is applied before this step's forward
-    kept = core.executor.driver_worker.kv_mover.compressor.last_keep[seq.request_id].numpy()
+    kept = core.executor.driver_worker.kv_mover.compressor.last_keep[seq.request_id].cpu().numpy()
     np.testing.assert_array_equal(kept, want)
     assert seq.num_dropped_tokens == n - B and seq.num_kv_tokens == B + 1
     # the new table: block 0 holds kept rows 0..15 quantized again; block 1 the kept rows 16..23 (then
@@ -233,8 +233,9 @@ def test_snapkv_kept_positions_match_numpy(int4, monkeypatch):
         rows = np.stack([seen[layer][want[layer, h], h] for h in range(kc.num_kv_heads)], 1)  # [B, KVH, hd]
         requant = lb.dequantize_blocks(lb.quantize_blocks(torch.from_numpy(rows[:bs]).unsqueeze(0), kc.bits, True),
                                        kc.bits, True, bs, kc.head_dim, torch.float32)[0]
-        np.testing.assert_array_equal(kc.dequantize(torch.tensor([table[0]]))[0].numpy(), requant.numpy())
-        np.testing.assert_array_equal(kc.residual[int(res.map[table[1]]), : B - bs].numpy(), rows[bs:])
+        got = kc.dequantize(torch.tensor([table[0]], device=kc.data.device))[0]
+        np.testing.assert_array_equal(got.cpu().numpy(), requant.cpu().numpy())
+        np.testing.assert_array_equal(kc.residual[int(res.map[table[1]]), : B - bs].cpu().numpy(), rows[bs:])
     while eng.has_unfinished_requests():
         eng.step()
     all_free(llm)
@@ -272,8 +273,8 @@ def test_h2o_kept_positions_match_numpy(int4, monkeypatch):
                                                                        (L, KVH, c - n0))], -1)
             scores[layer] += np_colsums_rows(q, qkv, k, rec.scale)
         st = comp.states[seq.request_id]
-        np.testing.assert_array_equal(st.positions.numpy(), positions)
-        np.testing.assert_allclose(st.scores.numpy(), scores, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(st.positions.cpu().numpy(), positions)
+        np.testing.assert_allclose(st.scores.cpu().numpy(), scores, rtol=1e-4, atol=1e-5)
         n = scores.shape[-1]
         if seq.status.value == "running" and n >= B + bs:
             scores, positions = np_h2o_compact(scores, positions, B, R)

@@ -139,7 +139,8 @@ def test_engine_probes_on_the_kernel_match_pytorch(tiny_model_dir, kv, monkeypat
 
     monkeypatch.setattr(attention_mod, "record_kv_probes", both)
     llm = LLM(model=str(tiny_model_dir("qwen3")[0]), dtype="bfloat16", kv_cache_dtype=kv, block_size=16,
-              num_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=13)
+              num_blocks=64, enable_prefix_caching=False, max_num_batched_tokens=13,
+              device="cpu")  # (the CPU kernel)
     base = llm.engine.encode("The grass is green. The sky is blue. " * 12)
     policies = [{"method": "h2o", "budget": 40, "recent": 8},
                 {"method": "snapkv", "budget": 40, "observation_window": 8, "kernel_size": 3}]

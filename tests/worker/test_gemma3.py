@@ -92,14 +92,16 @@ def test_c_kernel_window_equals_sdpa_and_transformers(tiny_model_dir, monkeypatc
         return real(*a, **kw)
 
     monkeypatch.setattr(cpu_ops, "paged_attention_decode", spy)
-    kern = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4, enable_prefix_caching=False)
+    kern = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4, enable_prefix_caching=False,
+               device="cpu")  # (the CPU backend's C kernel)
     assert kern.engine.kv.sliding_window is None  # hybrid: no block is freed
     a = kern.generate([prompt], params)[0].outputs[0]
     if cpu_ops.available():
         assert {w for w, _ in windows} == {8, None}
         assert any(w == 8 and ctx > 8 for w, ctx in windows)  # windowed C decode past the window
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
-    sdpa = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sdpa = LLM(model=str(folder), dtype="float32", num_blocks=64, block_size=4, enable_prefix_caching=False,
+               device="cpu")
     assert type(sdpa.engine.model.attn_backend) is TorchSDPABackend
     b = sdpa.generate([prompt], params)[0].outputs[0]
     assert a.token_ids == b.token_ids == _hf_greedy(hf, prompt, 24)
@@ -156,10 +158,10 @@ def test_fused_kernels_match_the_pytorch_ops(tiny_model_dir, monkeypatch, dtype)
     the kernels round where PyTorch does, so the logits agree up to a rare one-ulp flip of a
     float32 sum (on this model they are identical)."""
     folder, _ = tiny_model_dir("gemma3")
-    fused = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=4)
+    fused = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=4, device="cpu")  # (CPU kernels)
     monkeypatch.setattr(worker_mod, "model_class",
                         lambda arch: functools.partial(Gemma3ForCausalLM, fused_cpu_ops=False))
-    plain = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=4)
+    plain = LLM(model=str(folder), dtype=dtype, num_blocks=64, block_size=4, device="cpu")
     assert fused.engine.model.fused_cpu_ops and not plain.engine.model.fused_cpu_ops
     assert type(fused.engine.model.attn_backend) is type(plain.engine.model.attn_backend)
     ids = torch.randint(3, 384, (40,), generator=torch.Generator().manual_seed(1)).tolist()

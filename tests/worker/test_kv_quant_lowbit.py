@@ -341,11 +341,12 @@ def test_c_decode_kernel_and_sdpa_decode_give_the_same_tokens(alone, monkeypatch
     calls = []
     real = cpu_ops.paged_attention_decode_pools
     monkeypatch.setattr(cpu_ops, "paged_attention_decode_pools", lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert [o.token_ids for o in _llm(folder, kv).generate(prompts[:4], params)] == expected[:4]
+    # (device="cpu": the kernel under test is the CPU backend's, also where CUDA is the default)
+    assert [o.token_ids for o in _llm(folder, kv, device="cpu").generate(prompts[:4], params)] == expected[:4]
     assert calls or not cpu_ops.lowbit_available()
     monkeypatch.setattr(cpu_ops, "lowbit_available", lambda: False)
     n = len(calls)
-    assert [o.token_ids for o in _llm(folder, kv).generate(prompts[:4], params)] == expected[:4]
+    assert [o.token_ids for o in _llm(folder, kv, device="cpu").generate(prompts[:4], params)] == expected[:4]
     assert len(calls) == n  # (SDPA this time)
 
 
@@ -472,7 +473,7 @@ def test_bf16_prefill_on_the_ranges_kernel(tiny_model_dir, kv, monkeypatch):
 
     def llm(**kw):
         return LLM(model=folder, dtype="bfloat16", kv_cache_dtype=kv, block_size=16, num_blocks=64,
-                   enable_prefix_caching=False, **kw)
+                   enable_prefix_caching=False, device="cpu", **kw)  # (the CPU backend's kernel)
 
     whole = llm()
     base = whole.engine.encode(PROMPT * 3)

@@ -140,10 +140,13 @@ class KVBlockMover:
 
         Raises:
             ValueError: an unknown kind, or a swap without a host pool.
-            IndexError, RuntimeError: a block id out of range (torch's error).
+            IndexError: a block id out of range of its pool; checked on the host for every batch
+                before any is applied (on CUDA an out-of-range ``index_copy_`` would only be a
+                device-side assert at some later call, leaving the CUDA context unusable).
             KVTransferError: a load's fetch failed (:meth:`_load`); the batches before it were
                 applied, the load and those after it were not.
         """
+        self._check_block_ids(ops)
         for b in ops.batches:
             if not b.src and b.kind != OFFLOAD:
                 continue
@@ -165,6 +168,24 @@ class KVBlockMover:
                 self.compressor.forget(b.source)
             else:
                 raise ValueError(f"unknown KV op kind {b.kind!r}")
+
+    def _check_block_ids(self, ops: KVCacheOps) -> None:
+        """Raise IndexError for a block id of ``ops`` outside its pool (device or host)."""
+        num_device = _store(self.kv_caches[0][0]).shape[0] if self.kv_caches else 0
+        num_host = _store(self.host_caches[0][0]).shape[0] if self.host_caches else 0
+        for b in ops.batches:
+            pools = {COPY: (("src", num_device), ("dst", num_device)),
+                     SWAP_OUT: (("src", num_device), ("dst", num_host)),
+                     SWAP_IN: (("src", num_host), ("dst", num_device)),
+                     LOAD: (("dst", num_device),),
+                     OFFLOAD: (("src", num_device),)}.get(b.kind, ())
+            for field, n in pools:
+                ids = getattr(b, field)
+                if ids and (min(ids) < 0 or max(ids) >= n):
+                    bad = next(i for i in ids if not 0 <= i < n)
+                    where = "host" if (b.kind, field) in ((SWAP_OUT, "dst"), (SWAP_IN, "src")) else "device"
+                    raise IndexError(f"{b.kind}: {field} block {bad} is out of range of the {where} pool "
+                                     f"of {n} blocks")
 
     def save(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The K/V of device blocks ``blocks``, copied out: per layer ``(K, V)``, each
