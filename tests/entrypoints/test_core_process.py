@@ -497,6 +497,17 @@ def test_metrics_move(server):
     assert after["kvserve:time_to_first_token_seconds_count"] - before["kvserve:time_to_first_token_seconds_count"] == 1
     assert after["kvserve:request_queue_time_seconds_count"] - before["kvserve:request_queue_time_seconds_count"] == 1
     assert after["kvserve:num_requests_running"] == 0 and after["kvserve:num_requests_waiting"] == 0
+    # n = 3: three sequences, each one observation in every histogram (as vLLM's child requests)
+    r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                   json={"prompt": [5, 6, 7], "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 3,
+                         "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 18
+    server.wait_idle()
+    d = {k: v - after.get(k, 0.0) for k, v in _metrics(server).items()}
+    assert d["kvserve:request_success_total{finished_reason=length}"] == 3
+    for h in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "time_per_output_token"):
+        assert d[f"kvserve:{h}_seconds_count"] == 3, h
+    assert d["kvserve:inter_token_latency_seconds_count"] == 3 * 5
 
 
 def test_running_gauge_while_streaming(server):

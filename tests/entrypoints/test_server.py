@@ -719,13 +719,17 @@ def test_metrics_tell_the_truth(server, client):
 
     assert delta("kvserve:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta("kvserve:generation_tokens_total") == sum(u.completion_tokens for u in usages)
-    assert delta("kvserve:time_to_first_token_seconds_count") == 5
-    assert delta("kvserve:e2e_request_latency_seconds_count") == 5
-    assert delta("kvserve:request_queue_time_seconds_count") == 5
-    assert delta("kvserve:time_per_output_token_seconds_count") == 5
-    assert delta("kvserve:inter_token_latency_seconds_count") > 0
+    # one observation per returned sequence, as vLLM's child requests (the chat request has n=2: 6 in all)
+    assert delta("kvserve:time_to_first_token_seconds_count") == 6
+    assert delta("kvserve:e2e_request_latency_seconds_count") == 6
+    assert delta("kvserve:request_queue_time_seconds_count") == 6
+    tokens = [u.completion_tokens for u in usages]  # (greedy ones: 5, 6, 7; then 2 x 4; then 7)
+    assert tokens == [5, 6, 7, 8, 7]
+    assert delta("kvserve:time_per_output_token_seconds_count") == 6
+    # a gap per token after each sequence's first, if every step returns one token per sequence
+    assert delta("kvserve:inter_token_latency_seconds_count") == sum(tokens) - 6
     finished = sum(delta(f"kvserve:request_success_total{{finished_reason={r}}}") for r in ("stop", "length"))
-    assert finished == 6  # one per returned sequence (the chat request has n=2)
+    assert finished == 6
     for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate"):
         assert f"kvserve:{g}" in after
     assert after["kvserve:num_requests_running"] == 0

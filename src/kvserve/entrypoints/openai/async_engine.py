@@ -108,12 +108,15 @@ class _Track:
     num_samples: int
     beam: bool = False  # beam search: the returned beams are final only at the end
     prompt_only: bool = False  # echo with max_tokens 0: the token sampled is dropped, not counted
-    first_token: Optional[float] = None
-    last_output: Optional[float] = None
+    first_token: Optional[float] = None  # the request's first generated token (any sample)
     prompt_counted: bool = False
     queue_time_seen: bool = False
     num_tokens: int = 0  # returned tokens counted so far, over all samples
     finished_indices: set = field(default_factory=set)
+    # per sample index (not beams): its first token's and last output's times, its tokens so far
+    sample_first: dict = field(default_factory=dict)
+    sample_last: dict = field(default_factory=dict)
+    sample_tokens: dict = field(default_factory=dict)
 
 
 def _reason(t: _Track, reason: Optional[str]) -> Optional[str]:
@@ -426,6 +429,10 @@ class AsyncEngine:
             self._call_soon(self._deliver, batch)
 
     def _record(self, t: _Track, out: RequestOutput, now: float) -> None:
+        """Update the metrics with one output of a request. A returned sequence counts as one
+        request in the histograms, as in vLLM (where ``n > 1`` makes ``n`` child requests): TTFT,
+        ITL, TPOT, e2e latency and queue time are observed per sample, like
+        ``request_success_total``; a beam search counts once (its beams are final only at the end)."""
         m = self.metrics
         if not t.prompt_counted:
             t.prompt_counted = True
@@ -435,41 +442,51 @@ class AsyncEngine:
             self._prefix_hits += out.num_cached_tokens
         if not t.queue_time_seen and out.metrics.first_scheduled_time is not None:
             t.queue_time_seen = True
-            m.queue_time.observe(max(0.0, out.metrics.first_scheduled_time - t.arrival))
+            queued = max(0.0, out.metrics.first_scheduled_time - t.arrival)
+            for _ in range(1 if t.beam else t.num_samples):
+                m.queue_time.observe(queued)
         total = sum(len(o.token_ids) for o in out.outputs)
-        if t.prompt_only:
-            progressed = False
-        elif t.beam:  # the best beams change until the end: counted once, at the end, with the
-            progressed = False  # time of the search's first token as TTFT (no ITL: no token stream)
-            if out.finished:
+        if t.beam:  # the best beams change until the end: counted once, at the end, with the
+            if out.finished:  # time of the search's first token as TTFT (no ITL: no token stream)
                 m.generation_tokens.inc(total)
                 if total:
                     first = out.metrics.first_token_time
                     t.first_token = now if first is None else min(first, now)
                     m.ttft.observe(max(0.0, t.first_token - t.arrival))
+                for o in out.outputs:
+                    if o.finish_reason is not None and o.index not in t.finished_indices:
+                        t.finished_indices.add(o.index)
+                        m.finished(_reason(t, o.finish_reason))
+                m.e2e.observe(now - t.arrival)
+                longest = max((len(o.token_ids) for o in out.outputs), default=0)
+                if longest >= 2:
+                    m.tpot.observe((now - t.first_token) / (longest - 1))
         else:
-            progressed = total > t.num_tokens
-            if progressed:
+            if not t.prompt_only and total > t.num_tokens:
                 m.generation_tokens.inc(total - t.num_tokens)
                 t.num_tokens = total
-        if progressed:
-            if t.first_token is None:
-                t.first_token = now
-                m.ttft.observe(now - t.arrival)
-            else:
-                m.record_itl(now - t.last_output)
-            t.last_output = now
-        for o in out.outputs if not t.beam or out.finished else ():
-            if o.finish_reason is not None and o.index not in t.finished_indices:
-                t.finished_indices.add(o.index)
-                m.finished(_reason(t, o.finish_reason))
-        if out.finished:
-            m.e2e.observe(now - t.arrival)
+            for o in out.outputs:
+                i, n = o.index, len(o.token_ids)
+                if not t.prompt_only and n > t.sample_tokens.get(i, 0):
+                    t.sample_tokens[i] = n
+                    if i not in t.sample_first:
+                        t.sample_first[i] = now
+                        t.first_token = now if t.first_token is None else t.first_token
+                        m.ttft.observe(now - t.arrival)
+                    else:
+                        m.record_itl(now - t.sample_last[i])
+                    t.sample_last[i] = now
+                if o.finish_reason is not None and i not in t.finished_indices:
+                    t.finished_indices.add(i)
+                    m.finished(_reason(t, o.finish_reason))
+                    m.e2e.observe(now - t.arrival)
+                    if t.sample_tokens.get(i, 0) >= 2:
+                        m.tpot.observe((now - t.sample_first[i]) / (t.sample_tokens[i] - 1))
+        if out.finished:  # the dashboard's ring: one entry per request
             longest = max((len(o.token_ids) for o in out.outputs), default=0)
             tpot = None
             if longest >= 2 and t.first_token is not None:
                 tpot = (now - t.first_token) / (longest - 1)
-                m.tpot.observe(tpot)
             scheduled = out.metrics.first_scheduled_time
             m.record_request(len(out.prompt_token_ids), 0 if t.prompt_only else total,
                              None if t.first_token is None else t.first_token - t.arrival, tpot, now - t.arrival,

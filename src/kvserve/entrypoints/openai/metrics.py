@@ -4,11 +4,12 @@ Each server owns its own :class:`prometheus_client.CollectorRegistry`, so severa
 (e.g. in one test process) never share counters. All latencies are seconds; every metric
 carries a ``model_name`` label.
 
-Histograms (one observation per request unless noted):
-    time_to_first_token_seconds       arrival at the server → first generated token
-    time_per_output_token_seconds     (finish − first token) / (output tokens − 1), requests with ≥ 2 tokens
-    inter_token_latency_seconds       gap between successive outputs of a request (one per step)
-    e2e_request_latency_seconds       arrival → finish
+Histograms (one observation per returned sequence, as ``request_success_total``: a request with
+``n > 1`` counts ``n``, as vLLM's ``n`` child requests do; a beam search counts once):
+    time_to_first_token_seconds       arrival at the server → the sequence's first generated token
+    time_per_output_token_seconds     (finish − first token) / (output tokens − 1), sequences with ≥ 2 tokens
+    inter_token_latency_seconds       gap between successive outputs of a sequence (one per step)
+    e2e_request_latency_seconds       arrival → the sequence's finish
     request_queue_time_seconds        arrival → first scheduled
 Gauges: num_requests_running, num_requests_waiting, kv_cache_usage_perc (0..1),
     kv_cache_free_blocks / kv_cache_cached_blocks / kv_cache_used_blocks (KV blocks unreferenced
