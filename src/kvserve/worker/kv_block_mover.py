@@ -46,6 +46,13 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
+#: per kind of block move, the fields holding block ids and the pool they index (loads' ``src`` and
+#: offloads' ``dst`` index a payload and a key list, not a pool)
+_BLOCK_ID_POOLS = {COPY: (("src", "device"), ("dst", "device")), SWAP_OUT: (("src", "device"), ("dst", "host")),
+                   SWAP_IN: (("src", "host"), ("dst", "device")), LOAD: (("dst", "device"),),
+                   OFFLOAD: (("src", "device"),)}
+
+
 def _store(c) -> torch.Tensor:
     """The tensor a pool's blocks are stored in, indexed by block on dim 0: a 2-/4-bit pool's
     packed ``data`` (uint8 ``[num_blocks, num_kv_heads, block_bytes]``), other pools themselves."""
@@ -171,20 +178,14 @@ class KVBlockMover:
 
     def _check_block_ids(self, ops: KVCacheOps) -> None:
         """Raise IndexError for a block id of ``ops`` outside its pool (device or host)."""
-        num_device = _store(self.kv_caches[0][0]).shape[0] if self.kv_caches else 0
-        num_host = _store(self.host_caches[0][0]).shape[0] if self.host_caches else 0
+        size = {"device": _store(self.kv_caches[0][0]).shape[0] if self.kv_caches else 0,
+                "host": _store(self.host_caches[0][0]).shape[0] if self.host_caches else 0}
         for b in ops.batches:
-            pools = {COPY: (("src", num_device), ("dst", num_device)),
-                     SWAP_OUT: (("src", num_device), ("dst", num_host)),
-                     SWAP_IN: (("src", num_host), ("dst", num_device)),
-                     LOAD: (("dst", num_device),),
-                     OFFLOAD: (("src", num_device),)}.get(b.kind, ())
-            for field, n in pools:
-                ids = getattr(b, field)
+            for field, pool in _BLOCK_ID_POOLS.get(b.kind, ()):
+                ids, n = getattr(b, field), size[pool]
                 if ids and (min(ids) < 0 or max(ids) >= n):
                     bad = next(i for i in ids if not 0 <= i < n)
-                    where = "host" if (b.kind, field) in ((SWAP_OUT, "dst"), (SWAP_IN, "src")) else "device"
-                    raise IndexError(f"{b.kind}: {field} block {bad} is out of range of the {where} pool "
+                    raise IndexError(f"{b.kind}: {field} block {bad} is out of range of the {pool} pool "
                                      f"of {n} blocks")
 
     def save(self, blocks: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
