@@ -651,22 +651,26 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
  * Same loop structure and softmax as attn_core. */
 #define TGT_DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
 
-/* Prefetch of the block holding key j (if j < L): its first `lines` cache lines from key j's row
- * on (-1: through the block's end), every KV head of each token (rs elements a token, bf16).
- * attn_core_dp issues it for KV head 0 only, KV_PFD keys ahead, PFB_LINES lines: a block's rows
- * are contiguous and the hardware prefetcher follows the rest, and the items of the other KV
- * heads of the sequence (run next on the same thread) find the rows in L2. On the 2-core Zen 4
- * this replaced prefetch_rows (a prefetch per key and KV head, 2-6 lines each, whose loop took
- * ~23% of the kernel's samples): same speed from DRAM, ~1.2x on cache-resident contexts. */
-#define PFB_LINES 4
+/* Prefetch into L2 of the token rows of keys [j, j + keys), clipped to key j's block and to L
+ * (nothing if j >= L): every KV head of each token (rs elements a token, bf16). attn_core_dp
+ * issues it for KV head 0 only, KV_PFD keys ahead (the Q·K pass a 16-key chunk at a time, the
+ * P·V pass a block at a time), so the items of the other KV heads of the sequence (run next on
+ * the same thread) find the rows in L2. History on the 2-core Zen 4 (64 sequences of 450 tokens,
+ * SmolLM2's 3 KV heads, blocks in random order, from DRAM): a prefetch per key and KV head
+ * (prefetch_rows, 2-6 lines each; its loop took ~23% of the kernel's samples) was replaced by the
+ * first 4 lines of the block 48 keys ahead, leaving the rest to the hardware prefetcher (same
+ * speed from DRAM, ~1.2x on cache-resident contexts); that read 5-6 GB/s of KV on one thread,
+ * against 26 GB/s for a streaming sum. Whole rows into L2 (_MM_HINT_T1; into L1 with T0 was no
+ * faster than 4 lines, the prefetches queueing behind the loads) read 7.5-8 GB/s: 1.4-1.5x from
+ * DRAM (1.35x at 16 x 2,000 tokens), ~4% slower when the context is already in cache. */
 INLINE void prefetch_block(const uint16_t* cache, const int64_t* bt, int64_t j, int64_t L, int64_t bs, int64_t rs,
-                           int64_t lines) {
+                           int64_t keys) {
     if (j >= L) return;
     const int64_t o = j % bs;
+    int64_t n = bs - o < keys ? bs - o : keys;
+    if (L - j < n) n = L - j;
     const char* p = (const char*)(cache + (bt[j / bs] * bs + o) * rs);
-    int64_t bytes = (bs - o) * rs * 2;
-    if (lines >= 0 && lines * 64 < bytes) bytes = lines * 64;
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < n * rs * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
 INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_t* q, const uint16_t* kc,
@@ -682,7 +686,7 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
         int64_t n = bs - o0 < 16 ? bs - o0 : 16;
         if (L - j0 < n) n = L - j0;
         const uint16_t* kb = kc + (blk * bs + o0) * rs + g * hd;
-        if (g == 0) prefetch_block(kc, bt, j0 + KV_PFD, L, bs, rs, PFB_LINES);
+        if (g == 0) prefetch_block(kc, bt, j0 + KV_PFD, L, bs, rs, 16);
         for (int64_t h = 0; h < G; h++) {
             /* a whole chunk (the common case) with a constant trip count, so that the 16 partial
              * sums stay in registers: with a variable one they were stored to the stack and
@@ -725,7 +729,7 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
     for (int64_t j0 = J; j0 < L;) { /* the rest of j0's block, then whole blocks */
         const int64_t blk = bt[j0 / bs], o0 = j0 % bs, n = (L - j0) < bs - o0 ? (L - j0) : bs - o0;
         const uint16_t* vb = vc + (blk * bs + o0) * rs + g * hd;
-        if (g == 0) prefetch_block(vc, bt, j0 + KV_PFD, L, bs, rs, PFB_LINES);
+        if (g == 0) prefetch_block(vc, bt, j0 + KV_PFD, L, bs, rs, n);
         for (int64_t o = 0; o < n; o += 2) {
             const int two = o + 1 < n;
             __m512i a[8], b[8]; /* (fixed size: a VLA here was a stack allocation per pair of keys) */
