@@ -302,7 +302,7 @@ def test_bad_device_and_max_model_len(tiny_model_dir, monkeypatch):
     ({"kv_cache_memory": 1e300}, r"kv_cache_memory must be in \(0, 1048576\] GiB, got 1e\+300"),
     ({"num_blocks": 0}, "num_blocks must be ≥ 1, got 0"),
     ({"max_waiting": -1}, "max_waiting must be ≥ 0"),
-    ({"quantization": "int3"}, r"quantization must be one of \[None, 'int8', 'gguf', 'gguf_int8', 'int4', 'int4_g16', "
+    ({"quantization": "int3"}, r"quantization must be one of \['auto', None, 'int8', 'gguf', 'gguf_int8', 'int4', 'int4_g16', "
                                r"'int4_g64', 'int4_g128', 'int4_g256'\], got 'int3'"),
     ({"block_size": 2.5}, "block_size must be an integer, got 2.5"),
     ({"max_num_seqs": None}, "max_num_seqs must be an integer, got None"),
@@ -427,9 +427,10 @@ def test_cli_quantization_choices_read_well(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args([cmd, "--help"])
         help_text = capsys.readouterr().out
-        assert "--quantization {gguf,gguf_int8,none,int8,int4,int4_g16,int4_g64,int4_g128,int4_g256}" in help_text
+        assert ("--quantization {auto,gguf,gguf_int8,none,int8,int4,int4_g16,int4_g64,int4_g128,int4_g256}"
+                in help_text)
         assert "None" not in help_text
-    assert _engine_kwargs(parser.parse_args(["generate", "x"]))["quantization"] == "gguf"
+    assert _engine_kwargs(parser.parse_args(["generate", "x"]))["quantization"] == "auto"
     assert _engine_kwargs(parser.parse_args(["generate", "x", "--quantization", "none"]))["quantization"] is None
     assert _engine_kwargs(parser.parse_args(["serve", "--quantization", "int8"]))["quantization"] == "int8"
     assert _engine_kwargs(parser.parse_args(["serve", "--quantization", "int4_g64"]))["quantization"] == "int4_g64"

@@ -21,7 +21,7 @@ from kvserve.core.kv_compression import KVCompressionConfig
 from kvserve.core.kv_swap import check_swap_options
 from kvserve.spec_decode import SpeculativeConfig
 from kvserve.worker import kv_quant
-from kvserve.worker.layers.linear import QUANTIZATIONS
+from kvserve.worker.layers.linear import GGUF_QUANTIZATIONS, QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -104,15 +104,17 @@ class EngineArgs:
             share of slots between users.
         enable_prefix_caching: reuse cached prompt KV (off for models whose every layer has a
             sliding window, whose blocks before the window are freed instead).
-        quantization: ``"gguf"`` (default): a GGUF file's Q4_0/Q4_1/Q5_0/Q8_0/Q2_K-Q6_K tensors
-            stay quantized (linear layers, embedding, LM head; int8 activations on the CPU
-            kernel, see :mod:`kvserve.worker.layers.quant`; no effect on other files, on other
-            tensor types or off the CPU); None (``"none"`` on the command line): dequantize to
-            the model dtype at load; ``"int8"``: weight-only int8 linears; ``"int4"``: the linear
-            layers' float weights quantized at load to group-wise asymmetric int4 (a float32
-            scale and minimum per 32 input values, gpt-fast's/torchao's scheme; ``"int4_g16"``,
-            ``"int4_g64"``, ``"int4_g128"``, ``"int4_g256"``: per 16 ... 256), run on the
-            weight-only kernel; the embedding and LM head stay in the model dtype.
+        quantization: ``"auto"`` (default): ``"gguf"`` for a GGUF file, None for a Hugging Face
+            folder (:func:`resolve_quantization`). ``"gguf"``: a GGUF file's
+            Q4_0/Q4_1/Q5_0/Q8_0/Q2_K-Q6_K tensors stay quantized (linear layers, embedding, LM
+            head; see :mod:`kvserve.worker.layers.quant`; no effect on other tensor types or off
+            the CPU), ``"gguf_int8"`` too with int8 activations; both need a GGUF file (a
+            ValueError at load otherwise). None (``"none"``): dequantize to the model dtype at
+            load; ``"int8"``: weight-only int8 linears; ``"int4"``: the linear layers' float
+            weights quantized at load to group-wise asymmetric int4 (a float32 scale and minimum
+            per 32 input values, gpt-fast's/torchao's scheme; ``"int4_g16"``, ``"int4_g64"``,
+            ``"int4_g128"``, ``"int4_g256"``: per 16 ... 256), run on the weight-only kernel; the
+            embedding and LM head stay in the model dtype.
         seed: seed for the random seeds of unseeded requests.
         speculative_config: None, or speculative decoding as a dict (or its JSON text):
             ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
@@ -171,7 +173,7 @@ class EngineArgs:
     max_waiting: int = 0
     max_num_seqs_per_user: Optional[int] = None
     enable_prefix_caching: bool = True
-    quantization: Optional[str] = "gguf"
+    quantization: Optional[str] = "auto"
     seed: Optional[int] = None
     speculative_config: Optional[Union[dict, str, SpeculativeConfig]] = None
     swap_space: float = 0.0
@@ -256,8 +258,9 @@ class EngineArgs:
         kv_quant.check_kv_cache_dtype(self.kv_cache_dtype, name("kv_cache_dtype"))
         if self.quantization == "none":
             self.quantization = None
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"{name('quantization')} must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization != "auto" and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"{name('quantization')} must be one of {['auto', *QUANTIZATIONS]}, "
+                             f"got {self.quantization!r}")
         SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)
         KVCompressionConfig.parse(self.kv_compression, name("kv_compression"))  # (raises naming kv_compression.<field>)
         if self.tensor_parallel_size < 1:
@@ -278,6 +281,46 @@ class EngineArgs:
         if self.kv_offload_dir is not None and not self.enable_prefix_caching:
             raise ValueError(f"{name('kv_offload_dir')}: the disk tier extends the prefix cache, which is off "
                              f"({'--no-prefix-caching' if option_names else 'enable_prefix_caching=False'})")
+
+    def resolved_quantization(self, path: Union[str, os.PathLike], option_names: bool = False) -> Optional[str]:
+        """The weight quantization to load the model at ``path`` (as resolved by
+        :func:`kvserve.worker.loader.resolve_model_path`) with: :func:`resolve_quantization` of
+        :attr:`quantization` (run :meth:`check` first)."""
+        return resolve_quantization(self.quantization, path, option_names)
+
+
+def resolve_quantization(quantization: Optional[str], path: Union[str, os.PathLike],
+                         option_names: bool = False) -> Optional[str]:
+    """The weight quantization a model file or folder loads with: ``"auto"`` is ``"gguf"`` for a
+    ``.gguf`` file (its quantized tensors stay quantized) and None for a Hugging Face folder (its
+    float weights as they are); ``"none"`` is None; any other value is kept.
+
+    Args:
+        quantization: ``EngineArgs.quantization`` (checked).
+        path: the model's ``.gguf`` file or folder.
+        option_names: name the field ``--quantization`` in errors.
+
+    Raises:
+        ValueError: ``"gguf"`` / ``"gguf_int8"`` for a model that is not a GGUF file (they apply
+            only to a GGUF file's quantized tensors), naming the field, the model's format and
+            the values allowed for it.
+    """
+    from pathlib import Path
+
+    path = Path(path)
+    is_gguf = path.suffix == ".gguf" and not path.is_dir()
+    if quantization == "auto":
+        return "gguf" if is_gguf else None
+    if quantization == "none":
+        return None
+    if quantization in GGUF_QUANTIZATIONS and not is_gguf:
+        what = "a Hugging Face folder (safetensors weights)" if path.is_dir() else "not a .gguf file"
+        allowed = ", ".join(["auto", "none"] + [q for q in QUANTIZATIONS if q is not None and q not in GGUF_QUANTIZATIONS])
+        given = f"--quantization {quantization}" if option_names else f"quantization={quantization!r}"
+        raise ValueError(f"{given} keeps a GGUF file's quantized tensors quantized, but the model "
+                         f"{str(path)!r} is {what}; for it use one of: {allowed} (default: auto, the weights as "
+                         f"they are)")
+    return quantization
 
 
 #: the largest KV budget accepted (GiB): beyond it the block count overflows, and no machine has it

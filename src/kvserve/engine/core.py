@@ -131,6 +131,7 @@ class EngineCore:
         self.dtype = parse_dtype(args.dtype)
         self.device = parse_device(args.device)
         path = resolve_model_path(args.model)
+        self.quantization: Optional[str] = args.resolved_quantization(path)  # ("auto": by the file's format)
         t0 = time.perf_counter()
         self.max_model_len = max_len = self._check_config(load_model_config(path))  # before the weights load
         self.executor: Executor = self._make_executor()
@@ -141,7 +142,7 @@ class EngineCore:
             # while the workers load the weights (GIL released); a weights error still comes first
             with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer") as pool:
                 tokenizer = pool.submit(load_tokenizer, path)
-                cfg = self.executor.collective_rpc("load_model", (path, max_len, args.quantization))[0]
+                cfg = self.executor.collective_rpc("load_model", (path, max_len, self.quantization))[0]
                 self.tokenizer = tokenizer.result()
             self.model_config: ModelConfig = cfg
             self.model_path = path
@@ -347,7 +348,7 @@ class EngineCore:
         args, tp = self.args, self.args.tensor_parallel_size
         kv_heads = cfg.num_kv_heads if tp == 1 else cfg.heads_per_rank(tp)[1]
         fp, _ = model_fingerprint(path, self.dtype, self.kv_cache_dtype, args.block_size, cfg.num_layers, kv_heads,
-                                  cfg.head_dim, tp, args.quantization)
+                                  cfg.head_dim, tp, self.quantization)
         layout = BlockFileLayout(fp, 0, tp, cfg.num_layers, args.block_size, kv_heads,
                                  kv_quant.row_elements(cfg.head_dim, self.kv_cache_dtype), self.kv_cache_dtype)
         tier = KVOffloadTier(args.kv_offload_dir, args.kv_offload_gib, layout, ops=None)  # (the KV manager's ops)

@@ -78,6 +78,7 @@ class CoreClient:
 
         args.check()
         path = resolve_model_path(args.model)  # a missing model fails here, before any process starts
+        args.resolved_quantization(path)  # (so does a quantization the model's format cannot take)
         if log_level is None:
             log_level = logging.getLogger("kvserve").getEffectiveLevel()
         self.args = args

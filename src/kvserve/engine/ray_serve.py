@@ -108,7 +108,7 @@ class ReplicaDeployment:
                              "use one or the other")
         if replica_cpus is not None and not (isinstance(replica_cpus, (int, float)) and 0 < replica_cpus <= 1024):
             raise ValueError(f"--replica-cpus must be in (0, 1024], got {replica_cpus!r}")
-        resolve_model_path(args.model)  # a missing model fails here, before Ray starts
+        args.resolved_quantization(resolve_model_path(args.model), option_names=True)  # (fails here, before Ray starts)
         disaggregated = any(s.role != "replica" for s in specs)
         self.specs = list(specs)
         self.args = args

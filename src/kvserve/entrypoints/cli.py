@@ -37,14 +37,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--quantization", default="gguf",
-                   choices=["gguf", "gguf_int8", "none", "int8", "int4", "int4_g16", "int4_g64", "int4_g128",
+    p.add_argument("--quantization", default="auto",
+                   choices=["auto", "gguf", "gguf_int8", "none", "int8", "int4", "int4_g16", "int4_g64", "int4_g128",
                             "int4_g256"],
-                   help="weights: gguf keeps a GGUF file's quantized tensors quantized (Q4_0, Q4_1, Q5_0, Q8_0, "
-                        "Q2_K-Q6_K; the dequantized model's numbers), gguf_int8 too with int8 activations "
-                        "(llama.cpp's arithmetic, faster), none dequantizes them to --dtype at load, int8 is "
-                        "weight-only int8, int4 quantizes float weights at load to group-wise int4 (a scale and "
-                        "minimum per 32 input values; int4_gN: per N) (default: gguf)")
+                   help="weights: auto is gguf for a GGUF file and none for a Hugging Face folder; gguf keeps a "
+                        "GGUF file's quantized tensors quantized (Q4_0, Q4_1, Q5_0, Q8_0, Q2_K-Q6_K; the "
+                        "dequantized model's numbers), gguf_int8 too with int8 activations (llama.cpp's "
+                        "arithmetic, faster): both only for a GGUF file; none dequantizes them to --dtype at "
+                        "load (a folder's weights are used as they are), int8 is weight-only int8, int4 "
+                        "quantizes float weights at load to group-wise int4 (a scale and minimum per 32 input "
+                        "values; int4_gN: per N) (default: auto)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as JSON (vLLM\'s form), e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
@@ -96,10 +98,14 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 
 
 def _check_engine_args(a: argparse.Namespace, engine_kwargs: dict) -> None:
-    """The engine options' range checks, before the model loads (ValueError naming the option)."""
+    """The engine options' range checks, before the model loads (ValueError naming the option;
+    ModelNotFoundError for a model that is not there)."""
     from kvserve.engine.llm_engine import EngineArgs
+    from kvserve.worker.loader import resolve_model_path
 
-    EngineArgs(model=a.model, dtype=a.dtype, **engine_kwargs).check(option_names=True)
+    args = EngineArgs(model=a.model, dtype=a.dtype, **engine_kwargs)
+    args.check(option_names=True)
+    args.resolved_quantization(resolve_model_path(a.model), option_names=True)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -132,7 +138,7 @@ def _params(a: argparse.Namespace):
 _ENGINE_OPTIONS = {f: "--" + f.replace("_", "-") for f in (
     "max_model_len", "kv_cache_memory_fraction", "kv_cache_memory", "kv_cache_dtype", "device", "block_size", "max_num_batched_tokens",
     "max_num_seqs", "context_len", "speculative_config", "swap_space", "preemption_mode", "kv_offload_dir",
-    "kv_offload_gib", "kv_compression")}
+    "kv_offload_gib", "kv_compression", "quantization")}
 
 
 def _option_error(e: ValueError) -> str:

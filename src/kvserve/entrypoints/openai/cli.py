@@ -270,7 +270,8 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     api_keys = server_api_keys(a)
     from kvserve.worker.loader import resolve_model_path
 
-    resolve_model_path(a.model)  # a model that is not there (or not in the HF cache) fails now
+    # a model that is not there (or not in the HF cache), or a quantization its format cannot take, fails now
+    args.resolved_quantization(resolve_model_path(a.model), option_names=True)
     import uvicorn
 
     from kvserve.entrypoints.openai.api import build_app
