@@ -1,7 +1,8 @@
 """Graceful drain (issue #21, point 4) against a real ``kvserve serve`` process on loopback:
 SIGTERM stops new requests (503, ``/ready`` 503), lets live ones finish within
 ``--shutdown-timeout``, ends the rest with an error event and ``[DONE]`` (503 unstreamed), and
-exits 0 with the engine core gone and no traceback; a second SIGTERM exits at once.
+exits 0 with the engine core gone and no traceback; a second SIGTERM or Ctrl-C exits at once,
+quietly.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def test_idle_server_exits_at_once_and_a_second_sigterm_forces_it(tiny_folder, t
         s.proc.send_signal(signal.SIGTERM)
         s.wait(20)
         assert time.monotonic() - t0 < 15
-        assert "again: exiting now" in s.stderr
+        assert "SIGTERM again: stopping now, 1 live request(s) cut" in s.stderr, s.stderr
         assert pid_gone(s.core_pid, timeout=10.0)
         t.join(30)
         assert not t.is_alive()
@@ -184,5 +185,56 @@ def test_idle_server_exits_at_once_and_a_second_sigterm_forces_it(tiny_folder, t
         assert time.monotonic() - t0 < 10 and "Traceback" not in s.stderr, s.stderr
         assert "leaked semaphore" not in s.stderr, s.stderr  # (the loader's progress bar made one: tqdm's lock)
         assert pid_gone(s.core_pid, timeout=5.0)
+    finally:
+        s.kill()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` now (children, their children...)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def test_a_second_ctrl_c_while_draining_stops_at_once_and_quietly(tiny_folder):
+    """Ctrl-C with a stream live starts the drain; a second one cuts the stream and exits 0 at
+    once with one line saying so: no ASGI traceback for the cut stream and no lifespan
+    ``CancelledError`` (both were printed), the engine core and every other child gone."""
+    s = CLIServer(tiny_folder, "--shutdown-timeout", "60")
+    try:
+        out, started = {}, threading.Event()
+        t = threading.Thread(target=_stream, args=(s.base, LONG, out, started))
+        t.start()
+        assert started.wait(60)
+        children = _descendants(s.proc.pid)
+        assert s.core_pid in children
+        s.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while "shutting down: waiting up to 60 s for 1 live request(s)" not in s.stderr:
+            assert time.monotonic() < deadline and s.proc.poll() is None, s.stderr
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGINT)
+        assert s.wait(20) == 0, s.stderr
+        assert time.monotonic() - t0 < 15  # (the drain would have waited 60 s)
+        err = s.stderr
+        assert "kvserve: SIGINT again: stopping now, 1 live request(s) cut\n" in err, err
+        assert "Traceback" not in err and "CancelledError" not in err and "ERROR" not in err, err
+        assert all(pid_gone(pid, timeout=10.0) for pid in children), (children, _descendants(s.proc.pid))
+        t.join(30)
+        assert not t.is_alive()
+        assert "[DONE]" not in out["events"]  # cut, not ended
     finally:
         s.kill()
