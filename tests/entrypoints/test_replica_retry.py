@@ -3,8 +3,12 @@ on fake replica engines: a request whose replica dies before it accepted the req
 add was in flight, the router had chosen it while it was still up) goes to another replica,
 as one whose replica dies mid-run before it showed anything does; requests that showed
 something, or have no replica left, end with the death error; the router's load counts
-stay exact through it all. No Ray, no model: the real thing is
-tests/entrypoints/test_replicas_cli.py (slow)."""
+stay exact through it all, and each request counts once in ``request_success_total`` (where it
+finished, or as an error where it was lost), a retry as one ``request_retries_total`` of the
+replica that lost it. The replicas' engines are real
+:class:`MPAsyncEngine` s over fake clients (their metrics and failure paths run as in the
+server). No Ray, no model: the real thing is tests/entrypoints/test_replicas_cli.py and
+tests/entrypoints/test_replicas.py (slow)."""
 
 from __future__ import annotations
 
@@ -13,50 +17,110 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvserve.entrypoints.openai.async_engine import EngineStoppedError
+from kvserve.entrypoints.openai.async_engine import EngineStoppedError, MPAsyncEngine, _Track
+from kvserve.entrypoints.openai.metrics import ServerMetrics
 from kvserve.entrypoints.openai.replica_engine import MAX_RETRIES, ReplicatedAsyncEngine
 from kvserve.sampling_params import SamplingParams
 
 
-class FakeEngine:
-    """An :class:`MPAsyncEngine` stand-in: ``die_on_add`` makes the next ``add_requests`` fail
-    as a replica's death does (the engine stops running, the pending add gets the error)."""
+class FakeClient:
+    """A :class:`ReplicaClient` stand-in that goes nowhere."""
+
+    tokenizer = None
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def send(self, msg) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return True
+
+    def start_io(self, on_message, on_exit) -> None:
+        pass
+
+    def death_message(self, exitcode) -> str:
+        return f"the engine replica {self.name} died or became unreachable"
+
+
+class FakeEngine(MPAsyncEngine):
+    """A replica's :class:`MPAsyncEngine` over a :class:`FakeClient`: an add makes the request's
+    track at once (as the core's ``added`` does), :meth:`die` is the replica's death as the
+    front end sees it (its live requests fail, counted as the engine counts them), and
+    ``die_on_add`` makes the next ``add_requests`` fail so (the pending add gets the error)."""
 
     def __init__(self, name: str, die_on_add: bool = False) -> None:
+        super().__init__(FakeClient(name))
         self.name, self.die_on_add = name, die_on_add
-        self.running = True
         self.added: list[str] = []
         self.aborted: list[str] = []
-        self._tracks: dict = {}
 
-    @property
-    def is_running(self) -> bool:
-        return self.running
-
-    async def add_requests(self, requests, params, out_queue, *args, **kwargs) -> None:
+    async def add_requests(self, requests, params, out_queue, priority=0, cache_salt=None, arrival=None,
+                           prompt_only=False, **kwargs) -> None:
         await asyncio.sleep(0)
-        if not self.running or self.die_on_add:
-            self.running = False
-            raise EngineStoppedError(f"the engine replica {self.name} died or became unreachable")
+        if self.is_running and self.die_on_add:
+            self.die()
+        if not self.is_running:
+            raise EngineStoppedError(self._stop_message())
+        for rid, _, tag in requests:
+            self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, prompt_only=prompt_only)
         self.added += [rid for rid, _, _ in requests]
+
+    async def call(self, fn, *args):
+        return None
 
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
+        super().abort(rid)
+
+    def die(self) -> None:
+        self._on_exit(-9)
 
 
-def _engine(*fakes: FakeEngine) -> ReplicatedAsyncEngine:
+def _engine(*fakes: FakeEngine, roles=None) -> ReplicatedAsyncEngine:
+    """The front end over ``fakes`` (``roles``: ``{name: "prefill" | "decode"}`` for disaggregation),
+    with its metrics (``eng.metrics``)."""
     names = [f.name for f in fakes]
-    pool = SimpleNamespace(disaggregated=False, names=names, role=lambda n: "replica",
+    pool = SimpleNamespace(disaggregated=roles is not None, names=names,
+                           role=lambda n: "replica" if roles is None else roles[n],
                            args=SimpleNamespace(block_size=4), routing="round_robin", clients={})
-    eng = ReplicatedAsyncEngine(pool)
+    eng = ReplicatedAsyncEngine(pool, ServerMetrics("m", replicas=names))
+    eng._loop = asyncio.get_running_loop()
+    for f in fakes:  # (as ReplicatedAsyncEngine._attach)
+        f.metrics = eng.metrics.for_replica(f.name)
+        f.record_requests = pool.role(f.name) != "prefill"
+        f.start(eng._loop)
     eng.engines = {f.name: f for f in fakes}
     eng.states = {n: "healthy" for n in names}
-    eng._loop = asyncio.get_running_loop()
     return eng
 
 
-def _finished_output():
-    return SimpleNamespace(finished=True, error=None)
+def _counts(eng) -> dict[str, float]:
+    """The non-zero request counters: ``{"<replica> <finished_reason>" | "<replica> retries": value}``."""
+    out = {}
+    for family in eng.metrics.registry.collect():
+        for smp in family.samples:
+            if smp.value and smp.name == "kvserve:request_success_total":
+                out[f"{smp.labels['replica']} {smp.labels['finished_reason']}"] = smp.value
+            elif smp.value and smp.name == "kvserve:request_retries_total":
+                out[f"{smp.labels['replica']} retries"] = smp.value
+    return out
+
+
+def _output(rid: str, finished: bool = True, tokens: int = 2, handle=None):
+    """A :class:`RequestOutput` of one sample (``finished``: with finish reason ``length``)."""
+    return SimpleNamespace(request_id=rid, prompt_token_ids=[1, 2, 3, 4, 5], num_cached_tokens=0, finished=finished,
+                           error=None, kv_transfer_params=handle,
+                           metrics=SimpleNamespace(first_scheduled_time=None, first_token_time=None),
+                           outputs=[SimpleNamespace(index=0, token_ids=list(range(tokens)),
+                                                    finish_reason="length" if finished else None)])
+
+
+async def _settle() -> None:
+    """Let the event loop run what the engines and relays scheduled."""
+    for _ in range(5):
+        await asyncio.sleep(0)
 
 
 async def _add(eng, rid, q):
@@ -72,10 +136,11 @@ def test_a_replica_dying_during_the_add_sends_the_request_to_another():
         assert b.added == ["r0"] and a.added == []
         assert eng.num_retries == 1
         assert eng.router.load == {"replica-0": 0, "replica-1": 1}
-        eng._relays["r0"].put_nowait((0, _finished_output()))
-        tag, out = q.get_nowait()
+        b._dispatch([_output("r0")])
+        tag, out = await asyncio.wait_for(q.get(), 5)
         assert out.finished and eng.router.load == {"replica-0": 0, "replica-1": 0}
         assert eng._relays == {}
+        assert _counts(eng) == {"replica-0 retries": 1, "replica-1 length": 1}
 
     asyncio.run(main())
 
@@ -89,9 +154,11 @@ def test_no_replica_left_ends_the_add_with_the_death_error_and_counts_nothing():
         assert eng.num_retries == 1
         assert eng.router.load == {"replica-0": 0, "replica-1": 0}
         assert eng._relays == {}
-        # now neither is up: the next request is refused at once
+        assert _counts(eng) == {"replica-0 retries": 1, "replica-1 error": 1}  # lost with replica-1
+        # now neither is up: the next request is refused at once (never routed: not counted)
         with pytest.raises(EngineStoppedError, match="no engine replica is available"):
             await _add(eng, "r1", asyncio.Queue())
+        assert _counts(eng) == {"replica-0 retries": 1, "replica-1 error": 1}
 
     asyncio.run(main())
 
@@ -105,6 +172,8 @@ def test_retries_stop_after_max_retries():
             await _add(eng, "r0", asyncio.Queue())
         assert eng.num_retries == MAX_RETRIES and fakes[-1].added == []
         assert all(v == 0 for v in eng.router.load.values())
+        assert _counts(eng) == {**{f"replica-{i} retries": 1 for i in range(MAX_RETRIES)},
+                                f"replica-{MAX_RETRIES} error": 1}
 
     asyncio.run(main())
 
@@ -122,31 +191,41 @@ def test_a_rejection_by_a_live_replica_is_not_retried():
             await _add(eng, "r0", asyncio.Queue())
         assert eng.num_retries == 0 and b.added == []
         assert eng.router.load == {"replica-0": 0, "replica-1": 0}
+        assert _counts(eng) == {}  # refused, as one engine's full queue refuses a request
 
     asyncio.run(main())
 
 
 def test_a_death_mid_run_retries_only_what_showed_nothing():
+    """The adversarial tester's case: the requests retried after their replica's death count
+    once, as finished on the replica that answered, plus a retry of the dead one; not as
+    errors (they were: ``error`` +2 on replica-0 for 2 requests answered 200)."""
     async def main():
         a, b = FakeEngine("replica-0"), FakeEngine("replica-1")
         eng = _engine(a, b)
-        q0, q1 = asyncio.Queue(), asyncio.Queue()
+        q0, q1, q2 = asyncio.Queue(), asyncio.Queue(), asyncio.Queue()
         await _add(eng, "r0", q0)  # on replica-0
         await eng.add_requests([("s1", [1, 2], 0)], SamplingParams(max_tokens=4), q1, streaming=True)  # replica-1
-        await _add(eng, "r2", asyncio.Queue())  # replica-0 again
+        await _add(eng, "r2", q2)  # replica-0 again
         assert a.added == ["r0", "r2"] and b.added == ["s1"]
-        eng._relays["r2"].put_nowait((0, SimpleNamespace(finished=False, error=None)))  # not streamed: not shown
-        a.running = False  # replica-0 dies: its engine fails its requests
-        err = EngineStoppedError("the engine replica replica-0 died or became unreachable")
-        for rid in ("r0", "r2"):
-            eng._relays[rid].put_nowait((0, err))
-        await asyncio.sleep(0.01)
+        a._dispatch([_output("r2", finished=False)])  # not streamed: not shown
+        a.die()  # replica-0 dies: its engine fails its requests
+        await _settle()
         assert b.added == ["s1", "r0", "r2"] and eng.num_retries == 2
-        # a stream that showed a token dies with its replica: it ends with the error
-        eng._relays["s1"].put_nowait((0, SimpleNamespace(finished=False, error=None)))
-        assert q1.get_nowait()[1].finished is False
-        b.running = False
-        eng._relays["s1"].put_nowait((0, EngineStoppedError("the engine replica replica-1 died")))
-        assert isinstance(q1.get_nowait()[1], EngineStoppedError)
+        assert _counts(eng) == {"replica-0 retries": 2}
+        b._dispatch([_output("r0"), _output("r2")])
+        assert (await asyncio.wait_for(q0.get(), 5))[1].finished
+        assert (await asyncio.wait_for(q2.get(), 5))[1].finished is False  # (replica-0's, not shown)
+        assert (await asyncio.wait_for(q2.get(), 5))[1].finished
+        assert _counts(eng) == {"replica-0 retries": 2, "replica-1 length": 2}
+        # a stream that showed a token dies with its replica: it ends with the error, counted once
+        b._dispatch([_output("s1", finished=False)])
+        assert (await asyncio.wait_for(q1.get(), 5))[1].finished is False
+        b.die()
+        err = (await asyncio.wait_for(q1.get(), 5))[1]
+        assert isinstance(err, EngineStoppedError) and "replica-1 died" in str(err)
+        assert _counts(eng) == {"replica-0 retries": 2, "replica-1 length": 2, "replica-1 error": 1}
+        assert eng._relays == {} and eng.router.load == {"replica-0": 0, "replica-1": 0}
 
     asyncio.run(main())
+

@@ -1,8 +1,9 @@
 """``kvserve serve --data-parallel-size 2`` as a user runs it (a local Ray instance started by
 the server): a replica killed mid-run; the requests that got nothing yet are sent again and
 finish, the streams it was serving end with an error event, the other replica's requests
-finish, Ray Serve brings the replica back and ``/health`` shows it; Ctrl-C leaves no process.
-Bad replica options fail before anything starts.
+finish, Ray Serve brings the replica back and ``/health`` shows it; ``/metrics`` counts each
+request once (where it finished, or as an error of the dead replica) and each retry once;
+Ctrl-C leaves no process. Bad replica options fail before anything starts.
 
 A tiny random model keeps it quick; three processes and Ray's own on 2 cores.
 """
@@ -43,6 +44,20 @@ def _descendants(pid: int) -> set[int]:
     while frontier:
         frontier = {p for p, pp in parents.items() if pp in frontier} - out
         out |= frontier
+    return out
+
+
+def _request_counts(base: str) -> dict[str, float]:
+    """``/metrics``' request counters: ``{"<replica> <finished_reason>" | "<replica> retries": value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+        for smp in family.samples:
+            if smp.name == "kvserve:request_success_total":
+                out[f"{smp.labels['replica']} {smp.labels['finished_reason']}"] = smp.value
+            elif smp.name == "kvserve:request_retries_total":
+                out[f"{smp.labels['replica']} retries"] = smp.value
     return out
 
 
@@ -128,6 +143,8 @@ def test_a_killed_replica_is_replaced_and_its_requests_retried_or_ended(tiny_mod
         states = r.json()["replicas"]
         assert set(states) == {"replica-0", "replica-1"}
         victim = states["replica-0"]["pid"]
+        before = _request_counts(base)
+        assert "replica-0 retries" in before  # (the series exists from the start)
         results: dict = {}
         streams: dict = {}
         routed = threading.Barrier(5)  # the 4 streams have their first event: each has its replica
@@ -184,6 +201,16 @@ def test_a_killed_replica_is_replaced_and_its_requests_retried_or_ended(tiny_mod
                 assert last["choices"][0]["finish_reason"] == "length"
         # (2 of the streams were replica-0's; one may have finished before the kill)
         assert 1 <= ended_with_error <= 2 and ended_with_error + finished == 4, streams
+        # each request counts once: where it finished, or as an error of replica-0 (the streams it
+        # lost); one sent again counts a retry of replica-0, not an error (it was: "error" +1 for
+        # each, and "length" +1 where it then finished)
+        after = _request_counts(base)
+        d = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+        retried = d.get("replica-0 retries", 0)
+        assert d.get("replica-0 error", 0) == ended_with_error, d
+        assert d.get("replica-0 length", 0) + ended_with_error + retried == 4, d  # replica-0's 4 requests
+        assert d.get("replica-1 length", 0) == 4 + retried, d  # its own 4 and those sent again
+        assert set(d) <= {"replica-0 error", "replica-0 length", "replica-0 retries", "replica-1 length"}, d
         deadline = time.monotonic() + 120
         while True:
             states = httpx.get(base + "/health", timeout=5).json()["replicas"]

@@ -833,11 +833,18 @@ class MPAsyncEngine(AsyncEngine):
         self._apply_stats(stats)
 
     def _fail_tracks(self, message: str) -> None:
+        """Fail every live request with an :class:`EngineStoppedError` (its ``unfinished_samples``:
+        the samples not finished yet), counted as errors, except for the requests whose queue
+        counts their failures itself (``counts_failures``: the replicas' front end, which may
+        send such a request again to another replica)."""
         batch = []
         for rid, track in list(self._tracks.items()):
-            if self.metrics is not None and self.record_requests:
-                self.metrics.finished("error", track.num_samples - len(track.finished_indices))
-            batch.append((track.queue, (track.tag, EngineStoppedError(message))))
+            err = EngineStoppedError(message)
+            err.unfinished_samples = track.num_samples - len(track.finished_indices)
+            if self.metrics is not None and self.record_requests and not getattr(track.queue, "counts_failures",
+                                                                                  False):
+                self.metrics.finished("error", err.unfinished_samples)
+            batch.append((track.queue, (track.tag, err)))
         self._tracks.clear()
         self.output_processor.requests.clear()
         self._deliver(batch)

@@ -81,6 +81,11 @@ class ServerMetrics:
             ttft_prefill_seconds    first scheduled → the prefill's K/V saved and its handle back
             ttft_transfer_seconds   handle back → first token of the decode replica (the hop, the
                                     load of the blocks and the one prompt token owed)
+
+        and the counter request_retries_total: requests this replica lost (it died before they
+        showed anything) that were sent again to another replica. Such a request counts once in
+        request_success_total, on the replica that finished it; one lost with its replica and
+        not sent again counts as an error there.
     """
 
     def __init__(self, model_name: str, replicas=None) -> None:
@@ -149,6 +154,8 @@ class ServerMetrics:
         if replicas is None:
             self._bind(self, (model_name,))
         else:
+            self._retries_family = Counter("kvserve:request_retries", "Requests sent again to another replica "
+                                           "after this one died before they showed anything.", lab, registry=r)
             self._views = {name: self._view(name) for name in replicas}
             pd = ["model_name"]
             self.kv_transfer_blocks = Histogram("kvserve:kv_transfer_blocks", "KV blocks a decode replica loaded "
@@ -183,6 +190,7 @@ class ServerMetrics:
         view.registry, view._model, view.replicas = self.registry, self._model, None
         view._lock, view._requests, view._itl = self._lock, self._requests, self._itl
         self._bind(view, (self._model, replica))
+        view.retries = self._retries_family.labels(self._model, replica)
         return view
 
     def for_replica(self, replica: str) -> "ServerMetrics":

@@ -26,6 +26,10 @@ process as for one engine; each replica is an engine core in a Ray Serve replica
   :class:`EngineStoppedError` (an error event for a stream). Ray Serve replaces the replica;
   a watcher reconnects to it (:meth:`replica_states` says ``restarting`` meanwhile, then
   ``healthy`` with the new process id) and forgets its routing tree.
+* **Metrics**: a request counts once in ``request_success_total``: on the replica that
+  finished it, or as an ``error`` of the replica it was on when it failed; a request sent
+  again after its replica died counts one ``request_retries_total`` of that replica, not an
+  error (the relay counts the failures; the replicas' engines count the rest).
 """
 
 from __future__ import annotations
@@ -274,6 +278,28 @@ class _Relay:
         self.prefill_done_at: Optional[float] = None
         self._counted: Optional[tuple[Router, str]] = None  # the load count this request holds
 
+    #: the replicas' engines leave the count of this request's failures to the relay (:meth:`_failed`)
+    counts_failures = True
+
+    def _outcome(self, reason: str, samples: Optional[int] = None) -> None:
+        """Count the request's end (``error``, ``abort``) in ``request_success_total`` of the
+        replica it was on: ``samples`` sequences (default: all of them)."""
+        m = self.owner.metrics
+        if m is not None and self.replica is not None:
+            m.for_replica(self.replica).finished(reason, self.params.n if samples is None else samples)
+
+    def _retried(self, name: str) -> None:
+        """The request was lost with replica ``name`` and is sent again."""
+        self.attempts += 1
+        self.owner.num_retries += 1
+        if self.owner.metrics is not None:
+            self.owner.metrics.for_replica(name).retries.inc()
+
+    def _can_retry(self) -> bool:
+        """Whether a replica could take the request again."""
+        owner = self.owner
+        return self.attempts < MAX_RETRIES and not owner._stopped and bool(owner.healthy(owner.decode_names))
+
     def _count(self, router: Router, name: str) -> None:
         self._uncount()
         router.started(name, self.ids)
@@ -290,14 +316,20 @@ class _Relay:
         return self.owner.prefill_router if phase == "prefill" else self.owner.router
 
     async def submit(self) -> None:
-        """Send the request to its first replica; raises if it is rejected."""
-        if self.transfer:  # the decode side's checks (max_tokens vs the context...) before any work
-            owner = self.owner
-            d = owner.router.choose(self.ids, owner.healthy(owner.decode_names))
-            await owner.engines[d].call("validate_request", self.ids, self.params)
-            await self._send("prefill")
-        else:
-            await self._send("decode")
+        """Send the request to its first replica; raises if it is rejected (counted as an error
+        if the replica it was routed to died meanwhile)."""
+        owner = self.owner
+        try:
+            if self.transfer:  # the decode side's checks (max_tokens vs the context...) before any work
+                d = owner.router.choose(self.ids, owner.healthy(owner.decode_names))
+                await owner.engines[d].call("validate_request", self.ids, self.params)
+                await self._send("prefill")
+            else:
+                await self._send("decode")
+        except EngineStoppedError:
+            if self.replica is not None and not self.done and not owner._healthy(self.replica):
+                self._outcome("error")  # lost with the replica it was routed to
+            raise
 
     async def _send(self, phase: str, handle: Any = None, exclude: Sequence[str] = ()) -> None:
         owner = self.owner
@@ -330,8 +362,7 @@ class _Relay:
             if (owner._healthy(name) or self.done or owner._stopped or self.attempts >= MAX_RETRIES
                     or not owner.healthy(names)):
                 raise
-            self.attempts += 1
-            owner.num_retries += 1
+            self._retried(name)
             logger.warning("request %s: replica %s died before it accepted it; sending it again (try %d)",
                            self.rid, name, self.attempts + 1)
             await self._send(phase, handle, exclude=(*exclude, name))
@@ -404,16 +435,19 @@ class _Relay:
             m.kv_transfer_seconds.observe(stats.get("seconds", 0.0))
 
     def _failed(self, error: BaseException) -> None:
+        """The replica's engine failed the request (it died, or a step failed): sent again if
+        the replica is gone, nothing was shown and another replica can take it, else ended
+        with ``error`` (its unfinished samples counted as errors of the replica)."""
         owner = self.owner
         self._uncount()
         gone = not owner._healthy(self.replica)
-        if gone and not self.delivered and self.attempts < MAX_RETRIES and not owner._stopped:
-            self.attempts += 1
-            owner.num_retries += 1
+        if gone and not self.delivered and self._can_retry():
+            self._retried(self.replica)
             logger.warning("request %s: replica %s died before it answered; sending it again (try %d)",
                            self.rid, self.replica, self.attempts + 1)
             asyncio.ensure_future(self._retry(self.replica))
             return
+        self._outcome("error", getattr(error, "unfinished_samples", None))
         self.done = True
         self.owner._relays.pop(self.rid, None)
         self.out_queue.put_nowait((self.tag, error))
@@ -423,7 +457,12 @@ class _Relay:
             await self._send("prefill" if self.transfer else "decode", exclude=(failed,))
         except Exception as e:  # noqa: BLE001 - the request's error
             if not self.done:
-                self._end((self.tag, e))
+                self._fail(e)
+
+    def _fail(self, error: BaseException) -> None:
+        """End the request with ``error``, raised in the front end (no engine counted it)."""
+        self._outcome("error")
+        self._end((self.tag, error))
 
     def _end(self, item: tuple) -> None:
         self._uncount()
