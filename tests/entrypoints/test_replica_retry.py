@@ -5,7 +5,7 @@ as one whose replica dies mid-run before it showed anything does; requests that 
 something, or have no replica left, end with the death error; the router's load counts
 stay exact through it all, and each request counts once in ``request_success_total`` (where it
 finished, or as an error where it was lost), a retry as one ``request_retries_total`` of the
-replica that lost it. The replicas' engines are real
+replica that lost it; with prefill/decode disaggregation too. The replicas' engines are real
 :class:`MPAsyncEngine` s over fake clients (their metrics and failure paths run as in the
 server). No Ray, no model: the real thing is tests/entrypoints/test_replicas_cli.py and
 tests/entrypoints/test_replicas.py (slow)."""
@@ -229,3 +229,50 @@ def test_a_death_mid_run_retries_only_what_showed_nothing():
 
     asyncio.run(main())
 
+
+def _disaggregated(prefills: int):
+    fakes = [FakeEngine(f"prefill-{i}") for i in range(prefills)] + [FakeEngine("decode-0")]
+    eng = _engine(*fakes, roles={f.name: f.name.split("-")[0] for f in fakes})
+    return eng, fakes[:-1], fakes[-1]
+
+
+async def _add_transfer(eng, rid, q):
+    await eng.add_requests([(rid, [1, 2, 3, 4, 5], 0)], SamplingParams(max_tokens=4), q, streaming=False)
+    assert eng._relays[rid].transfer
+
+
+def test_a_request_lost_with_the_prefill_replica_counts_once():
+    """Disaggregated: a request lost with its prefill replica is an error of that replica when
+    no other prefill replica can take it, else a retry of it and a success of the decode
+    replica that finished it; one aborted during its prefill counts as an abort there (the
+    prefill replicas' engines record no request: these changed no counter)."""
+    async def main():
+        eng, (p0,), d = _disaggregated(1)
+        q = asyncio.Queue()
+        await _add_transfer(eng, "r0", q)
+        assert p0.added == ["r0"] and d.added == []
+        p0.die()
+        err = (await asyncio.wait_for(q.get(), 5))[1]
+        assert isinstance(err, EngineStoppedError) and "prefill-0 died" in str(err)
+        assert eng.num_retries == 0 and _counts(eng) == {"prefill-0 error": 1}
+        assert eng._relays == {} and eng.prefill_router.load == {"prefill-0": 0}
+
+        eng, (p0, p1), d = _disaggregated(2)
+        q = asyncio.Queue()
+        await _add_transfer(eng, "r0", q)  # round robin: prefill-0
+        p0.die()
+        await _settle()
+        assert p1.added == ["r0"] and _counts(eng) == {"prefill-0 retries": 1}
+        p1._dispatch([_output("r0", tokens=1, handle="the handle")])  # the prefill's end: to the decode replica
+        await _settle()
+        assert d.added == ["r0"]
+        d._dispatch([_output("r0")])
+        assert (await asyncio.wait_for(q.get(), 5))[1].finished
+        assert _counts(eng) == {"prefill-0 retries": 1, "decode-0 length": 1}
+        await _add_transfer(eng, "r1", asyncio.Queue())  # on prefill-1, the one healthy
+        eng.abort("r1")
+        assert p1.aborted == ["r1"] and p1._tracks == {}
+        assert _counts(eng) == {"prefill-0 retries": 1, "decode-0 length": 1, "prefill-1 abort": 1}
+        assert eng._relays == {} and eng.prefill_router.load == {"prefill-0": 0, "prefill-1": 0}
+
+    asyncio.run(main())

@@ -277,11 +277,27 @@ def test_disaggregated_equals_offline_and_the_decode_replica_computes_one_prompt
     assert engine.num_transfers >= n
 
 
+def _request_counts(server) -> dict[str, float]:
+    """The request counters: ``{"<replica> <finished_reason>" | "<replica> retries": value}``."""
+    out = {}
+    for family in server.api.metrics.registry.collect():
+        for smp in family.samples:
+            if smp.name == "kvserve:request_success_total":
+                out[f"{smp.labels['replica']} {smp.labels['finished_reason']}"] = smp.value
+            elif smp.name == "kvserve:request_retries_total":
+                out[f"{smp.labels['replica']} retries"] = smp.value
+    return out
+
+
 def test_a_killed_prefill_replica_leaks_no_decode_block_and_no_request_hangs(disaggregated, reference):
+    """... and each request counts once: finished on the decode replica, or an error of the
+    prefill replica (the only one: nothing to retry on); these changed no counter."""
     engine = disaggregated.api.async_engine
     start_free = _stats(disaggregated)["decode-0"]["kv_blocks_free"] + _stats(disaggregated)["decode-0"]["kv_blocks_cached"]
     states = engine.replica_states()
     prefill_pid = states["prefill-0"]["pid"]
+    before = _request_counts(disaggregated)
+    routed = engine.prefill_router.routed["prefill-0"]
 
     async def run():
         aclient = openai.AsyncOpenAI(base_url=disaggregated.base_url + "/v1", api_key="none", max_retries=0,
@@ -296,7 +312,11 @@ def test_a_killed_prefill_replica_leaks_no_decode_block_and_no_request_hangs(dis
                 return e.status_code
 
         tasks = [asyncio.create_task(one(i)) for i in range(6)]
-        await asyncio.sleep(0.5)
+        deadline = time.monotonic() + 60  # until the 6 are routed to the prefill replica
+        while engine.prefill_router.routed["prefill-0"] < routed + 6:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
         os.kill(prefill_pid, signal.SIGKILL)
         got = await asyncio.wait_for(asyncio.gather(*tasks), 150)
         await aclient.close()
@@ -306,6 +326,10 @@ def test_a_killed_prefill_replica_leaks_no_decode_block_and_no_request_hangs(dis
     got = asyncio.run(run())
     assert time.monotonic() - t0 < 150
     assert all(g in ("length", 503) for g in got), got  # finished (retried) or a clean error, never a hang
+    after = _request_counts(disaggregated)
+    d = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert d == {k: v for k, v in (("decode-0 length", got.count("length")), ("prefill-0 error", got.count(503)))
+                 if v}, (got, d)
     assert pid_gone(prefill_pid)
     deadline = time.monotonic() + 90
     while engine.replica_states()["prefill-0"]["state"] != "healthy":

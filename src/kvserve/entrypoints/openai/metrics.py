@@ -85,7 +85,7 @@ class ServerMetrics:
         and the counter request_retries_total: requests this replica lost (it died before they
         showed anything) that were sent again to another replica. Such a request counts once in
         request_success_total, on the replica that finished it; one lost with its replica and
-        not sent again counts as an error there.
+        not sent again counts as an error there (a prefill replica's, with disaggregation).
     """
 
     def __init__(self, model_name: str, replicas=None) -> None:

@@ -27,9 +27,10 @@ process as for one engine; each replica is an engine core in a Ray Serve replica
   a watcher reconnects to it (:meth:`replica_states` says ``restarting`` meanwhile, then
   ``healthy`` with the new process id) and forgets its routing tree.
 * **Metrics**: a request counts once in ``request_success_total``: on the replica that
-  finished it, or as an ``error`` of the replica it was on when it failed; a request sent
-  again after its replica died counts one ``request_retries_total`` of that replica, not an
-  error (the relay counts the failures; the replicas' engines count the rest).
+  finished it, or as an ``error`` (``abort``) of the replica it was on when it failed (was
+  aborted), a prefill replica included; a request sent again after its replica died counts one
+  ``request_retries_total`` of that replica, not an error (the relay counts the failures and the
+  prefill phase's outcomes; the decode replicas' engines count the rest).
 """
 
 from __future__ import annotations
@@ -296,9 +297,10 @@ class _Relay:
             self.owner.metrics.for_replica(name).retries.inc()
 
     def _can_retry(self) -> bool:
-        """Whether a replica could take the request again."""
+        """Whether a replica could take the request again (a decode one, and a prefill one for a transfer)."""
         owner = self.owner
-        return self.attempts < MAX_RETRIES and not owner._stopped and bool(owner.healthy(owner.decode_names))
+        return (self.attempts < MAX_RETRIES and not owner._stopped and bool(owner.healthy(owner.decode_names))
+                and (not self.transfer or bool(owner.healthy(owner.prefill_names))))
 
     def _count(self, router: Router, name: str) -> None:
         self._uncount()
@@ -371,7 +373,7 @@ class _Relay:
             self._uncount()
             raise
         if self.done:  # aborted meanwhile
-            eng.abort(self.rid)
+            self._abort_on(eng)
 
     # ------------------------------------------------------------ receiving
     def put_nowait(self, item: tuple) -> None:
@@ -384,6 +386,7 @@ class _Relay:
             return
         if self.phase == "prefill":
             if out.error is not None:
+                self._outcome("error")  # (a prefill replica's engine records no request)
                 self._end((self.tag, out))
             elif out.finished:
                 self._prefill_done(out)
@@ -410,7 +413,7 @@ class _Relay:
             m.for_replica(self.replica).queue_time.observe(max(0.0, start - self.arrival))
         handle = out.kv_transfer_params
         if handle is None:
-            self._end((self.tag, EngineStoppedError("the prefill replica returned no KV transfer handle")))
+            self._fail(EngineStoppedError("the prefill replica returned no KV transfer handle"))
             return
         owner.num_transfers += 1
         asyncio.ensure_future(self._hop(handle))
@@ -420,7 +423,7 @@ class _Relay:
             await self._send("decode", handle=handle)
         except Exception as e:  # noqa: BLE001 - the request's error
             if not self.done:
-                self._end((self.tag, e))
+                self._fail(e)
 
     def _first_output(self, out) -> None:
         m = self.owner.metrics
@@ -447,7 +450,8 @@ class _Relay:
                            self.rid, self.replica, self.attempts + 1)
             asyncio.ensure_future(self._retry(self.replica))
             return
-        self._outcome("error", getattr(error, "unfinished_samples", None))
+        # (the prefill replica ran one sample of it: all of them are lost)
+        self._outcome("error", None if self.phase == "prefill" else getattr(error, "unfinished_samples", None))
         self.done = True
         self.owner._relays.pop(self.rid, None)
         self.out_queue.put_nowait((self.tag, error))
@@ -480,4 +484,11 @@ class _Relay:
         if self.replica is not None:
             eng = self.owner.engines.get(self.replica)
             if eng is not None:
-                eng.abort(self.rid)
+                self._abort_on(eng)
+
+    def _abort_on(self, eng) -> None:
+        """Abort the request on ``eng``, its replica's engine (which counts the abort, except a
+        prefill replica's: counted here if it held the request)."""
+        if self.phase == "prefill" and self.rid in eng._tracks:
+            self._outcome("abort")
+        eng.abort(self.rid)
