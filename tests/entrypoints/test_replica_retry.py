@@ -13,6 +13,7 @@ tests/entrypoints/test_replicas.py (slow)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -108,11 +109,11 @@ def _counts(eng) -> dict[str, float]:
     return out
 
 
-def _output(rid: str, finished: bool = True, tokens: int = 2, handle=None):
+def _output(rid: str, finished: bool = True, tokens: int = 2, handle=None, scheduled=None, transfer_stats=None):
     """A :class:`RequestOutput` of one sample (``finished``: with finish reason ``length``)."""
     return SimpleNamespace(request_id=rid, prompt_token_ids=[1, 2, 3, 4, 5], num_cached_tokens=0, finished=finished,
-                           error=None, kv_transfer_params=handle,
-                           metrics=SimpleNamespace(first_scheduled_time=None, first_token_time=None),
+                           error=None, kv_transfer_params=handle, kv_transfer_stats=transfer_stats,
+                           metrics=SimpleNamespace(first_scheduled_time=scheduled, first_token_time=None),
                            outputs=[SimpleNamespace(index=0, token_ids=list(range(tokens)),
                                                     finish_reason="length" if finished else None)])
 
@@ -274,5 +275,36 @@ def test_a_request_lost_with_the_prefill_replica_counts_once():
         assert p1.aborted == ["r1"] and p1._tracks == {}
         assert _counts(eng) == {"prefill-0 retries": 1, "decode-0 length": 1, "prefill-1 abort": 1}
         assert eng._relays == {} and eng.prefill_router.load == {"prefill-0": 0, "prefill-1": 0}
+
+    asyncio.run(main())
+
+
+def test_the_disaggregation_histograms_carry_the_replica_label():
+    """kv_transfer_* and ttft_transfer_seconds are the decode replica's, ttft_queue_seconds and
+    ttft_prefill_seconds (and the request's queue time) the prefill replica's."""
+    async def main():
+        eng, (p0, p1), d = _disaggregated(2)
+        q = asyncio.Queue()
+        await _add_transfer(eng, "r0", q)
+        await _add_transfer(eng, "r1", q)  # round robin: r0 on prefill-0, r1 on prefill-1
+        for p, rid in ((p0, "r0"), (p1, "r1")):
+            p._dispatch([_output(rid, tokens=1, handle="h", scheduled=time.perf_counter())])
+        await _settle()
+        stats = {"blocks": 3, "bytes": 3000, "seconds": 0.5}
+        d._dispatch([_output("r0", transfer_stats=stats), _output("r1", transfer_stats=stats)])
+        for _ in range(2):
+            assert (await asyncio.wait_for(q.get(), 5))[1].finished
+
+        def value(name, replica):
+            return eng.metrics.registry.get_sample_value(f"kvserve:{name}", {"model_name": "m", "replica": replica})
+
+        for name in ("kv_transfer_blocks", "kv_transfer_bytes", "kv_transfer_seconds", "ttft_transfer_seconds"):
+            assert [value(f"{name}_count", r) for r in ("prefill-0", "prefill-1", "decode-0")] == [0, 0, 2], name
+        assert value("kv_transfer_blocks_sum", "decode-0") == 6 and value("kv_transfer_bytes_sum", "decode-0") == 6000
+        assert value("kv_transfer_seconds_sum", "decode-0") == 1.0
+        for name in ("ttft_queue_seconds", "ttft_prefill_seconds", "request_queue_time_seconds"):
+            assert [value(f"{name}_count", r) for r in ("prefill-0", "prefill-1", "decode-0")] == [1, 1, 0], name
+        assert eng.metrics.registry.get_sample_value("kvserve:kv_transfer_blocks_count", {"model_name": "m"}) is None
+        assert _counts(eng) == {"decode-0 length": 2}
 
     asyncio.run(main())

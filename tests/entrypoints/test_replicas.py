@@ -251,27 +251,39 @@ def test_metrics_and_health_per_replica(replicas):
     assert len(stats["requests"]) >= 4  # (the 4 requests of this test at least)
 
 
+def _samples(server) -> dict[str, float]:
+    """``/metrics``' samples: ``{'name{model_name="smol",replica="..."}': value}``."""
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in server.api.metrics.render().decode().splitlines()
+            if ln and not ln.startswith("#")}
+
+
 def test_disaggregated_equals_offline_and_the_decode_replica_computes_one_prompt_token(disaggregated, reference):
     before = _stats(disaggregated)
+    samples_before = _samples(disaggregated)
     _check_outputs(disaggregated.base_url, reference)
     after = _stats(disaggregated)
+    samples = _samples(disaggregated)
     n = 3 * len(PROMPTS)
     computed = {k: after[k]["prompt_tokens_computed"] - before[k]["prompt_tokens_computed"] for k in after}
     assert computed["decode-0"] == n  # the one prompt token owed per request, nothing more
     assert computed["prefill-0"] >= sum(len(disaggregated.api.engine.encode(p)) - 1 for p in PROMPTS)
     assert after["prefill-0"]["kv_transfer_saved"] - before["prefill-0"]["kv_transfer_saved"] == n
     assert after["prefill-0"]["generated_tokens"] - before["prefill-0"]["generated_tokens"] == n  # (1 each, dropped)
-    text = disaggregated.api.metrics.render().decode()
-    def value(name):
-        return float(next(ln for ln in text.splitlines() if ln.startswith(name)).split()[-1])
 
-    assert value("kvserve:ttft_transfer_seconds_count") >= n
-    # the queue time is the prefill replica's (the decode replica's would include the prefill)
-    assert value('kvserve:request_queue_time_seconds_count{model_name="smol",replica="prefill-0"}') >= n
-    assert value('kvserve:request_queue_time_seconds_count{model_name="smol",replica="decode-0"}') == 0
-    assert value("kvserve:kv_transfer_bytes_count") >= n
+    def delta(name, replica):
+        key = f'kvserve:{name}{{model_name="smol",replica="{replica}"}}'
+        return samples[key] - samples_before[key]
+
+    # each series carries the replica that measured it: the decode replica's transfer and TTFT
+    # part, the prefill replica's queue time (the decode replica's would include the prefill)
+    for name, on_prefill in (("ttft_queue_seconds", True), ("ttft_prefill_seconds", True),
+                             ("request_queue_time_seconds", True), ("ttft_transfer_seconds", False),
+                             ("kv_transfer_blocks", False), ("kv_transfer_bytes", False),
+                             ("kv_transfer_seconds", False)):
+        assert (delta(f"{name}_count", "prefill-0"), delta(f"{name}_count", "decode-0")) == \
+            ((n, 0) if on_prefill else (0, n)), name
     loaded = after["decode-0"]["kv_transfer_loaded_bytes"] - before["decode-0"]["kv_transfer_loaded_bytes"]
-    assert loaded > 0 and value("kvserve:kv_transfer_bytes_sum") >= loaded
+    assert loaded > 0 and delta("kv_transfer_bytes_sum", "decode-0") == loaded
     assert after["decode-0"]["kv_transfer_failed"] == before["decode-0"]["kv_transfer_failed"]
     engine = disaggregated.api.async_engine
     assert engine.num_transfers >= n

@@ -73,7 +73,10 @@ class ServerMetrics:
         replicas: for a server of engine replicas (``kvserve serve --data-parallel-size`` or
             ``--prefill-replicas/--decode-replicas``), the replicas' names: every metric above
             then also carries a ``replica`` label, recorded through :meth:`for_replica`'s views
-            (sum over it to aggregate), and the server adds the disaggregation histograms:
+            (sum over it to aggregate), and the server adds the disaggregation histograms (with
+            the ``replica`` label too: the decode replica's for kv_transfer_* and
+            ttft_transfer_seconds, the prefill replica's for ttft_queue_seconds and
+            ttft_prefill_seconds):
 
             kv_transfer_blocks / kv_transfer_bytes / kv_transfer_seconds    per transferred request:
                 blocks and bytes a decode replica loaded, seconds it took (fetch and write)
@@ -154,28 +157,21 @@ class ServerMetrics:
         if replicas is None:
             self._bind(self, (model_name,))
         else:
-            self._retries_family = Counter("kvserve:request_retries", "Requests sent again to another replica "
-                                           "after this one died before they showed anything.", lab, registry=r)
+            hist("kv_transfer_blocks", "kv_transfer_blocks", "KV blocks a decode replica loaded per transferred "
+                 "request.", BLOCK_BUCKETS)
+            hist("kv_transfer_bytes", "kv_transfer_bytes", "KV bytes a decode replica loaded per transferred request.",
+                 BYTE_BUCKETS)
+            hist("kv_transfer_seconds", "kv_transfer_seconds", "Seconds a decode replica took to load a request's "
+                 "transferred blocks.", LATENCY_BUCKETS)
+            hist("ttft_queue", "ttft_queue_seconds", "TTFT part: arrival to first scheduled on the prefill replica (s).",
+                 LATENCY_BUCKETS)
+            hist("ttft_prefill", "ttft_prefill_seconds", "TTFT part: prefill, until its K/V handle is back (s).",
+                 LATENCY_BUCKETS)
+            hist("ttft_transfer", "ttft_transfer_seconds", "TTFT part: handle back to the decode replica's first "
+                 "token (s).", LATENCY_BUCKETS)
+            counter("retries", "request_retries", "Requests sent again to another replica after this one died "
+                    "before they showed anything.")
             self._views = {name: self._view(name) for name in replicas}
-            pd = ["model_name"]
-            self.kv_transfer_blocks = Histogram("kvserve:kv_transfer_blocks", "KV blocks a decode replica loaded "
-                                                "per transferred request.", pd, buckets=BLOCK_BUCKETS,
-                                                registry=r).labels(model_name)
-            self.kv_transfer_bytes = Histogram("kvserve:kv_transfer_bytes", "KV bytes a decode replica loaded per "
-                                               "transferred request.", pd, buckets=BYTE_BUCKETS,
-                                               registry=r).labels(model_name)
-            self.kv_transfer_seconds = Histogram("kvserve:kv_transfer_seconds", "Seconds a decode replica took to "
-                                                 "load a request's transferred blocks.", pd, buckets=LATENCY_BUCKETS,
-                                                 registry=r).labels(model_name)
-            self.ttft_queue = Histogram("kvserve:ttft_queue_seconds", "TTFT part: arrival to first scheduled on "
-                                        "the prefill replica (s).", pd, buckets=LATENCY_BUCKETS,
-                                        registry=r).labels(model_name)
-            self.ttft_prefill = Histogram("kvserve:ttft_prefill_seconds", "TTFT part: prefill, until its K/V "
-                                          "handle is back (s).", pd, buckets=LATENCY_BUCKETS,
-                                          registry=r).labels(model_name)
-            self.ttft_transfer = Histogram("kvserve:ttft_transfer_seconds", "TTFT part: handle back to the decode "
-                                           "replica's first token (s).", pd, buckets=LATENCY_BUCKETS,
-                                           registry=r).labels(model_name)
 
     def _bind(self, target: "ServerMetrics", values: tuple) -> None:
         for attr, family in self._families.items():
@@ -190,7 +186,6 @@ class ServerMetrics:
         view.registry, view._model, view.replicas = self.registry, self._model, None
         view._lock, view._requests, view._itl = self._lock, self._requests, self._itl
         self._bind(view, (self._model, replica))
-        view.retries = self._retries_family.labels(self._model, replica)
         return view
 
     def for_replica(self, replica: str) -> "ServerMetrics":

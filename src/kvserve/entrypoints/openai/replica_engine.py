@@ -405,12 +405,12 @@ class _Relay:
         self._uncount()
         now = time.perf_counter()
         self.prefill_done_at = now
-        m = owner.metrics
-        if m is not None and out.metrics is not None and out.metrics.first_scheduled_time is not None:
+        if owner.metrics is not None and out.metrics is not None and out.metrics.first_scheduled_time is not None:
+            m = owner.metrics.for_replica(self.replica)  # (the prefill replica's)
             start = max(out.metrics.first_scheduled_time, self.arrival)
             m.ttft_queue.observe(max(0.0, start - self.arrival))
             m.ttft_prefill.observe(max(0.0, now - start))
-            m.for_replica(self.replica).queue_time.observe(max(0.0, start - self.arrival))
+            m.queue_time.observe(max(0.0, start - self.arrival))
         handle = out.kv_transfer_params
         if handle is None:
             self._fail(EngineStoppedError("the prefill replica returned no KV transfer handle"))
@@ -426,9 +426,9 @@ class _Relay:
                 self._fail(e)
 
     def _first_output(self, out) -> None:
-        m = self.owner.metrics
-        if m is None or not self.transfer:
+        if self.owner.metrics is None or not self.transfer:
             return
+        m = self.owner.metrics.for_replica(self.replica)  # (the decode replica's)
         if self.prefill_done_at is not None:
             m.ttft_transfer.observe(max(0.0, time.perf_counter() - self.prefill_done_at))
         stats = getattr(out, "kv_transfer_stats", None)
