@@ -375,6 +375,7 @@ _REJECTED = [
     ("guided_regex", "[0-9]+", "use 'structured_outputs'"),
     ("guided_choice", ["yes", "no"], "use 'structured_outputs'"),
     ("guided_grammar", "root ::= \"a\"", "use 'structured_outputs'"),
+    ("kv_transfer_params", {"do_remote_decode": True}, "kvserve serve --prefill-replicas P --decode-replicas D"),
 ]
 
 
@@ -399,13 +400,14 @@ def test_fields_that_ask_for_nothing_are_accepted(caplog):
     from kvserve.entrypoints.openai import protocol
 
     body = {**USER, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": None,
-            "guided_json": None, "structured_outputs": None, "some_future_field": 1}
+            "guided_json": None, "structured_outputs": None, "kv_transfer_params": None, "some_future_field": 1}
     with caplog.at_level(logging.WARNING, logger="kvserve.entrypoints.openai"):
         req = protocol.parse_request(protocol.ChatCompletionRequest, json.dumps(body).encode())
     assert req.response_format == {"type": "text"}
     assert "some_future_field" in caplog.text  # other unknown fields are still ignored with a warning
     req = protocol.parse_request(protocol.CompletionRequest, json.dumps({"prompt": "hi", "tool_choice": None,
-                                                                         "response_format": None}).encode())
+                                                                         "response_format": None,
+                                                                         "kv_transfer_params": {}}).encode())
     assert req.prompt == "hi"
 
 

@@ -5,8 +5,8 @@ Field names follow OpenAI where OpenAI has one and vLLM for the rest. Types are 
 checked by :class:`SamplingParams`, whose ``ValueError`` names the field. Unknown fields
 are accepted and ignored with a warning in the log, as vLLM does, except the ones that ask
 for what kvserve does not implement (OpenAI's deprecated ``functions``/``function_call``,
-vLLM's old ``guided_*`` fields): ignoring those would return text the client cannot parse, so
-they get a 400. Structured output comes from OpenAI's ``response_format`` (``json_object``,
+vLLM's old ``guided_*`` fields, vLLM's per-request ``kv_transfer_params``): ignoring those would
+return text the client cannot parse, or not do what the client arranged, so they get a 400. Structured output comes from OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) or vLLM's ``structured_outputs`` (:func:`structured_outputs_params`); tool
 calls with ``tool_choice`` ``"required"`` or a named function are generated under the tools'
 parameter schemas; with ``"auto"`` (the default when tools are given) the model writes freely
@@ -181,6 +181,9 @@ def parse_request(cls: type[BaseModel], body: bytes) -> BaseModel:
 
 _GUIDED = "vLLM's removed guided_* fields (use 'structured_outputs', e.g. {\"regex\": ...}, or 'response_format')"
 _TOOL_CALLING = "OpenAI's deprecated functions / function_call (use 'tools' and 'tool_choice')"
+_KV_TRANSFER = ("vLLM's per-request KV transfer for prefill/decode disaggregation (kvserve's disaggregation is "
+                "configured on the server: kvserve serve --prefill-replicas P --decode-replicas D routes every "
+                "request through a prefill and a decode replica)")
 
 
 def _unsupported_feature(name: str, value: Any) -> Optional[str]:
@@ -193,20 +196,22 @@ def _unsupported_feature(name: str, value: Any) -> Optional[str]:
         return _TOOL_CALLING if value != "none" else None
     if name in ("tools", "tool_choice"):  # (completions: chat has them as fields)
         return "tool calling on /v1/completions (use /v1/chat/completions)" if value not in ([], "none") else None
+    if name == "kv_transfer_params":
+        return _KV_TRANSFER if value != {} else None
     return _GUIDED  # guided_*: any value asks for a constraint
 
 
 # Fields that ask for features kvserve does not implement: a 400 rather than unconstrained text.
 UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "guided_json", "guided_regex",
-                      "guided_choice", "guided_grammar")
+                      "guided_choice", "guided_grammar", "kv_transfer_params")
 
 
 def reject_unsupported_features(req: BaseModel) -> None:
     """400 for a request asking for OpenAI's deprecated function calling, tool calling on
-    /v1/completions, or using vLLM's old ``guided_*`` fields.
+    /v1/completions, or using vLLM's old ``guided_*`` fields or its ``kv_transfer_params``.
 
-    ``functions`` null or empty and ``function_call`` null or ``"none"`` ask for nothing and
-    pass.
+    ``functions`` null or empty, ``function_call`` null or ``"none"`` and ``kv_transfer_params``
+    null or empty ask for nothing and pass.
 
     Raises:
         APIError: 400 with ``param`` naming the first such field and code ``unsupported_parameter``.
