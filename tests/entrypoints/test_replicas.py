@@ -340,6 +340,7 @@ def test_a_killed_prefill_replica_leaks_no_decode_block_and_no_request_hangs(dis
     assert all(g in ("length", 503) for g in got), got  # finished (retried) or a clean error, never a hang
     after = _request_counts(disaggregated)
     d = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    print(f"outcomes {got}; request counters' changes: {d}")
     assert d == {k: v for k, v in (("decode-0 length", got.count("length")), ("prefill-0 error", got.count(503)))
                  if v}, (got, d)
     assert pid_gone(prefill_pid)

@@ -206,6 +206,7 @@ def test_a_killed_replica_is_replaced_and_its_requests_retried_or_ended(tiny_mod
         # each, and "length" +1 where it then finished)
         after = _request_counts(base)
         d = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+        print(f"request counters' changes: {d}")
         retried = d.get("replica-0 retries", 0)
         assert d.get("replica-0 error", 0) == ended_with_error, d
         assert d.get("replica-0 length", 0) + ended_with_error + retried == 4, d  # replica-0's 4 requests
