@@ -76,6 +76,7 @@ def test_evicted_prefix_is_read_back_from_disk_token_exact(llama, reference, tmp
     s = llm.engine.stats()
     assert s["kv_offload_written_blocks"] == 0 and s["kv_offload_blocks"] == 0  # nothing evicted yet
     assert llm.generate([B], PARAMS)[0].outputs[0].token_ids == reference["B"]
+    llm.engine.flush_kv_offload()  # (the writes done and counted)
     s = llm.engine.stats()
     evicted = s["prefix_cache_evicted_blocks"]
     assert evicted > 0 and s["kv_offload_written_blocks"] == evicted and s["kv_offload_read_blocks"] == 0
@@ -214,10 +215,10 @@ def test_the_byte_budget_keeps_the_most_recent_blocks(llama, reference, tmp_path
     assert llm.engine.stats()["kv_offload_capacity_blocks"] == 4
     for p in (A, B, _prompt(3)):
         llm.generate([p], PARAMS)
+    llm.engine.flush_kv_offload()
     s = llm.engine.stats()
     assert s["kv_offload_written_blocks"] > 4 and s["kv_offload_blocks"] == 4
     assert s["kv_offload_deleted_blocks"] == s["kv_offload_written_blocks"] - 4
-    llm.engine.core.executor.collective_rpc("flush_kv_offload")
     assert len(_files(tmp_path / "t")) == 4
     llm.shutdown()
     assert len(_files(tmp_path / "t")) == 4  # (the blocks still cached at shutdown did not push past it)
@@ -249,6 +250,7 @@ def test_prometheus_counters(llama, reference, tmp_path):
     llm = _llm(llama, tmp_path)
     llm.generate([A], PARAMS)
     llm.generate([B], PARAMS)  # evicts A's blocks: written? they are on disk already (no rewrite)
+    llm.engine.flush_kv_offload()
     metrics = ServerMetrics("tiny")
     AsyncEngine(llm.engine, metrics)._update_gauges()
     values = {x.name: x.value for fam in text_string_to_metric_families(metrics.render().decode()) for x in fam.samples}

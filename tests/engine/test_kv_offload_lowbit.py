@@ -57,6 +57,7 @@ def test_lowbit_blocks_go_to_disk_and_back_token_exact(llama, cold, kv, tmp_path
     llm = _llm(llama, kv, tmp_path)
     assert llm.generate([A], PARAMS)[0].outputs[0].token_ids == ref["A"]
     assert llm.generate([B], PARAMS)[0].outputs[0].token_ids == ref["B"]  # evicts most of A's blocks
+    llm.engine.flush_kv_offload()  # (the writes done and counted)
     s = llm.engine.stats()
     assert s["prefix_cache_evicted_blocks"] > 0 and s["kv_offload_written_blocks"] == s["prefix_cache_evicted_blocks"]
     out = llm.generate([A], PARAMS)[0]

@@ -21,6 +21,16 @@ at admission (LMCache's local-disk backend, llama.cpp's ``--slot-save-path``):
   writes the file in a background thread. Over the budget, the least recently used blocks' files
   are deleted (an op too, after the writes). At shutdown the blocks still in memory are written
   as well (:meth:`KVOffloadTier.offload_cached`), so a restarted engine finds them.
+* **Write outcomes.** The workers report what became of each write (the engine core asks them:
+  :meth:`KVOffloadTier.on_reports`): a block counts as written (``kv_offload_written_blocks``)
+  once every rank wrote its file, as failed (``kv_offload_failed_writes``) when one could not
+  (a full disk, a removed directory), and then leaves the index. The first failure is logged
+  with its cause (one line: the path and the ``OSError``), later ones at most once per
+  :data:`FAILURE_LOG_INTERVAL_S` as a count. A directory deleted while the engine runs is
+  recreated by the next write, and the blocks that were in it leave the index (one warning);
+  one that cannot be recreated (the path is a file now, permission denied) turns the tier's
+  writes off for good (one warning) and empties the index: the prefix cache goes on in memory,
+  a prefix that was on disk is recomputed. Serving never fails because of the disk.
 * **Reads.** At admission, after the in-memory match ends, the tier continues the chain over the
   request's next full blocks while their keys are on disk (:meth:`KVOffloadTier.lookup`); the
   KV manager loads them into fresh blocks at once (a ``load`` op of the ``"disk"`` connector)
@@ -38,9 +48,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import numbers
 import os
 import tempfile
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Optional, Sequence
@@ -53,7 +65,11 @@ from kvserve.core.radix_cache import Namespace
 from kvserve.distributed.kv_transfer.base import KVTransferHandle
 from kvserve.distributed.kv_transfer.disk_connector import BlockFileLayout, block_file_name, scan_directory
 
+logger = logging.getLogger(__name__)
+
 GiB = 1 << 30
+#: Seconds between two warnings about failed block writes (the first is logged at once).
+FAILURE_LOG_INTERVAL_S = 60.0
 #: The largest ``kv_offload_gib`` accepted (GiB).
 MAX_OFFLOAD_GIB = 1 << 20
 #: Bytes of a block key (BLAKE2b digest size).
@@ -143,7 +159,12 @@ class KVOffloadTier:
     Attributes:
         key_of: tree block id → its key (set by the KV manager when the block enters the tree).
         index: keys on disk (or queued to be), least recently used first.
+        disabled: None, or why the tier's writes are off (its directory could not be recreated).
+        closed: the workers' writers are stopped (shutdown): :attr:`awaiting_reports` is False.
+        clock: the clock of the failure warnings' rate limit (seconds; ``time.monotonic``).
     """
+
+    clock = staticmethod(time.monotonic)
 
     def __init__(self, directory: str, capacity_gib: float, layout: BlockFileLayout, ops: Optional[KVCacheOps],
                  scan: bool = True) -> None:
@@ -155,7 +176,19 @@ class KVOffloadTier:
         self.key_of: dict[int, bytes] = {}
         self.index: OrderedDict[bytes, None] = OrderedDict()
         self._pinned: set[bytes] = set()
-        self.num_written_blocks = 0  # blocks recorded for writing
+        self.disabled: Optional[str] = None
+        self.closed = False  # the workers' writers are stopped (at shutdown): nothing more to report
+        # writes recorded and not yet reported by every rank: seq -> [key, ranks reported, one failed,
+        # lost (written before the directory went)]; seq numbers the recorded blocks 0, 1, ... as
+        # every worker's connector numbers the blocks it is put (the ops reach each in order)
+        self._inflight: dict[int, list] = {}
+        self._inflight_keys: dict[bytes, int] = {}  # key -> its writes in flight
+        self._next_seq = 0
+        self._ask = False  # a read failed: a worker may have found the directory gone
+        self._failure_logged_at: Optional[float] = None
+        self._failures_unlogged = 0
+        self.num_written_blocks = 0  # blocks every rank wrote
+        self.num_failed_writes = 0  # blocks a rank could not write (not on disk)
         self.num_read_blocks = 0  # blocks loaded back
         self.num_hit_requests = 0  # admissions that loaded at least one block
         self.num_read_failed = 0  # loads that failed (the request recomputed)
@@ -223,23 +256,136 @@ class KVOffloadTier:
 
     def offload_cached(self, blocks_lru: Sequence[int]) -> int:
         """Record the writing of the tree's blocks (least recently used first) not on disk yet,
-        the most recently used within the budget (at shutdown). Returns the blocks recorded."""
+        the most recently used within the budget (at shutdown). Returns the blocks recorded (0
+        when the writes are off)."""
+        if self.disabled is not None:
+            return 0
         todo = [(b, k) for b in blocks_lru if (k := self.key_of.get(b)) is not None and k not in self.index]
         todo = todo[-self.capacity_blocks:] if self.capacity_blocks else []
         self._write([b for b, _ in todo], [k for _, k in todo])
         return len(todo)
 
     def _write(self, src: list[int], keys: list[bytes]) -> None:
-        if self.capacity_blocks < 1:
+        if self.capacity_blocks < 1 or self.disabled is not None:
             return
         if len(keys) > self.capacity_blocks:
             src, keys = src[-self.capacity_blocks:], keys[-self.capacity_blocks:]
         for k in keys:
             self.index[k] = None
+            self._inflight[self._next_seq] = [k, 0, False, False]
+            self._inflight_keys[k] = self._inflight_keys.get(k, 0) + 1
+            self._next_seq += 1
         drop = self._enforce_budget(record=False)
         if keys or drop:
             self.ops.offload(src, keys, drop)
-        self.num_written_blocks += len(keys)
+
+    # ------------------------------------------------------------------ write outcomes
+    @property
+    def awaiting_reports(self) -> bool:
+        """Whether the workers have outcomes to report (:meth:`on_reports`): writes in flight,
+        or a read failed since the last report."""
+        return not self.closed and (bool(self._inflight) or self._ask)
+
+    @property
+    def num_recorded_writes(self) -> int:
+        """Blocks ever recorded for writing (written, failed or pending)."""
+        return self._next_seq
+
+    @property
+    def num_pending_writes(self) -> int:
+        """Blocks recorded for writing whose outcome is not reported yet."""
+        return len(self._inflight)
+
+    def on_reports(self, reports: Sequence[Optional[dict]]) -> None:
+        """Take in the workers' reports (each rank's
+        :meth:`~kvserve.distributed.kv_transfer.disk_connector.DiskKVConnector.take_report`; None
+        from a rank without one): count the blocks written and failed, drop failed blocks from
+        the index (with several ranks, the other ranks' files are deleted), forget the blocks of a
+        directory that was gone, turn the writes off when it could not be recreated; logs (at
+        most one line per kind here, write failures rate-limited)."""
+        self._ask = False
+        lost: Optional[int] = None  # blocks dropped because the directory was gone
+        disabled = False
+        drop: list[bytes] = []
+        for report in reports:
+            for event in (report or {}).get("events", ()):
+                kind = event[0]
+                if kind in ("written", "failed"):
+                    key = self._ack(event[1], kind == "written")
+                    if key is not None:
+                        drop.append(key)
+                    if kind == "failed" and event[2] is not None:
+                        self._log_write_failure(event[2])
+                elif kind == "lost":
+                    lost = (lost or 0) + self._forget_written()
+                elif kind == "disabled" and self.disabled is None:
+                    disabled = True
+                    self.disabled = event[1]
+        if disabled:
+            n = sum(k not in self._inflight_keys for k in self.index)
+            self.index.clear()
+            self._pinned.clear()
+            logger.warning("KV disk tier: the directory %s is gone and cannot be recreated (%s); writes to the disk "
+                           "tier are off from now on, %d block(s) on it are lost and the prefix cache goes on in "
+                           "memory", self.directory, self.disabled, n)
+        elif lost is not None:
+            logger.warning("KV disk tier: the directory %s was gone (deleted while the engine ran); recreated it. The "
+                           "%d block(s) written there before are lost (their prefixes are recomputed)",
+                           self.directory, lost)
+        drop = [k for k in drop if k in self.index]
+        for k in drop:
+            del self.index[k]
+        if drop and self.layout.tp_size > 1 and self.disabled is None:
+            self.ops.offload([], [], drop)  # (the ranks that did write their shard)
+
+    def _ack(self, seq: int, ok: bool) -> Optional[bytes]:
+        """One rank's outcome of write ``seq``; once every rank's is in, counts the block and
+        returns its key when it is to leave the index (a rank failed, or it was lost)."""
+        entry = self._inflight.get(seq)
+        if entry is None:
+            return None
+        entry[1] += 1
+        entry[2] = entry[2] or not ok
+        if entry[1] < self.layout.tp_size:
+            return None
+        del self._inflight[seq]
+        key = entry[0]
+        left = self._inflight_keys.pop(key) - 1
+        if left:
+            self._inflight_keys[key] = left
+        if entry[2]:
+            self.num_failed_writes += 1
+        else:
+            self.num_written_blocks += 1
+        return key if (entry[2] or entry[3]) and not left else None
+
+    def _forget_written(self) -> int:
+        """The directory was gone: the keys written to it leave the index (writes in flight that
+        a rank had written already leave it when done). Returns the keys dropped."""
+        written = [k for k in self.index if k not in self._inflight_keys]
+        for k in written:
+            del self.index[k]
+        for entry in self._inflight.values():
+            if entry[1]:
+                entry[3] = True
+        return len(written)
+
+    def _log_write_failure(self, cause: str) -> None:
+        """Warn of a failed block write: the first at once, then at most one line (a count)
+        per :data:`FAILURE_LOG_INTERVAL_S`."""
+        now = self.clock()
+        if self._failure_logged_at is None:
+            logger.warning("KV disk tier: writing a block to %s failed (%s); that block is not on disk. Further "
+                           "failures are counted (kv_offload_failed_writes) and logged at most every %.0f s",
+                           self.directory, cause, FAILURE_LOG_INTERVAL_S)
+        elif now - self._failure_logged_at >= FAILURE_LOG_INTERVAL_S:
+            logger.warning("KV disk tier: %d more block write(s) to %s failed in the last %.0f s (the last: %s)",
+                           self._failures_unlogged + 1, self.directory, now - self._failure_logged_at, cause)
+        else:
+            self._failures_unlogged += 1
+            return
+        self._failure_logged_at = now
+        self._failures_unlogged = 0
 
     def _enforce_budget(self, record: bool = True) -> list[bytes]:
         """Drop the least recently used keys (not pinned) beyond the budget; returns them (and
@@ -307,13 +453,15 @@ class KVOffloadTier:
 
     def failed(self, keys: Sequence[bytes]) -> None:
         """A read of ``keys`` failed: they leave the index and their files are deleted (a file a
-        worker found corrupt is deleted already; the other ranks' go too)."""
+        worker found corrupt is deleted already; the other ranks' go too). The workers are asked
+        for a report next (a reader that found the directory gone reports it)."""
         self.num_read_failed += 1
+        self._ask = True
         gone = [k for k in keys if k in self.index]
         for k in gone:
             del self.index[k]
         self._pinned.difference_update(keys)
-        if gone:
+        if gone and self.disabled is None:
             self.ops.offload([], [], gone)
 
     # ------------------------------------------------------------------ metrics
@@ -323,11 +471,15 @@ class KVOffloadTier:
         return len(self.index) * self.block_file_bytes
 
     def stats(self) -> dict:
-        """Disk-tier counters: blocks written (recorded), read back, admissions that read from
-        disk, failed reads, files deleted for the budget, blocks found at start, and the tier's
-        blocks, bytes and capacity now."""
+        """Disk-tier counters: blocks written (every rank's file written, as reported), blocks
+        whose write failed, blocks whose outcome is not reported yet, blocks read back, admissions
+        that read from disk, failed reads, files deleted for the budget, blocks found at start,
+        and the tier's blocks, bytes and capacity now (and 1 when its writes are off)."""
         return {
             "kv_offload_written_blocks": self.num_written_blocks,
+            "kv_offload_failed_writes": self.num_failed_writes,
+            "kv_offload_pending_writes": self.num_pending_writes,
+            "kv_offload_writes_disabled": int(self.disabled is not None),
             "kv_offload_read_blocks": self.num_read_blocks,
             "kv_offload_hits": self.num_hit_requests,
             "kv_offload_read_failed": self.num_read_failed,

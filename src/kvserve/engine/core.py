@@ -93,22 +93,42 @@ def kv_loader(executor: Executor):
     return load
 
 
+def _sync_kv_offload(kv: KVCacheManager, executor: Executor) -> None:
+    """Take in what the workers report of the disk tier's writes (:meth:`KVOffloadTier.on_reports`):
+    a call to every rank, only while writes are in flight (or a read failed)."""
+    tier = kv.offload
+    if tier is None or not tier.awaiting_reports or not executor.is_alive:
+        return
+    try:
+        reports = executor.collective_rpc("kv_offload_report")
+    except Exception:  # noqa: BLE001 - a worker died: the step that follows reports it
+        logger.debug("KV disk tier: the workers' report failed", exc_info=True)
+        return
+    tier.on_reports(reports)
+
+
 def _close_kv_offload(kv: KVCacheManager, executor: Executor) -> None:
     """Write the prefix cache's blocks that are not on disk yet to the disk tier (within its
     budget, most recently used first) and wait for every queued write: at shutdown, so that a
-    restarted engine finds the cache. Errors are logged (the engine is going away)."""
+    restarted engine finds the cache. Quiet: failed writes are counted (and logged as while
+    serving: rate-limited, one line each); other errors are one line (the engine is going away)."""
+    tier = kv.offload
     try:
         if not executor.is_alive:
             return
+        _sync_kv_offload(kv, executor)
+        before = tier.num_written_blocks
         n = kv.offload_cached()
         ops = kv.ops.take()
         if ops:
             executor.collective_rpc("apply_kv_ops", (ops,))
-        executor.collective_rpc("close_kv_offload")
+        tier.on_reports(executor.collective_rpc("close_kv_offload"))
+        tier.closed = True
         if n:
-            logger.info("KV disk tier: wrote %d cached block(s) at shutdown", n)
-    except Exception:  # noqa: BLE001 - a dead worker: what was written stays
-        logger.warning("KV disk tier: writing the cached blocks at shutdown failed", exc_info=True)
+            logger.info("KV disk tier: wrote %d of %d cached block(s) at shutdown", tier.num_written_blocks - before, n)
+    except Exception as e:  # noqa: BLE001 - a dead worker: what was written stays
+        logger.warning("KV disk tier: writing the cached blocks at shutdown failed (%s: %s)", type(e).__name__, e)
+        logger.debug("KV disk tier: the shutdown's error", exc_info=True)
 
 
 class EngineCore:
@@ -709,6 +729,7 @@ class EngineCore:
         blocks are freed (not cached) and the other requests go on. An exception in scheduling
         still propagates.
         """
+        _sync_kv_offload(self.kv, self.executor)  # (the disk tier's index as the writes went, before lookups)
         sched = self._schedule()
         if sched is None:
             return []
@@ -1107,8 +1128,21 @@ class EngineCore:
                 "swap_blocks_total": 0, "swap_blocks_used": 0, "swap_num_swapped_residuals": 0,
                 "swap_residual_slots_total": 0, "swap_residual_slots_used": 0, "swap_usage": 0.0, "num_swapped": 0}
 
+    def flush_kv_offload(self) -> None:
+        """Wait until the disk tier's queued writes and deletions are done and take in their
+        outcomes (its counters are then exact); a no-op without a disk tier."""
+        if self.kv.offload is not None:
+            self.executor.collective_rpc("flush_kv_offload")
+            _sync_kv_offload(self.kv, self.executor)
+
+    def kv_offload_pending(self) -> bool:
+        """Whether disk-tier writes are in flight whose outcome :meth:`stats` has not counted yet."""
+        return self.kv.offload is not None and self.kv.offload.awaiting_reports
+
     def stats(self) -> dict:
-        """Engine counters: running/waiting requests, KV usage, preemptions, swaps, tokens."""
+        """Engine counters: running/waiting requests, KV usage, preemptions, swaps, tokens (the
+        disk tier's write outcomes reported so far: :meth:`flush_kv_offload` waits for them)."""
+        _sync_kv_offload(self.kv, self.executor)
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

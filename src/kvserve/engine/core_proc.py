@@ -158,6 +158,9 @@ class _CoreLoop:
                 while not self.cmd.poll(PARENT_CHECK_S):
                     if not self._parent_alive():
                         return 0
+                    pending = getattr(engine, "kv_offload_pending", None)
+                    if pending is not None and pending():  # (the disk tier's last writes, counted while idle)
+                        self.out.send(("stats", engine.stats()))
             while self.cmd.poll(0):
                 cmd = self.cmd.recv()
                 if cmd[0] == "stop":  # (the engine goes with the process)

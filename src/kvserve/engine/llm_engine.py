@@ -147,3 +147,11 @@ class LLMEngine:
     def stats(self) -> dict:
         """The engine core's counters (:meth:`EngineCore.stats`)."""
         return self.core.stats()
+
+    def flush_kv_offload(self) -> None:
+        """Wait for the disk tier's queued writes and count them (:meth:`EngineCore.flush_kv_offload`)."""
+        self.core.flush_kv_offload()
+
+    def kv_offload_pending(self) -> bool:
+        """Whether disk-tier writes are in flight, not counted yet (:meth:`EngineCore.kv_offload_pending`)."""
+        return self.core.kv_offload_pending()

@@ -166,12 +166,21 @@ class Worker:
         if disk is not None:
             disk.flush()
 
-    def close_kv_offload(self) -> None:
-        """Write what the disk tier's writer has queued and stop it (no-op without a disk tier)."""
+    def kv_offload_report(self) -> Optional[dict]:
+        """What became of the disk tier's writes since the last call (:meth:`DiskKVConnector.take_report`);
+        None without a disk tier."""
         disk = self.kv_mover.disk if self.kv_mover is not None else None
-        if disk is not None:
-            disk.close()
-            self.kv_mover.disk = None
+        return disk.take_report() if disk is not None else None
+
+    def close_kv_offload(self) -> Optional[dict]:
+        """Write what the disk tier's writer has queued and stop it; returns its last report
+        (:meth:`kv_offload_report`), None without a disk tier."""
+        disk = self.kv_mover.disk if self.kv_mover is not None else None
+        if disk is None:
+            return None
+        disk.close()
+        self.kv_mover.disk = None
+        return disk.take_report()
 
     @property
     def host_caches(self) -> Optional[list]:

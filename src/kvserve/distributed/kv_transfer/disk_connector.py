@@ -295,13 +295,15 @@ def scan_directory(directory: str, layout: BlockFileLayout) -> ScanResult:
 
 class _Pending:
     """A block queued for writing: block ``index`` of the parts ``arrays`` (uint8 views of the
-    ``2 · num_layers`` tensors ``[n, block_size, num_kv_heads, row]`` a put was given)."""
+    ``2 · num_layers`` tensors ``[n, block_size, num_kv_heads, row]`` a put was given); ``seq``
+    is its number among the blocks ever put to this connector (0, 1, ...)."""
 
-    __slots__ = ("arrays", "index")
+    __slots__ = ("arrays", "index", "seq")
 
-    def __init__(self, arrays: list, index: int) -> None:
+    def __init__(self, arrays: list, index: int, seq: int) -> None:
         self.arrays = arrays
         self.index = index
+        self.seq = seq
 
     def pieces(self) -> list:
         """The block's payload, in file order: one contiguous uint8 array per layer and K/V."""
@@ -316,13 +318,24 @@ class DiskKVConnector(KVConnector):
     this class does the file work. A block queued for writing is served from memory until its
     file is written, so a read right after an eviction never waits for the disk.
 
+    What became of the writes goes back to the engine core (:meth:`take_report`, which logs it):
+    the connector itself logs no expected ``OSError``. Each block put is numbered (its ``seq``: 0,
+    1, ... in the order of the puts, the order in which the core recorded them) and reported
+    written or failed, with the failure's cause. When the directory is gone (deleted while the
+    engine runs) the writer recreates it (``os.makedirs``) and goes on, reporting ``"lost"``
+    (the blocks written before are gone); when it cannot be recreated (the path is now a file,
+    permission denied) the tier's writes are off for good: ``"disabled"``, every later write
+    fails at once and deletions are skipped.
+
     Args:
         directory: where the block files are (must exist and be writable).
         layout: this rank's :class:`BlockFileLayout`.
         max_pending_bytes: queued bytes above which :meth:`put` waits for the writer (back-pressure).
 
-    Counters: ``num_written_blocks``, ``num_write_errors``, ``num_loaded_blocks`` / ``num_loaded_bytes``
-    (blocks read back), ``num_failed`` (reads refused), ``num_deleted``.
+    Counters: ``num_written_blocks``, ``num_write_errors`` (failed writes and deletions),
+    ``num_loaded_blocks`` / ``num_loaded_bytes`` (blocks read back), ``num_failed`` (reads refused),
+    ``num_deleted``, ``num_recreated`` (times the directory was recreated). ``disabled``: None, or
+    why the writes are off.
     """
 
     name = "disk"
@@ -335,6 +348,11 @@ class DiskKVConnector(KVConnector):
         self.num_written_blocks = 0
         self.num_write_errors = 0
         self.num_deleted = 0
+        self.num_recreated = 0
+        self.disabled: Optional[str] = None
+        self._num_put = 0  # blocks ever put (the next one's seq)
+        self._events: list[tuple] = []  # what take_report hands over, in order
+        self._dir_lock = threading.Lock()  # (the writer and a reader may both find the directory gone)
         self._pending: dict[bytes, _Pending] = {}  # key -> block not yet written
         self._pending_bytes = 0
         self._cond = threading.Condition()
@@ -371,8 +389,10 @@ class DiskKVConnector(KVConnector):
                              f"{want[0]} (K), {want[1]} (V)")
         arrays = [p.view(torch.uint8).numpy() for p in parts]  # (the writer slices these: no tensor per block)
         nbytes = lay.payload_bytes
-        items = [_Pending(arrays, i) for i in range(len(keys))]  # (one object per block: dropped by identity)
         with self._cond:
+            # (one object per block: dropped by identity; numbered in the order of the puts)
+            items = [_Pending(arrays, i, self._num_put + i) for i in range(len(keys))]
+            self._num_put += len(keys)
             while self._pending_bytes > self.max_pending_bytes and self._thread.is_alive():
                 self._cond.wait(1.0)
             for key, item in zip(keys, items):
@@ -399,6 +419,22 @@ class DiskKVConnector(KVConnector):
         self._queue.put(None)
         self._thread.join()
 
+    def take_report(self) -> dict:
+        """What happened since the last call, in order (and forget it): ``{"events": [...]}``, each
+        event one of ``("written", seq)``, ``("failed", seq, cause)`` (the block numbered ``seq``
+        among the puts: :class:`DiskKVConnector`; ``cause`` names the path and the ``OSError``, or
+        is None when the writes are off), ``("lost", cause)`` (the directory was gone and has been
+        recreated: the files written before are gone) and ``("disabled", cause)`` (it could not be
+        recreated: the writes are off from now on). A dict, so that an executor hands it back
+        from another process as it is."""
+        with self._cond:
+            events, self._events = self._events, []
+        return {"events": events}
+
+    def _event(self, *event) -> None:
+        with self._cond:
+            self._events.append(event)
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
@@ -407,11 +443,10 @@ class DiskKVConnector(KVConnector):
                     return
                 op, key, block = item
                 if op == "write":
-                    self._write(key, block)
-                else:
-                    _unlink(self.path(key))
-                    self.num_deleted += 1
-            except Exception:  # noqa: BLE001 - a full disk, a removed directory: that block is not written
+                    self._write_reported(key, block)
+                elif self.disabled is None:
+                    self._delete(key)
+            except Exception:  # noqa: BLE001 - a bug: the writer goes on
                 self.num_write_errors += 1
                 logger.warning("KV disk tier: %s of block %s failed", item[0], item[1].hex(), exc_info=True)
             finally:
@@ -422,6 +457,60 @@ class DiskKVConnector(KVConnector):
                             self._pending_bytes -= self.layout.payload_bytes
                         self._cond.notify_all()
                 self._queue.task_done()
+
+    def _write_reported(self, key: bytes, block: "_Pending") -> None:
+        """Write a block's file and report how it went: never raises. A directory found gone is
+        recreated and the write tried once more (:meth:`_directory_gone`)."""
+        if self.disabled is not None:
+            self._event("failed", block.seq, None)
+            return
+        try:
+            try:
+                self._write(key, block)
+            except (FileNotFoundError, NotADirectoryError):
+                if not self._directory_gone():
+                    raise
+                self._write(key, block)
+        except OSError as e:  # a full disk, a removed or unwritable directory: that block is not written
+            self.num_write_errors += 1
+            self._event("failed", block.seq, None if self.disabled is not None else f"{type(e).__name__}: {e}")
+            return
+        except Exception as e:  # noqa: BLE001 - a bug: reported, with its traceback here
+            self.num_write_errors += 1
+            logger.warning("KV disk tier: writing block %s failed", key.hex(), exc_info=True)
+            self._event("failed", block.seq, f"{type(e).__name__}: {e}")
+            return
+        self._event("written", block.seq)
+
+    def _directory_gone(self) -> bool:
+        """After an ``OSError`` that may mean the directory is gone: when it is, recreate it
+        (``os.makedirs``; reports ``"lost"``) and return True; when it cannot be (the path is a
+        file now, permission denied), turn the writes off (reports ``"disabled"``). False when the
+        directory is there (the error was another) or the writes are off."""
+        with self._dir_lock:
+            if self.disabled is not None or os.path.isdir(self.directory):
+                return False
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as e:
+                self.disabled = f"{type(e).__name__}: {e}"
+                self._event("disabled", self.disabled)
+                return False
+            self.num_recreated += 1
+            self._event("lost", f"{self.directory!r} was gone; recreated")
+            return True
+
+    def _delete(self, key: bytes) -> None:
+        path = self.path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # (the file stays; a start-up scan finds it)
+            self.num_write_errors += 1
+            logger.debug("KV disk tier: deleting %s failed (%s: %s)", path, type(e).__name__, e)
+            return
+        self.num_deleted += 1
 
     def _write(self, key: bytes, block: "_Pending") -> None:
         pieces = block.pieces()
@@ -437,7 +526,10 @@ class DiskKVConnector(KVConnector):
                     f.write(piece)
             os.replace(tmp, path)
         except BaseException:
-            _unlink(tmp)
+            try:  # (best effort: where the open failed there is no such file, or no directory)
+                os.unlink(tmp)
+            except OSError:
+                pass
             raise
         self.num_written_blocks += 1
 
@@ -514,6 +606,8 @@ class DiskKVConnector(KVConnector):
                 raise KVTransferError(f"KV disk tier: block file {os.path.basename(path)} is {e.kind} ({e})") from e
             except OSError as e:
                 self.num_failed += 1
+                if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+                    self._directory_gone()  # (its blocks are gone: reported, the core forgets them)
                 raise KVTransferError(f"KV disk tier: block file {os.path.basename(path)}: "
                                       f"{type(e).__name__}: {e}") from e
             try:

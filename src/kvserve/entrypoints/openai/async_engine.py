@@ -40,6 +40,9 @@ from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.entrypoints.openai")
 
+#: Seconds an idle engine thread waits before refreshing the gauges while disk-tier writes are in flight.
+IDLE_STATS_S = 1.0
+
 
 class EngineStoppedError(RuntimeError):
     """The engine loop stopped (shutdown) or failed; the request cannot complete."""
@@ -316,8 +319,13 @@ class AsyncEngine:
         engine = self.engine
         while True:
             idle = self._paused or not engine.has_unfinished_requests()
+            pending = getattr(engine, "kv_offload_pending", None)
+            # (idle with disk-tier writes in flight: wake up to count them in the gauges)
+            wait = IDLE_STATS_S if idle and pending is not None and pending() else None
+            cmds = []
             try:
-                cmds = [self._cmds.get()] if idle else []
+                if idle:
+                    cmds.append(self._cmds.get(timeout=wait))
                 while True:
                     cmds.append(self._cmds.get_nowait())
             except queue.Empty:
@@ -524,6 +532,7 @@ class AsyncEngine:
                              ("swap_num_swapped_in_blocks", m.swap_in_blocks),
                              ("swap_num_recompute_fallbacks", m.swap_fallbacks),
                              ("kv_offload_written_blocks", m.offload_written_blocks),
+                             ("kv_offload_failed_writes", m.offload_failed_writes),
                              ("kv_offload_read_blocks", m.offload_read_blocks),
                              ("kv_offload_hits", m.offload_hits),
                              ("kv_offload_read_failed", m.offload_read_failures),

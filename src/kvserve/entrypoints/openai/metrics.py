@@ -27,7 +27,8 @@ Counters: prompt_tokens_total, generation_tokens_total, num_preemptions_total,
     pool and back), swap_out_blocks_total / swap_in_blocks_total (KV blocks moved, all layers),
     swap_recompute_fallbacks_total (preemptions recomputed because the host pool was full),
     kv_offload_written_blocks_total / kv_offload_read_blocks_total (KV blocks written to and read
-    back from the prefix cache's disk tier, --kv-offload-dir), kv_offload_hits_total (requests that
+    back from the prefix cache's disk tier, --kv-offload-dir; written: as the workers reported),
+    kv_offload_failed_writes_total (blocks whose write failed), kv_offload_hits_total (requests that
     read blocks from the disk tier), kv_offload_read_failures_total (reads refused: a missing,
     corrupt or truncated file; the request recomputed),
     kv_compactions_total / kv_compression_dropped_tokens_total (KV compression: compactions applied,
@@ -143,7 +144,9 @@ class ServerMetrics:
         counter("swap_fallbacks", "swap_recompute_fallbacks",
                 "Preemptions recomputed instead of swapped (host pool full).")
         counter("offload_written_blocks", "kv_offload_written_blocks",
-                "KV blocks evicted from the prefix cache and written to the disk tier.")
+                "KV blocks evicted from the prefix cache and written to the disk tier (every rank's file).")
+        counter("offload_failed_writes", "kv_offload_failed_writes",
+                "KV blocks whose write to the disk tier failed (full disk, directory gone); not on disk.")
         counter("offload_read_blocks", "kv_offload_read_blocks", "KV blocks read back from the disk tier.")
         counter("offload_hits", "kv_offload_hits", "Requests that read KV blocks from the disk tier.")
         counter("offload_read_failures", "kv_offload_read_failures",
