@@ -5,6 +5,7 @@ admission record, a byte-exact round trip through the files with local pools, th
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -207,3 +208,162 @@ def test_offload_ops_record_pickle_and_read_back():
     assert [b.kind for b in got.batches] == ["copy", OFFLOAD, OFFLOAD, "swap_in"]
     assert got.batches[1].source == ((b"a" * 16, b"b" * 16), (b"c" * 16,))
     assert got.moves()[1:3] == [(OFFLOAD, 4, 0), (OFFLOAD, 5, 1)]
+
+
+# ---------------------------------------------------------------- the directory going away
+
+
+def _local_tier(tmp_path, directory):
+    """A KV manager with local pools (6 blocks) over a disk tier in ``directory``, its connector
+    attached to the manager's mover."""
+    g = torch.Generator().manual_seed(0)
+    pools = [tuple(torch.randn((6, BS, HEADS, ROW), generator=g) for _ in range(2)) for _ in range(LAYERS)]
+    tier = KVOffloadTier(str(directory), 1, _layout(), KVCacheOps(), scan=False)
+    kv = KVCacheManager(6, BS, True, pools, offload=tier)
+    kv._mover.disk = DiskKVConnector(str(directory), _layout())
+    return kv, tier, kv._mover.disk
+
+
+def _sync(tier, conn) -> dict:
+    """Wait for the connector's writes, hand its report to the tier; the tier's stats."""
+    conn.flush()
+    tier.on_reports([conn.take_report()])
+    return tier.stats()
+
+
+def _prompt_of(start: int) -> list[int]:
+    return list(range(start, start + 4 * BS + 1))  # 4 full blocks + 1 token
+
+
+def _disk_records(caplog):
+    return [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_deleted_directory_is_recreated_and_only_real_writes_count(tmp_path, caplog):
+    import shutil
+
+    d = tmp_path / "tier"
+    d.mkdir()
+    kv, tier, conn = _local_tier(tmp_path, d)
+    a, b, c = _prompt_of(10), _prompt_of(100), _prompt_of(200)
+    _run(kv, _req("a", a))
+    _run(kv, _req("b", b))  # evicts 3 of a's blocks: written
+    s = _sync(tier, conn)
+    assert (s["kv_offload_written_blocks"], s["kv_offload_failed_writes"], s["kv_offload_blocks"]) == (3, 0, 3)
+    shutil.rmtree(d)
+    with caplog.at_level(logging.WARNING):
+        _run(kv, _req("c", c))  # evicts a's last block and b's 3: the writer recreates the directory, writes them
+        s = _sync(tier, conn)
+    assert d.is_dir() and conn.num_recreated == 1
+    assert (s["kv_offload_written_blocks"], s["kv_offload_failed_writes"], s["kv_offload_pending_writes"]) == (7, 0, 0)
+    # a's 3 blocks went with the directory: only the 4 written since are indexed, each with its file
+    assert s["kv_offload_blocks"] == 4 and sorted(os.listdir(d)) == sorted(block_file_name(k, 0) for k in tier.index)
+    records = _disk_records(caplog)
+    assert len(records) == 1 and "was gone" in records[0].getMessage() and "recreated" in records[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records)
+    # a's block 0 (written since) is read back; its blocks 1-3 are misses, not failed reads
+    r = _req("a2", a)
+    kv.admit(r, 1000)
+    s = tier.stats()
+    assert r.num_cached_tokens == BS and (s["kv_offload_read_blocks"], s["kv_offload_read_failed"]) == (1, 0)
+    kv.free(r)
+    conn.close()
+    assert not conn._thread.is_alive()
+
+
+def test_a_directory_replaced_by_a_file_turns_the_writes_off(tmp_path, caplog):
+    import shutil
+
+    d = tmp_path / "tier"
+    d.mkdir()
+    kv, tier, conn = _local_tier(tmp_path, d)
+    a, b, c, e = _prompt_of(10), _prompt_of(100), _prompt_of(200), _prompt_of(300)
+    _run(kv, _req("a", a))
+    _run(kv, _req("b", b))
+    assert _sync(tier, conn)["kv_offload_written_blocks"] == 3
+    shutil.rmtree(d)
+    d.write_text("not a directory")
+    with caplog.at_level(logging.WARNING):
+        _run(kv, _req("c", c))  # 4 writes: each fails, the directory cannot be recreated
+        s = _sync(tier, conn)
+        assert (s["kv_offload_written_blocks"], s["kv_offload_failed_writes"]) == (3, 4)
+        assert s["kv_offload_writes_disabled"] == 1 and s["kv_offload_blocks"] == 0 and tier.disabled
+        kv.ops.take()
+        _run(kv, _req("e", e))  # evicts c's blocks: no write is recorded any more
+        assert not [x for x in kv.ops.take().batches if x.kind == OFFLOAD]
+        r = _req("a2", a)  # a's blocks were on disk: a miss, computed again, no failed read
+        kv.admit(r, 1000)
+        assert r.num_cached_tokens == 0 and not [x for x in kv.ops.batches if x.kind == LOAD]
+        kv.free(r)
+        s = _sync(tier, conn)
+        conn.close()
+    assert (s["kv_offload_written_blocks"], s["kv_offload_failed_writes"], s["kv_offload_read_failed"]) == (3, 4, 0)
+    records = _disk_records(caplog)
+    assert len(records) == 1 and "cannot be recreated" in records[0].getMessage()
+    assert "FileExistsError" in records[0].getMessage() and not any(r.exc_info for r in caplog.records)
+    assert d.read_text() == "not a directory" and not conn._thread.is_alive() and not conn._pending
+
+
+def test_an_unrecreatable_directory_read_only_parent(tmp_path, caplog):
+    """The directory deleted and its parent read-only: recreating it is refused (PermissionError)."""
+    if os.geteuid() == 0:
+        pytest.skip("root ignores directory permissions")
+    import shutil
+
+    parent = tmp_path / "p"
+    d = parent / "tier"
+    d.mkdir(parents=True)
+    kv, tier, conn = _local_tier(tmp_path, d)
+    _run(kv, _req("a", _prompt_of(10)))
+    shutil.rmtree(d)
+    parent.chmod(0o500)
+    try:
+        with caplog.at_level(logging.WARNING):
+            _run(kv, _req("b", _prompt_of(100)))
+            s = _sync(tier, conn)
+            conn.close()
+    finally:
+        parent.chmod(0o700)
+    assert (s["kv_offload_written_blocks"], s["kv_offload_failed_writes"], s["kv_offload_writes_disabled"]) == (0, 3, 1)
+    records = _disk_records(caplog)
+    assert len(records) == 1 and "PermissionError" in records[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_write_failures_are_logged_once_then_counted(tmp_path, caplog):
+    """Writes that fail with the directory in place (a full disk): each counted, the first logged
+    with its path and error, then at most one line per FAILURE_LOG_INTERVAL_S."""
+    from kvserve.core import kv_offload
+
+    tier = KVOffloadTier(str(tmp_path), 1, _layout(), KVCacheOps(), scan=False)
+    now = [1000.0]
+    tier.clock = lambda: now[0]
+    keys = [bytes([i]) * 16 for i in range(200)]
+    tier._write(list(range(200)), keys)
+    cause = "OSError: [Errno 28] No space left on device: '/d/.x.tmp'"
+    with caplog.at_level(logging.WARNING):
+        tier.on_reports([{"events": [("failed", i, cause) for i in range(150)] + [("written", 150)]}])
+        assert len(_disk_records(caplog)) == 1
+        now[0] += kv_offload.FAILURE_LOG_INTERVAL_S
+        tier.on_reports([{"events": [("failed", i, cause) for i in range(151, 200)]}])
+    s = tier.stats()
+    assert (s["kv_offload_written_blocks"], s["kv_offload_failed_writes"], s["kv_offload_pending_writes"]) == (1, 199, 0)
+    assert list(tier.index) == [keys[150]]  # the failed blocks are not on disk
+    records = _disk_records(caplog)
+    assert len(records) == 2 and not any(r.exc_info for r in caplog.records)
+    assert "No space left on device: '/d/.x.tmp'" in records[0].getMessage()
+    assert "150 more block write(s)" in records[1].getMessage()  # (149 held back + the one after the interval)
+
+
+def test_a_block_counts_as_written_once_every_rank_wrote_it(tmp_path):
+    tier = KVOffloadTier(str(tmp_path), 1, _layout(tp=2), KVCacheOps(), scan=False)
+    keys = [b"a" * 16, b"b" * 16, b"c" * 16]
+    tier._write([0, 1, 2], keys)
+    tier.ops.take()
+    tier.on_reports([{"events": [("written", 0), ("written", 1), ("written", 2)]}, {"events": [("written", 0)]}])
+    assert (tier.num_written_blocks, tier.num_failed_writes, tier.num_pending_writes) == (1, 0, 2)
+    tier.on_reports([None, {"events": [("failed", 1, "OSError: x"), ("written", 2)]}])
+    assert (tier.num_written_blocks, tier.num_failed_writes, tier.num_pending_writes) == (2, 1, 0)
+    assert list(tier.index) == [keys[0], keys[2]]
+    ops = tier.ops.take()  # rank 0's file of the failed block is deleted
+    assert [(x.kind, x.source) for x in ops.batches] == [(OFFLOAD, ((), (keys[1],)))]
