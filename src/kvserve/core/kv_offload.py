@@ -305,36 +305,33 @@ class KVOffloadTier:
         most one line per kind here, write failures rate-limited)."""
         self._ask = False
         lost: Optional[int] = None  # blocks dropped because the directory was gone
-        disabled = False
+        disabled: Optional[int] = None  # blocks on disk when the writes were turned off
         drop: list[bytes] = []
         for report in reports:
             for event in (report or {}).get("events", ()):
                 kind = event[0]
                 if kind in ("written", "failed"):
                     key = self._ack(event[1], kind == "written")
-                    if key is not None:
+                    if key is not None and key in self.index:
+                        del self.index[key]
                         drop.append(key)
                     if kind == "failed" and event[2] is not None:
                         self._log_write_failure(event[2])
                 elif kind == "lost":
                     lost = (lost or 0) + self._forget_written()
                 elif kind == "disabled" and self.disabled is None:
-                    disabled = True
+                    disabled = sum(k not in self._inflight_keys for k in self.index)  # (on disk until now)
                     self.disabled = event[1]
-        if disabled:
-            n = sum(k not in self._inflight_keys for k in self.index)
+        if disabled is not None:
             self.index.clear()
             self._pinned.clear()
             logger.warning("KV disk tier: the directory %s is gone and cannot be recreated (%s); writes to the disk "
                            "tier are off from now on, %d block(s) on it are lost and the prefix cache goes on in "
-                           "memory", self.directory, self.disabled, n)
+                           "memory", self.directory, self.disabled, disabled)
         elif lost is not None:
             logger.warning("KV disk tier: the directory %s was gone (deleted while the engine ran); recreated it. The "
                            "%d block(s) written there before are lost (their prefixes are recomputed)",
                            self.directory, lost)
-        drop = [k for k in drop if k in self.index]
-        for k in drop:
-            del self.index[k]
         if drop and self.layout.tp_size > 1 and self.disabled is None:
             self.ops.offload([], [], drop)  # (the ranks that did write their shard)
 
