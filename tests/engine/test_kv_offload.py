@@ -347,6 +347,7 @@ def test_a_server_core_process_reads_the_prefix_from_disk(llama, reference, tmp_
     assert r.json()["choices"][0]["text"] == reference["A_text"]
     assert m["kvserve:kv_offload_read_blocks_total"] == A_FULL_BLOCKS and m["kvserve:kv_offload_hits_total"] == 1
     assert m["kvserve:prefix_cache_hits_total"] == A_FULL_BLOCKS * 16
+    assert m["kvserve:kv_offload_failed_writes_total"] == 0  # (exposed with the others)
 
 
 def test_a_random_workload_with_disk_hits_equals_the_cold_outputs(llama, tmp_path):
@@ -368,3 +369,121 @@ def test_a_random_workload_with_disk_hits_equals_the_cold_outputs(llama, tmp_pat
     s = llm.engine.stats()
     assert s["kv_offload_hits"] >= 3 and s["kv_offload_read_blocks"] >= 12 and s["kv_offload_read_failed"] == 0
     llm.shutdown()
+
+
+# ---------------------------------------------------------------- the directory going away while serving
+
+
+def _flush(llm: LLM) -> None:
+    """Wait for the disk tier's writes (the next stats() counts them all)."""
+    llm.engine.core.executor.collective_rpc("flush_kv_offload")
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _writer_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("kvserve-disk-writer")]
+
+
+def test_a_directory_deleted_while_serving_is_recreated_token_exact(llama, reference, tmp_path, caplog):
+    """DIR deleted under a running engine: the read of A's blocks finds it gone (A recomputes,
+    token-exact), the directory is recreated, the next writes go there, and B's blocks come back
+    from it; every write counted as written, none failed; two warning lines, no traceback."""
+    import shutil
+
+    d = tmp_path / "t"
+    llm = _llm(llama, d)
+    assert llm.generate([A], PARAMS)[0].outputs[0].token_ids == reference["A"]
+    assert llm.generate([B], PARAMS)[0].outputs[0].token_ids == reference["B"]  # A's last blocks to disk
+    _flush(llm)
+    assert llm.engine.stats()["kv_offload_written_blocks"] > 0
+    shutil.rmtree(d)
+    with caplog.at_level(logging.WARNING):
+        assert llm.generate([A], PARAMS)[0].outputs[0].token_ids == reference["A"]  # evicts B's blocks
+        assert llm.generate([B], PARAMS)[0].outputs[0].token_ids == reference["B"]  # B's from the new directory
+        _flush(llm)
+    s = llm.engine.stats()
+    assert d.is_dir()
+    assert s["kv_offload_written_blocks"] == s["prefix_cache_evicted_blocks"]  # (no block evicted twice here)
+    assert (s["kv_offload_failed_writes"], s["kv_offload_pending_writes"], s["kv_offload_writes_disabled"]) == (0, 0, 0)
+    assert s["kv_offload_read_failed"] == 1 and s["kv_offload_hits"] == 1  # A's read failed, B's came back
+    assert sorted(_files(d)) == sorted(block_file_name(k, 0) for k in llm.engine.core.kv.offload.index)
+    messages = _warnings(caplog)
+    assert len(messages) <= 3 and sum("was gone" in m for m in messages) == 1, messages
+    assert not any(r.exc_info for r in caplog.records)
+    llm.engine.core.kv.check_invariants()
+    llm.shutdown()
+
+
+def test_a_directory_replaced_by_a_file_while_serving(llama, reference, tmp_path, caplog):
+    """DIR replaced by a regular file under a running engine: one warning, the writes off, the
+    blocks that were on disk misses, outputs token-exact, exact counters (also in /metrics), a
+    silent shutdown."""
+    import shutil
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve.entrypoints.openai.async_engine import AsyncEngine
+    from kvserve.entrypoints.openai.metrics import ServerMetrics
+
+    d = tmp_path / "t"
+    llm = _llm(llama, d)
+    llm.generate([A], PARAMS)
+    llm.generate([B], PARAMS)
+    _flush(llm)
+    written = llm.engine.stats()["kv_offload_written_blocks"]
+    assert written > 0
+    shutil.rmtree(d)
+    d.write_text("not a directory")
+    tier = llm.engine.core.kv.offload
+    with caplog.at_level(logging.WARNING):
+        assert llm.generate([A], PARAMS)[0].outputs[0].token_ids == reference["A"]  # its read fails: recomputed
+        assert llm.generate([B], PARAMS)[0].outputs[0].token_ids == reference["B"]  # a miss: nothing on disk now
+        _flush(llm)
+    s = llm.engine.stats()
+    assert s["kv_offload_written_blocks"] == written  # nothing more was really written
+    failed = tier.num_recorded_writes - written  # (the writes recorded before the engine learnt it)
+    assert s["kv_offload_failed_writes"] == failed > 0 and s["kv_offload_pending_writes"] == 0
+    assert s["kv_offload_writes_disabled"] == 1 and s["kv_offload_blocks"] == 0
+    assert s["kv_offload_read_failed"] == 1 and s["kv_offload_hits"] == 0
+    messages = _warnings(caplog)
+    assert len(messages) <= 3 and sum("cannot be recreated" in m for m in messages) == 1, messages
+    assert not any(r.exc_info for r in caplog.records)
+    metrics = ServerMetrics("tiny")
+    AsyncEngine(llm.engine, metrics)._update_gauges()
+    values = {x.name: x.value for fam in text_string_to_metric_families(metrics.render().decode()) for x in fam.samples}
+    assert values["kvserve:kv_offload_failed_writes_total"] == failed
+    assert values["kvserve:kv_offload_written_blocks_total"] == written
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="kvserve"):
+        llm.shutdown()
+    assert not _warnings(caplog) and not _writer_threads()
+    assert d.read_text() == "not a directory"
+
+
+def test_shutdown_onto_a_directory_replaced_by_a_file_is_quiet(llama, reference, tmp_path, caplog, capfd):
+    """The first writes are the shutdown's (A's 12 cached blocks) and DIR is a file by then: one
+    warning line, no traceback, the writer stopped, the blocks counted as failed writes."""
+    import shutil
+
+    d = tmp_path / "t"
+    llm = _llm(llama, d)
+    assert llm.generate([A], PARAMS)[0].outputs[0].token_ids == reference["A"]
+    shutil.rmtree(d)
+    d.write_text("not a directory")
+    caplog.clear()
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING):
+        llm.shutdown()
+    s = llm.engine.stats()
+    assert (s["kv_offload_written_blocks"], s["kv_offload_failed_writes"], s["kv_offload_pending_writes"]) == (
+        0, A_FULL_BLOCKS, 0)
+    messages = _warnings(caplog)
+    assert len(messages) == 1 and "cannot be recreated" in messages[0] and "0 block(s) on it are lost" in messages[0]
+    assert not any(r.exc_info for r in caplog.records)
+    assert "Traceback" not in capfd.readouterr().err
+    assert not _writer_threads() and d.read_text() == "not a directory"
