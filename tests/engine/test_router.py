@@ -129,3 +129,21 @@ def test_replica_specs():
                         ((1.5,), "--data-parallel-size must be an integer")]:
         with pytest.raises(ValueError, match=match):
             replica_specs(*args)
+
+
+def test_replicas_that_do_not_fit_the_ray_cluster_are_refused_naming_the_cpus():
+    """``check_replica_cpus`` on a fake cluster's ``(cluster_resources, available_resources)``
+    CPUs: replicas × ``--replica-cpus`` above the cluster's CPUs (Ray Serve would wait for
+    them forever), or above its free ones, fail naming the option and both numbers."""
+    from kvserve.engine.ray_serve import check_replica_cpus
+
+    pd = replica_specs(1, 1, 2)
+    with pytest.raises(ValueError) as e:
+        check_replica_cpus(4, pd, (8.0, 8.0))
+    assert str(e.value).startswith("3 replicas (1 prefill + 2 decode) of --replica-cpus 4 need 12 Ray CPUs, "
+                                   "but the Ray cluster has 8 CPUs (ray.cluster_resources())")
+    with pytest.raises(ValueError, match=r"^2 replicas of --replica-cpus 1.5 need 3 Ray CPUs, but only 2 of the Ray "
+                                         r"cluster's 4 CPUs are free"):
+        check_replica_cpus(1.5, replica_specs(2), (4.0, 2.0))
+    check_replica_cpus(2, replica_specs(2), (4.0, 4.0))  # exactly fits
+    check_replica_cpus(0.5, pd, (1.5, 1.5))

@@ -401,7 +401,8 @@ def test_replicas_that_cannot_fit_the_cluster_fail_at_once(ray_instance, smollm2
     from kvserve.engine.ray_serve import ReplicaDeployment, replica_specs
 
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match=r"free CPUs; 2 replicas of --replica-cpus 100 need 200"):
+    with pytest.raises(ValueError, match=r"^2 replicas of --replica-cpus 100 need 200 Ray CPUs, but the Ray cluster "
+                                         r"has 8 CPUs"):
         ReplicaDeployment(EngineArgs(model=str(smollm2_path)), replica_specs(2, app_prefix="test-big"),
                           replica_cpus=100)
     assert time.monotonic() - t0 < 10

@@ -118,6 +118,37 @@ def test_bad_replica_options_fail_before_anything_starts(args, message, tiny_mod
     assert time.monotonic() - t0 < 30
 
 
+def test_replicas_that_do_not_fit_the_local_ray_instance_fail_before_deploying(tiny_model_dir, capsys, monkeypatch,
+                                                                                restore_logging):
+    """``-dp 2 --replica-cpus 1000`` on the local Ray instance the server starts: exit status 2
+    naming --replica-cpus, the 2000 CPUs asked and the instance's CPUs, before any replica is
+    deployed (Ray Serve would wait for the CPUs forever), and Ray is stopped again."""
+    import re
+
+    import ray
+
+    from kvserve.engine.ray_serve import ReplicaDeployment
+    from kvserve.entrypoints.cli import main
+
+    def deploy(*args, **kwargs):
+        raise AssertionError("the replicas were deployed")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ReplicaDeployment, "_deploy", deploy)
+    folder = tiny_model_dir("llama")[0]
+    assert not ray.is_initialized()
+    assert main(["serve", "--model", str(folder), "--port", str(free_port()), "-dp", "2",
+                 "--replica-cpus", "1000"]) == 2
+    err = capsys.readouterr().err
+    m = re.search(r"error: 2 replicas of --replica-cpus 1000 need 2000 Ray CPUs, but the Ray cluster has (\d+) CPUs "
+                  r"\(ray.cluster_resources\(\)\)", err)
+    assert m, err
+    from kvserve.worker.worker import available_cores
+
+    assert int(m.group(1)) == max(available_cores(), 3)  # (the local instance: the cores, at least replicas + 1)
+    assert not ray.is_initialized()
+
+
 def test_a_killed_replica_is_replaced_and_its_requests_retried_or_ended(tiny_model_dir):
     folder = tiny_model_dir("llama_long")[0]
     port = free_port()

@@ -89,7 +89,9 @@ class ReplicaDeployment:
         start_timeout_s: how long the replicas may take to load their model.
 
     Raises:
-        ValueError: bad arguments (naming the field), a missing model; nothing was started.
+        ValueError: bad arguments (naming the field), a missing model (nothing was started); more
+            CPUs (replicas × ``replica_cpus``) than the Ray cluster has, or has free
+            (:func:`check_replica_cpus`; nothing was deployed, a local Ray instance is stopped).
         RayClusterError: ``RAY_ADDRESS`` cannot be reached.
         ReplicaStartError: a replica failed to start (the deployment is torn down).
     """
@@ -112,24 +114,17 @@ class ReplicaDeployment:
         disaggregated = any(s.role != "replica" for s in specs)
         self.specs = list(specs)
         self.args = args
+        self.handles: dict = {}
         self.started_ray = connect_ray(1, torch.device("cpu"), num_cpus=len(specs) + 1,
                                        object_store_bytes=PD_OBJECT_STORE_BYTES if disaggregated
                                        else LOCAL_OBJECT_STORE_BYTES)
-        cores = available_cores()
-        if replica_cpus is None:
-            replica_cpus = max(cores / len(specs), 0.01) if self.started_ray else 1.0
-        self.replica_cpus = replica_cpus
-        if not self.started_ray:  # a cluster: the replicas must fit in its free CPUs, or they never start
-            import ray
-
-            free = ray.available_resources().get("CPU", 0.0)
-            if free + 1e-9 < replica_cpus * len(specs):
-                raise ValueError(f"the Ray cluster has {free:g} free CPUs; {len(specs)} replicas of --replica-cpus "
-                                 f"{replica_cpus:g} need {replica_cpus * len(specs):g} (lower --replica-cpus, or add "
-                                 f"nodes)")
-        self.num_threads = max(1, int(replica_cpus)) if not self.started_ray else max(1, cores // len(specs))
-        self.handles: dict = {}
         try:
+            cores = available_cores()
+            if replica_cpus is None:
+                replica_cpus = max(cores / len(specs), 0.01) if self.started_ray else 1.0
+            self.replica_cpus = replica_cpus
+            check_replica_cpus(replica_cpus, self.specs, _ray_cpus())
+            self.num_threads = max(1, int(replica_cpus)) if not self.started_ray else max(1, cores // len(specs))
             self._deploy(log_level, _actor_env(), disaggregated, start_timeout_s)
         except BaseException:
             self.shutdown()
@@ -209,6 +204,48 @@ class ReplicaDeployment:
             logger.exception("stopping the replicas failed")
         finally:
             self.started_ray = False
+
+
+def _describe(specs: list[ReplicaSpec]) -> str:
+    """``"2 replicas"``, or ``"3 replicas (1 prefill + 2 decode)"``."""
+    roles = {}
+    for s in specs:
+        roles[s.role] = roles.get(s.role, 0) + 1
+    kinds = " + ".join(f"{n} {role}" for role, n in roles.items() if role != "replica")
+    return f"{len(specs)} replica{'s' if len(specs) != 1 else ''}" + (f" ({kinds})" if kinds else "")
+
+
+def _ray_cpus() -> tuple[float, float]:
+    """``(CPUs of the Ray cluster, CPUs free now)``: ``ray.cluster_resources()`` and
+    ``ray.available_resources()``."""
+    import ray
+
+    return ray.cluster_resources().get("CPU", 0.0), ray.available_resources().get("CPU", 0.0)
+
+
+def check_replica_cpus(replica_cpus: float, specs: list[ReplicaSpec], cluster_cpus: tuple[float, float]) -> None:
+    """Fail before anything is deployed when the replicas cannot all be placed: Ray Serve
+    would otherwise wait for the CPUs forever (``serve.run`` of a replica that no node can
+    take never fails).
+
+    Args:
+        replica_cpus: Ray CPUs per replica (``--replica-cpus``).
+        specs: the replicas.
+        cluster_cpus: ``(the cluster's CPUs, the CPUs free now)`` (:func:`_ray_cpus`).
+
+    Raises:
+        ValueError: naming ``--replica-cpus``, the CPUs the replicas need (replicas ×
+            ``replica_cpus``) and the cluster's (all of them, or those free).
+    """
+    total, free = cluster_cpus
+    need = replica_cpus * len(specs)
+    what = f"{_describe(specs)} of --replica-cpus {replica_cpus:g} need {need:g} Ray CPUs"
+    if need > total + 1e-9:
+        raise ValueError(f"{what}, but the Ray cluster has {total:g} CPUs (ray.cluster_resources()): lower "
+                         f"--replica-cpus or the number of replicas, or add nodes to the cluster (RAY_ADDRESS)")
+    if need > free + 1e-9:
+        raise ValueError(f"{what}, but only {free:g} of the Ray cluster's {total:g} CPUs are free (others hold "
+                         f"them: `ray status`): lower --replica-cpus or the number of replicas")
 
 
 def _first_error(message: str) -> str:
