@@ -278,6 +278,46 @@ def test_mp_async_engine_fails_live_requests_when_a_step_fails():
     asyncio.run(main())
 
 
+
+def test_mp_async_engine_stops_running_when_the_core_says_its_engine_is_dead():
+    """``("dead", message)`` (a rank died; the core exits next, slowly with Ray): not running
+    at once (``/health`` 503), before the step's ``step_failed``; the live requests and new
+    ones get the message, which the core's exit does not replace."""
+    import asyncio
+
+    from kvserve.entrypoints.openai.async_engine import EngineStoppedError, MPAsyncEngine, _Track
+
+    class Client:
+        args = EngineArgs()
+        tokenizer = None
+
+        def send(self, msg):
+            pass
+
+        def is_alive(self):
+            return True
+
+        def start_io(self, on_message, on_exit):
+            pass
+
+    async def main():
+        eng = MPAsyncEngine(Client())
+        eng.start()
+        q: asyncio.Queue = asyncio.Queue()
+        eng._tracks["r"] = _Track(q, 7, time.perf_counter(), 1)
+        msg = "the engine cannot run steps any more: tensor-parallel rank 1 died (exit code -9)"
+        eng._on_message(("dead", msg))
+        assert not eng.is_running  # (on the reader thread's call: no event-loop turn needed)
+        eng._on_message(("step_failed", "tensor-parallel rank 1 died (exit code -9)", {}))
+        tag, err = await asyncio.wait_for(q.get(), 5)
+        assert tag == 7 and isinstance(err, EngineStoppedError) and str(err) == msg
+        eng._on_exit(1)
+        assert str(eng.fatal_error) == msg
+        with pytest.raises(EngineStoppedError, match="rank 1 died"):
+            await eng.add_request("s", [1], SamplingParams(), q)
+
+    asyncio.run(main())
+
 # ------------------------------------------------------------- same outputs
 def test_core_runs_in_another_process(server):
     pid = server.api.async_engine.core_pid

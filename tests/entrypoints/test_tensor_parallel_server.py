@@ -149,3 +149,105 @@ def test_cli_serve_tp_flag_and_clear_errors(folder):
             p.wait(60)
     for k in kids:  # the core and, under it, rank 1: all gone with the server
         assert pid_gone(k, 10.0)
+
+
+def _descendants(pid: int) -> set[int]:
+    """The live descendants of ``pid`` (from /proc)."""
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for p in frontier for c in _children(p)} - out
+        out |= frontier
+    return out
+
+
+def _rank_pid(core: int, backend: str) -> int:
+    """Rank 1's process: the core's child (mp), or the Ray actor's worker under the core's local
+    Ray instance (ray)."""
+    if backend == "mp":
+        (pid,) = _children(core)
+        return pid
+
+    def cmdline(p: int) -> str:
+        try:
+            with open(f"/proc/{p}/cmdline") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    (pid,) = [p for p in _descendants(core) if "RayWorkerActor" in cmdline(p)]
+    return pid
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    if request.param == "ray":
+        pytest.importorskip("ray")
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)  # (a local Ray instance, the core's own)
+    return request.param
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"], indirect=True)
+def test_a_rank_killed_mid_stream_turns_health_503_before_the_stream_ends(folder, backend):
+    """``/health`` answers 503 as soon as the engine core knows a rank died: already when the
+    stream's error event arrives (the core says so before it fails the requests, not once it
+    has stopped its workers and exited, which takes seconds with Ray), and within 1 s of the
+    kill."""
+    args = EngineArgs(model=str(folder), tensor_parallel_size=2, distributed_executor_backend=backend, **TINY)
+    with ServerThread(args, names=["tiny"]) as s:
+        base = s.base_url
+        core = s.api.async_engine.core_pid
+        rank = _rank_pid(core, backend)
+        below = _descendants(core)
+        events, health_at_error, first = [], [], threading.Event()
+
+        def streaming():
+            with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                              json={"prompt": [4, 5, 6], "max_tokens": 240, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[len("data: "):]
+                        events.append(data if data == "[DONE]" else json.loads(data))
+                        if "error" in events[-1]:
+                            health_at_error.append(httpx.get(base + "/health").status_code)
+                        if len(events) == 3:
+                            first.set()
+
+        t = threading.Thread(target=streaming)
+        t.start()
+        assert first.wait(60)
+        os.kill(rank, signal.SIGKILL)
+        killed = time.monotonic()
+        while httpx.get(base + "/health").status_code == 200:
+            assert time.monotonic() - killed < 1.0, "/health still 200 1 s after the rank died"
+            time.sleep(0.05)
+        t.join(30)
+        assert not t.is_alive(), "the client hung after the rank died"
+        assert events[-1] == "[DONE]" and "rank 1" in events[-2]["error"]["message"]
+        assert health_at_error == [503]
+        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503
+        assert pid_gone(core, 30.0)
+    assert all(pid_gone(p, 30.0) for p in below)  # (Ray's own processes too)
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"], indirect=True)
+def test_a_rank_killed_between_steps_turns_health_503(folder, backend):
+    """An idle engine core checks its ranks every second: a rank that died while no request
+    ran turns ``/health`` 503 (it stayed 200 until the next request's step failed)."""
+    args = EngineArgs(model=str(folder), tensor_parallel_size=2, distributed_executor_backend=backend, **TINY)
+    with ServerThread(args, names=["tiny"]) as s:
+        base = s.base_url
+        core = s.api.async_engine.core_pid
+        below = _descendants(core)
+        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and httpx.get(base + "/health").status_code == 200
+        os.kill(_rank_pid(core, backend), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health").status_code == 200:
+            assert time.monotonic() < deadline, "/health still 200 30 s after a rank died between steps"
+            time.sleep(0.1)
+        assert "rank 1" in str(s.api.async_engine.fatal_error)
+        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503
+        assert pid_gone(core, 30.0)
+    assert all(pid_gone(p, 30.0) for p in below)

@@ -270,6 +270,10 @@ class EngineCore:
         raises :class:`~kvserve.executor.ExecutorError`)."""
         return self.executor.is_alive
 
+    def health_error(self) -> Optional[str]:
+        """Why the engine cannot run steps any more (which worker died), or None while it can."""
+        return None if self.executor.is_alive else self.executor.death
+
     def shutdown(self) -> None:
         """Stop the workers (the rank processes of a tensor-parallel executor); idempotent. With
         a disk tier, the blocks still in the prefix cache are written to it first, and the

@@ -22,7 +22,9 @@ core → API (``out`` pipe):
     every step (token deltas: what a step sends does not grow with the sequences' length);
     ``("stats", stats)`` at the start and when idle; ``("reply", cid, ok, value_or_exception)``;
     ``("step_failed", message, stats)``: a step raised, every live request was aborted (the
-    core goes on serving new ones); ``("stopped",)``.
+    core goes on serving new ones); ``("dead", message)``: the engine cannot run steps any more
+    (a tensor-parallel rank died, during a step or between steps): the core exits (sent before
+    that step's ``step_failed``); ``("stopped",)``.
 
 The core exits when told to stop, when the command pipe closes (the API process died) or
 when its parent process is gone; it ignores SIGINT and SIGTERM (Ctrl-C, ``kill -- -PGID`` and
@@ -158,6 +160,8 @@ class _CoreLoop:
                 while not self.cmd.poll(PARENT_CHECK_S):
                     if not self._parent_alive():
                         return 0
+                    if not engine.is_healthy():  # (a rank died between steps)
+                        return self._engine_dead(engine.health_error() or "a worker died")
                     pending = getattr(engine, "kv_offload_pending", None)
                     if pending is not None and pending():  # (the disk tier's last writes, counted while idle)
                         self.out.send(("stats", engine.stats()))
@@ -180,15 +184,26 @@ class _CoreLoop:
                     except Exception:  # noqa: BLE001 - the engine is already broken
                         logger.exception("abort of %s failed", rid)
                 self.live.clear()
+                dead = not engine.is_healthy()
+                if dead:  # (said first: /health is 503 before any request learns of the failure)
+                    self._engine_dead(engine.health_error() or str(e) or type(e).__name__)
                 self.out.send(("step_failed", str(e) or type(e).__name__, engine.stats()))
-                if not engine.is_healthy():  # a worker died: exit, the API process reports it (/health 503)
-                    logger.error("the engine cannot run steps any more; the engine core exits")
+                if dead:  # a worker died: exit, the API process reports it (/health 503)
                     return 1
                 continue
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.request_id)
             self.out.send(("outputs", outputs, engine.stats()))
+
+    def _engine_dead(self, reason: str) -> int:
+        """The engine cannot run steps any more: tell the API process at once (``("dead",
+        message)``: it answers ``/health`` with 503 from then on, without waiting for this
+        process to stop its workers and exit, which takes seconds with Ray); returns the exit
+        code, 1."""
+        logger.error("the engine cannot run steps any more (%s); the engine core exits", reason)
+        self.out.send(("dead", f"the engine cannot run steps any more: {reason}"))
+        return 1
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Optional
 
 from kvserve.engine.core_proc import CoreInfo, _CoreLoop
 
@@ -109,6 +109,12 @@ class _ReplicaLoop(_CoreLoop):
 
     def _parent_alive(self) -> bool:
         return True
+
+    def _engine_dead(self, reason: str) -> int:
+        # (no "dead" message: the replica's check_health fails and Ray Serve replaces it, and its
+        # front end sees the output stream end)
+        logger.error("the engine cannot run steps any more (%s); the replica's loop ends", reason)
+        return 1
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "ping":

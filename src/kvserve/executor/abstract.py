@@ -39,6 +39,11 @@ class Executor(ABC):
         """Whether every worker can still run steps (an in-process worker always can)."""
         return True
 
+    @property
+    def death(self) -> Optional[str]:
+        """Why the workers cannot run steps any more (e.g. which rank died), or None."""
+        return None
+
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list[Any]:
         """Call ``method(*args, **kwargs)`` on every worker; their results in rank order.

@@ -262,6 +262,11 @@ class MultiprocExecutor(Executor):
                     self._dead = f"tensor-parallel rank {rank} died (exit code {p.exitcode})"
         return self._dead is None
 
+    @property
+    def death(self) -> Optional[str]:
+        """Why the ranks cannot run steps any more (which rank died), or None while they can."""
+        return None if self.is_alive else self._dead
+
     def _check(self) -> None:
         if not self.is_alive:
             raise WorkerDiedError(self._dead)

@@ -433,6 +433,11 @@ class RayExecutor(Executor):
                 logger.debug("the Ray actors' state could not be read", exc_info=True)
         return self._dead is None
 
+    @property
+    def death(self) -> Optional[str]:
+        """Why the ranks cannot run steps any more (which rank died), or None while they can."""
+        return None if self.is_alive else self._dead
+
     def _check(self) -> None:
         if self._dead is not None:  # (cheap: a dead actor fails the call that reaches it)
             raise WorkerDiedError(self._dead)

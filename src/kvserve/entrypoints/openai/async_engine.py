@@ -346,10 +346,10 @@ class AsyncEngine:
                 outputs = engine.step()
             except Exception as e:  # a bug: fail the live requests, keep serving new ones
                 logger.exception("engine step failed; failing %d live request(s)", len(self._tracks))
+                if not engine.is_healthy():  # a worker died: /health answers 503 from now on (before
+                    self.fatal_error = e     # any request learns of it)
                 self._fail_all(e)
                 self._busy = engine.has_unfinished_requests()
-                if not engine.is_healthy():  # a worker died: /health answers 503 from now on
-                    self.fatal_error = e
                 continue
             self._last_beat = time.monotonic()
             self._busy = engine.has_unfinished_requests()  # (the loop may block next: no stale busy)
@@ -780,6 +780,11 @@ class MPAsyncEngine(AsyncEngine):
         elif kind == "step_failed":
             self._call_soon(self._fail_tracks, f"the engine failed: {msg[1]}")
             self._call_soon(self._apply_stats, msg[2])
+        elif kind == "dead":  # (the core exits next: not running from now on, /health 503)
+            if not self._stopped and self.fatal_error is None:
+                self.fatal_error = EngineStoppedError(msg[1])
+                logger.error("%s; failing %d live request(s)", msg[1], len(self._tracks))
+                self._core_gone(msg[1])
         elif kind == "stopped":
             pass
         else:
@@ -788,6 +793,9 @@ class MPAsyncEngine(AsyncEngine):
     def _on_exit(self, exitcode: Optional[int]) -> None:
         if self._stopped:
             self._core_gone("the server is shutting down")
+            return
+        if self.fatal_error is not None:  # (the core said why before it exited: "dead")
+            self._core_gone(str(self.fatal_error))
             return
         from kvserve.engine.core_client import describe_exit
 
