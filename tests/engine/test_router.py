@@ -124,9 +124,10 @@ def test_replica_specs():
     specs = replica_specs(1, 1, 2, app_prefix="x")
     assert [(s.name, s.role, s.app_name) for s in specs] == [
         ("prefill-0", "prefill", "x-prefill-0"), ("decode-0", "decode", "x-decode-0"), ("decode-1", "decode", "x-decode-1")]
-    for args, match in [((0,), "--data-parallel-size must be ≥ 1"), ((2, 1, 1), "either --data-parallel-size"),
-                        ((1, 1, 0), "must both be ≥ 1"), ((1, -1, 1), "--prefill-replicas must be an integer ≥ 0"),
-                        ((1.5,), "--data-parallel-size must be an integer")]:
+    dp_range = r"--data-parallel-size must be an integer ≥ 1 \(1: one engine, no replicas\), got "
+    for args, match in [((0,), dp_range + "0"), ((-1,), dp_range + "-1"), ((1.5,), dp_range + "1.5"),
+                        ((2, 1, 1), "either --data-parallel-size"), ((1, 1, 0), "must both be ≥ 1"),
+                        ((1, -1, 1), r"--prefill-replicas must be an integer ≥ 0 \(0: no prefill/decode")]:
         with pytest.raises(ValueError, match=match):
             replica_specs(*args)
 

@@ -67,8 +67,18 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
+DP_RANGE = "--data-parallel-size must be an integer ≥ 1 (1: one engine, no replicas), got "
+NEEDS_REPLICAS = (" applies to replicas only: it needs --data-parallel-size ≥ 2, or --prefill-replicas and "
+                  "--decode-replicas (without them, one engine serves, without Ray)")
 BAD_REPLICA_OPTIONS = [
-    (["--data-parallel-size", "0"], "--data-parallel-size must be ≥ 1"),
+    (["--data-parallel-size", "0"], DP_RANGE + "0"),
+    (["-dp", "-1"], DP_RANGE + "-1"),  # (the same range as for 0)
+    (["--replica-cpus", "2"], "--replica-cpus" + NEEDS_REPLICAS),
+    (["-dp", "1", "--replica-cpus", "2"], "--replica-cpus" + NEEDS_REPLICAS),
+    (["--routing", "round_robin"], "--routing" + NEEDS_REPLICAS),
+    (["--prefill-replicas", "-1", "--decode-replicas", "1"],
+     "--prefill-replicas must be an integer ≥ 0 (0: no prefill/decode disaggregation, which needs --prefill-replicas "
+     "and --decode-replicas both ≥ 1), got -1"),
     (["--prefill-replicas", "1"], "--prefill-replicas and --decode-replicas must both be ≥ 1"),
     (["--data-parallel-size", "2", "--prefill-replicas", "1", "--decode-replicas", "1"], "either --data-parallel-size"),
     (["--data-parallel-size", "2", "--replica-cpus", "0"], "--replica-cpus must be in (0, 1024]"),
@@ -106,11 +116,20 @@ def restore_logging():
 
 
 @pytest.mark.parametrize("args, message", BAD_REPLICA_OPTIONS)
-def test_bad_replica_options_fail_before_anything_starts(args, message, tiny_model_dir, capsys, restore_logging):
+def test_bad_replica_options_fail_before_anything_starts(args, message, tiny_model_dir, capsys, restore_logging,
+                                                         monkeypatch):
     """Each bad option through the command line's ``main`` in this process (a process each
-    costs ~4 s of imports): exit status 2 and the message, before Ray or the model."""
+    costs ~4 s of imports): exit status 2 and the message, before Ray or the model (an engine
+    that starts fails the test instead of serving)."""
+    import kvserve.executor.ray_executor
+    from kvserve.engine.core_client import CoreClient
     from kvserve.entrypoints.cli import main
 
+    def started(*args, **kwargs):
+        raise AssertionError("an engine or Ray started")
+
+    monkeypatch.setattr(CoreClient, "__init__", started)
+    monkeypatch.setattr(kvserve.executor.ray_executor, "connect_ray", started)
     folder = tiny_model_dir("llama")[0]
     t0 = time.monotonic()
     assert main(["serve", "--model", str(folder), "--port", str(free_port()), *args]) == 2

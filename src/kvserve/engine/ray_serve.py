@@ -56,12 +56,17 @@ def replica_specs(data_parallel_size: int = 1, prefill_replicas: int = 0, decode
     ``prefill_replicas`` + ``decode_replicas`` disaggregated ones.
 
     Raises:
-        ValueError: naming the option: a count below 1, or both kinds given.
+        ValueError: naming the option and its range: ``data_parallel_size`` not an integer ≥ 1,
+            a negative or non-integer replica count, only one of the prefill and decode counts,
+            or both kinds given.
     """
-    for name, v in (("--data-parallel-size", data_parallel_size), ("--prefill-replicas", prefill_replicas),
-                    ("--decode-replicas", decode_replicas)):
+    if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be an integer ≥ 1 (1: one engine, no replicas), "
+                         f"got {data_parallel_size!r}")
+    for name, v in (("--prefill-replicas", prefill_replicas), ("--decode-replicas", decode_replicas)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{name} must be an integer ≥ 0, got {v!r}")
+            raise ValueError(f"{name} must be an integer ≥ 0 (0: no prefill/decode disaggregation, which needs "
+                             f"--prefill-replicas and --decode-replicas both ≥ 1), got {v!r}")
     if prefill_replicas or decode_replicas:
         if data_parallel_size > 1:
             raise ValueError("give either --data-parallel-size or --prefill-replicas/--decode-replicas, not both")
@@ -70,8 +75,6 @@ def replica_specs(data_parallel_size: int = 1, prefill_replicas: int = 0, decode
                              f"disaggregation), got {prefill_replicas} and {decode_replicas}")
         roles = [("prefill", i) for i in range(prefill_replicas)] + [("decode", i) for i in range(decode_replicas)]
     else:
-        if data_parallel_size < 1:
-            raise ValueError(f"--data-parallel-size must be ≥ 1, got {data_parallel_size}")
         roles = [("replica", i) for i in range(data_parallel_size)]
     return [ReplicaSpec(f"{role}-{i}", role, f"{app_prefix}-{role}-{i}") for role, i in roles]
 

@@ -113,10 +113,11 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas behind this front end, each a Ray Serve deployment (default 1: one engine, "
                         "no Ray)")
-    g.add_argument("--routing", default="prefix", choices=["prefix", "least_loaded", "round_robin"],
+    g.add_argument("--routing", default=None, choices=["prefix", "least_loaded", "round_robin"],
                    help="how requests are spread over the replicas: prefix (default: to the replica most likely to "
                         "hold the prompt's prefix, an approximate radix tree per replica as SGLang's router, "
-                        "unless the load is uneven), least_loaded (fewest requests in flight) or round_robin")
+                        "unless the load is uneven), least_loaded (fewest requests in flight) or round_robin; "
+                        "with replicas only")
     g.add_argument("--prefill-replicas", type=int, default=0,
                    help="prefill/decode disaggregation: replicas that compute the prompts; their KV blocks move to "
                         "a decode replica through Ray's object store (with --decode-replicas)")
@@ -124,7 +125,7 @@ def add_parsers(subparsers, add_engine_args: Callable[[argparse.ArgumentParser],
                    help="prefill/decode disaggregation: replicas that decode (with --prefill-replicas)")
     g.add_argument("--replica-cpus", type=float, default=None,
                    help="Ray CPUs (and torch threads) per replica (default: the machine's cores shared out on a "
-                        "local Ray instance, 1 in a cluster)")
+                        "local Ray instance, 1 in a cluster; with replicas only)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (uvicorn and kvserve.entrypoints.openai)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
@@ -243,6 +244,25 @@ def serve_model(a: argparse.Namespace) -> str | None:
     return tag if tag is not None else opt
 
 
+def replica_options(a: argparse.Namespace) -> bool:
+    """Whether ``kvserve serve`` runs replicas on Ray Serve: ``--data-parallel-size`` other
+    than 1, or ``--prefill-replicas`` / ``--decode-replicas`` (their ranges are checked by
+    :func:`~kvserve.engine.ray_serve.replica_specs`); ``a.routing`` gets its default.
+
+    Raises:
+        ValueError: ``--replica-cpus`` or ``--routing`` without replicas (naming the flag).
+    """
+    replicated = a.data_parallel_size != 1 or bool(a.prefill_replicas) or bool(a.decode_replicas)
+    if not replicated:
+        for flag, value in (("--replica-cpus", a.replica_cpus), ("--routing", a.routing)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to replicas only: it needs --data-parallel-size ≥ 2, or "
+                                 f"--prefill-replicas and --decode-replicas (without them, one engine serves, "
+                                 f"without Ray)")
+    a.routing = a.routing or "prefix"
+    return replicated
+
+
 def _browser_host(host: str) -> str:
     """The host to type into a browser for a server listening on ``host``."""
     if host in ("", "0.0.0.0", "::"):
@@ -265,6 +285,7 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
     chat_template = load_chat_template(a.chat_template) if a.chat_template is not None else None
     if a.generation_config not in ("auto", "vllm") and not Path(a.generation_config).expanduser().is_dir():
         raise ValueError(f"--generation-config: {a.generation_config!r} is not 'auto', 'vllm' or a folder")
+    replicated = replica_options(a)
     check_listen_address(a.host, a.port)
     guard_options = server_guard_options(a)
     api_keys = server_api_keys(a)
@@ -282,7 +303,6 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvserve.entrypoints.openai").setLevel(level)
     in_process = getattr(a, "engine_core", "process") == "in-process"
-    replicated = a.data_parallel_size != 1 or a.prefill_replicas or a.decode_replicas
     if replicated:
         from kvserve.engine.ray_serve import ReplicaDeployment, ReplicaStartError, default_app_prefix, replica_specs
         from kvserve.engine.replica_client import ReplicaPool
