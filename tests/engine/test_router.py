@@ -148,3 +148,23 @@ def test_replicas_that_do_not_fit_the_ray_cluster_are_refused_naming_the_cpus():
         check_replica_cpus(1.5, replica_specs(2), (4.0, 2.0))
     check_replica_cpus(2, replica_specs(2), (4.0, 4.0))  # exactly fits
     check_replica_cpus(0.5, pd, (1.5, 1.5))
+
+
+def test_prompts_shorter_than_a_block_go_to_the_least_loaded_replica():
+    """No full block to hash: neither a match nor a tree to grow, so the load decides. (They
+    went to the replica with the smallest tree: every short prompt to the same one, here ``a``,
+    until the balance threshold.)"""
+    r = Router(["a", "b", "c"], "prefix", block_size=16)
+    for name, n in (("b", 2), ("c", 1)):  # earlier long prompts, finished: b's and c's trees are larger
+        ids = list(range(1000 * n, 1000 * n + 16 * n))
+        r.started(name, ids)
+        r.finished(name)
+    assert [len(r.trees[n]) for n in "abc"] == [0, 2, 1]
+    for i in range(6):  # in flight together
+        ids = [7, i, 9]
+        r.started(r.choose(ids), ids)
+    assert r.load == {"a": 2, "b": 2, "c": 2}
+    r.load.update(a=5, b=3, c=4)
+    assert r.choose([1, 2, 3]) == "b"
+    assert r.choose(list(range(15))) == "b"  # 15 tokens: still no full block
+    assert r.choose(list(range(16))) == "a"  # a full block: the smallest tree again

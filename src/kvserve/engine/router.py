@@ -18,7 +18,9 @@ load even:
   prefix cannot pin one replica;
 * **cache threshold**: a match shorter than ``cache_threshold`` of the prompt does not count;
   the request goes to the replica with the smallest tree (the most room for a new prefix),
-  the least loaded among equals.
+  the least loaded among equals;
+* **short prompts**: a prompt shorter than one block has no block to match or to record: it
+  goes to the least loaded replica (as SGLang's router falls back to the shortest queue).
 
 Trees are kept at block granularity (``block_size`` tokens, the engines' KV block size): a
 node is a block's chain hash (the hash of the block's tokens and its parent's hash), so a
@@ -173,11 +175,12 @@ class Router:
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
             return self._least_loaded(pool)
         hashes = block_hashes(token_ids, self.block_size)
-        if hashes:
-            matches = {r: self.trees[r].match(hashes) for r in pool}
-            best = max(pool, key=lambda r: (matches[r], -self.load[r]))
-            if matches[best] and matches[best] >= self.cache_threshold * len(hashes):
-                return best
+        if not hashes:  # shorter than a block: no prefix to match or to record
+            return self._least_loaded(pool)
+        matches = {r: self.trees[r].match(hashes) for r in pool}
+        best = max(pool, key=lambda r: (matches[r], -self.load[r]))
+        if matches[best] and matches[best] >= self.cache_threshold * len(hashes):
+            return best
         smallest = min(len(self.trees[r]) for r in pool)
         return self._least_loaded([r for r in pool if len(self.trees[r]) == smallest])
 
