@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.distributed.kv_transfer.disk_connector import HEADER_BYTES, BlockFileError, BlockFileLayout
 
 from test_kv_offload import A, A_FULL_BLOCKS, B, NUM_BLOCKS, PARAMS, _files, _keys
