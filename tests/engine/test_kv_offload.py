@@ -301,20 +301,21 @@ def test_cli_names_the_flag(argv, words, tmp_path, capsys):
 def test_tensor_parallel_ranks_write_and_read_their_own_shards(llama, reference, tmp_path):
     """At ``tensor_parallel_size=2`` each rank writes its shard (``<key>.r0.kvb``, ``.r1.kvb``); a
     restarted engine reads both back; a corrupt shard of one rank fails the read on every rank
-    (the request recomputes, the block's files go on both ranks)."""
-    llm = _llm(llama, tmp_path, tensor_parallel_size=2)
+    (the request recomputes, the block's files go on both ranks). On the CPU (gloo ranks): a
+    one-GPU machine has no second CUDA device."""
+    llm = _llm(llama, tmp_path, tensor_parallel_size=2, device="cpu")
     assert llm.generate([A], PARAMS)[0].outputs[0].token_ids == reference["A"]
     keys = _keys(llm, A)
     llm.shutdown()
     assert set(_files(tmp_path)) == {block_file_name(k, r) for k in keys for r in (0, 1)}
-    llm = _llm(llama, tmp_path, tensor_parallel_size=2)
+    llm = _llm(llama, tmp_path, tensor_parallel_size=2, device="cpu")
     out = llm.generate([A], PARAMS)[0]
     s = llm.engine.stats()
     assert out.outputs[0].token_ids == reference["A"] and out.num_cached_tokens == A_FULL_BLOCKS * 16
     assert s["kv_offload_read_blocks"] == A_FULL_BLOCKS and s["prompt_tokens_computed"] == len(A) - A_FULL_BLOCKS * 16
     llm.shutdown()
     _flip_payload_byte(str(tmp_path / block_file_name(keys[7], 1)))
-    llm = _llm(llama, tmp_path, tensor_parallel_size=2)
+    llm = _llm(llama, tmp_path, tensor_parallel_size=2, device="cpu")
     out = llm.generate([A], PARAMS)[0]
     s = llm.engine.stats()
     assert out.outputs[0].token_ids == reference["A"] and s["kv_offload_read_failed"] == 1
