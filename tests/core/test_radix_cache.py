@@ -219,6 +219,27 @@ def test_partial_block_match() -> None:
     cache.check_invariants()
 
 
+def test_partial_match_touches_only_the_block_it_uses() -> None:
+    """A partial match copies the first block of a cached run: only that block counts as used.
+    The rest of the run ages as before, so a long prompt that others share a first token with
+    is still evicted least recently used first (a fresh user's report: 'Document A: ...' stayed
+    cached whole while B..G, which also start with 'Document', were evicted)."""
+    pool, cache = _cache(num_blocks=16, block_size=2)
+    _, a = _put(pool, cache, [1, 1, 2, 2, 3, 3, 4, 4])  # A: 4 blocks
+    _, b = _put(pool, cache, [5, 5, 6, 6])  # B: newer than A
+    m = cache.match_prefix(NS, [1, 9, 9])  # shares A's first token only
+    assert m.num_tokens == 0 and (m.partial.block_id, m.partial.num_tokens) == (a[0], 1)
+    assert m.partial.node.blocks == [a[0]]  # A's run split after the block used
+    # Least recently used first: A's last three blocks (untouched since before B), then B.
+    assert cache.evict(3) == 3
+    assert cache.match_prefix(NS, [1, 1, 2, 2, 3, 3, 4, 4, 0]).blocks == a[:1]
+    assert all(pool.ref_counts[x] == 1 for x in b)  # B still cached (checked without touching it)
+    assert cache.evict(2) == 2  # B now: the copied block was used after B was cached
+    assert all(pool.ref_counts[x] == 0 for x in b)
+    assert cache.match_prefix(NS, [1, 1, 0]).blocks == a[:1]
+    cache.check_invariants()
+
+
 def test_fully_cached_prompt_leaves_last_token() -> None:
     pool, cache = _cache(block_size=4)
     prompt = list(range(12))

@@ -559,7 +559,13 @@ class RadixCache:
     def _partial_match(
         self, node: RadixNode, query: tuple[int, ...], pos: int, now: int
     ) -> Optional[PartialMatch]:
-        """Best child of ``node`` whose first block agrees with 1..bs-1 next tokens."""
+        """Best child of ``node`` whose first block agrees with 1..bs-1 next tokens.
+
+        Only that first block is used (copied), so only it counts as accessed: a child of
+        several blocks is split after its first (as a full match splits where it ends) and the
+        new one-block node is touched, not the child's whole run. (Touching the whole child let
+        every prompt that shared a first token with a long cached prompt refresh all of that
+        prompt's blocks, which then never aged out of the LRU order.)"""
         m = min(self.block_size - 1, len(query) - pos)
         if m <= 0:
             return None
@@ -579,6 +585,8 @@ class RadixCache:
                     break
         if best is None:
             return None
+        if len(best.blocks) > 1:
+            best = self._split(best, 1)
         best.last_access = now
         return PartialMatch(node=best, block_id=best.blocks[0], num_tokens=best_n)
 
