@@ -325,6 +325,11 @@ BAD_REQUESTS = [
      "max_completion_tokens", "max_completion_tokens must satisfy 1 ≤ max_completion_tokens, got 0"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
      "max_tokens", "max_tokens must satisfy 1 ≤ max_tokens, got 0"),
+    # prompt + output beyond max_model_len (512): the field the request sent is named
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10_000_000}, 400,
+     "max_completion_tokens", "max_completion_tokens (10000000)"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000_000}, 400,
+     "max_tokens", "max_tokens (10000000)"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}}},
      400, "response_format", "response_format.json_schema.schema: invalid JSON schema: Invalid type: nope"),

@@ -114,6 +114,9 @@ _DISCONNECTED = object()
 _DRAINED = object()  # put on a live request's queue when the shutdown's grace period is over
 #: (deadline, time-out) of the request being handled (set by _parse, read by _submit)
 _DEADLINE: contextvars.ContextVar[Optional[tuple[float, float]]] = contextvars.ContextVar("deadline", default=None)
+#: The request's name for the output-length field ("max_completion_tokens" in a chat request that
+#: sent it), for the engine's errors about it.
+_MAX_TOKENS_FIELD: contextvars.ContextVar[str] = contextvars.ContextVar("max_tokens_field", default="max_tokens")
 #: the user name of the request's API key (set by _parse; None: the 'user' field names the user)
 _KEY_USER: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("key_user", default=None)
 
@@ -473,7 +476,8 @@ class OpenAIServer:
         if msg.startswith("kv_compression"):
             return APIError(400, msg, param="kv_compression", code="invalid_value")
         if "max_tokens" in msg and msg.startswith("prompt ("):
-            return APIError(400, msg, param="max_tokens", code="context_length_exceeded")
+            field = _MAX_TOKENS_FIELD.get()
+            return APIError(400, msg.replace("max_tokens", field), param=field, code="context_length_exceeded")
         if "max_model_len" in msg or "KV" in msg:
             return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
         field = re.match(r"[a-z_]+", msg)
@@ -882,6 +886,7 @@ class OpenAIServer:
         renames = {"logprobs": "top_logprobs" if req.top_logprobs is not None else "logprobs"}
         if req.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
+            _MAX_TOKENS_FIELD.set("max_completion_tokens")
         tool = tool_call_spec(req)  # (400 for bad tools / tool_choice)
         parser, history_written = None, False
         if tool is not None and not tool.forced:
