@@ -302,7 +302,7 @@ def test_bad_device_and_max_model_len(tiny_model_dir, monkeypatch):
     ({"kv_cache_memory": 1e300}, r"kv_cache_memory must be in \(0, 1048576\] GiB, got 1e\+300"),
     ({"num_blocks": 0}, "num_blocks must be ≥ 1, got 0"),
     ({"max_waiting": -1}, "max_waiting must be ≥ 0"),
-    ({"quantization": "int3"}, r"quantization must be one of \['auto', None, 'int8', 'gguf', 'gguf_int8', 'int4', 'int4_g16', "
+    ({"quantization": "int3"}, r"quantization must be one of \['auto', 'none', 'int8', 'gguf', 'gguf_int8', 'int4', 'int4_g16', "
                                r"'int4_g64', 'int4_g128', 'int4_g256'\], got 'int3'"),
     ({"block_size": 2.5}, "block_size must be an integer, got 2.5"),
     ({"max_num_seqs": None}, "max_num_seqs must be an integer, got None"),

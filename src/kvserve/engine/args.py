@@ -259,7 +259,7 @@ class EngineArgs:
         if self.quantization == "none":
             self.quantization = None
         if self.quantization != "auto" and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"{name('quantization')} must be one of {['auto', *QUANTIZATIONS]}, "
+            raise ValueError(f"{name('quantization')} must be one of {['auto', *(q or 'none' for q in QUANTIZATIONS)]}, "
                              f"got {self.quantization!r}")
         SpeculativeConfig.parse(self.speculative_config)  # (raises naming speculative_config.<field>)
         KVCompressionConfig.parse(self.kv_compression, name("kv_compression"))  # (raises naming kv_compression.<field>)
