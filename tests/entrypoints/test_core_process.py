@@ -242,6 +242,57 @@ def test_core_loop_exits_when_the_api_side_closes():
     assert not loop.is_alive() and errors
 
 
+def test_ctrl_c_and_sigterm_while_the_core_process_boots_do_not_reach_it(tiny_folder, monkeypatch, capfd):
+    """The core process starts with SIGINT and SIGTERM ignored (inherited from the spawn), not
+    only once its main function runs: a Ctrl-C to the process group while it still imported
+    kvserve and torch printed a KeyboardInterrupt traceback and killed it (a fresh user's report).
+    The signals go to the child right after its start, while it boots; it starts and serves."""
+    from multiprocessing.context import SpawnProcess
+
+    from kvserve.engine.core_client import CoreClient
+
+    start = SpawnProcess.start
+
+    def start_then_signal(self):
+        start(self)
+        os.kill(self.pid, signal.SIGINT)
+        os.kill(self.pid, signal.SIGTERM)
+
+    monkeypatch.setattr(SpawnProcess, "start", start_then_signal)
+    client = CoreClient(EngineArgs(model=str(tiny_folder), num_blocks=64, **TINY))
+    try:
+        assert client.is_alive
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (the parent's own restored)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        client.shutdown(timeout=10.0)
+    assert client.exitcode == 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+
+
+def test_a_core_whose_api_process_went_away_while_loading_exits_quietly(tiny_folder, capfd):
+    """SIGTERM to the API process alone while the model loads: the core (which ignores it) found
+    the pipe closed when it sent "ready" and printed a BrokenPipeError traceback. It now exits 0
+    without one."""
+    import multiprocessing
+
+    from kvserve.engine.core_proc import run_engine_core
+
+    ctx = multiprocessing.get_context("spawn")
+    cmd_recv, cmd = ctx.Pipe(duplex=False)
+    out, out_send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=run_engine_core, args=(EngineArgs(model=str(tiny_folder), num_blocks=64, **TINY),
+                                                  cmd_recv, out_send, os.getpid()))
+    p.start()
+    cmd_recv.close(), out_send.close()
+    out.close(), cmd.close()  # the API side is gone before "ready"
+    p.join(60)
+    assert p.exitcode == 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
 def test_mp_async_engine_fails_live_requests_when_a_step_fails():
     import asyncio
 

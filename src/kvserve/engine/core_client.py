@@ -16,10 +16,12 @@ once with its exit code.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 import weakref
 from multiprocessing.connection import wait
@@ -48,6 +50,25 @@ def describe_exit(exitcode: Optional[int]) -> str:
             name = "?"
         return f"killed by signal {-exitcode} ({name})"
     return f"exit code {exitcode}"
+
+
+@contextlib.contextmanager
+def _signals_ignored_by_the_child():
+    """SIGINT and SIGTERM ignored while the core process is spawned, so that it starts with them
+    ignored (an ignored disposition survives exec, and Python keeps it): its own SIG_IGN comes
+    only after the spawn's bootstrap has imported kvserve and torch (a second or two), and a
+    Ctrl-C in that window printed a KeyboardInterrupt traceback from the core. The API process
+    decides when the core stops (core_proc's docstring). Only on the main thread (elsewhere
+    signal handlers cannot be set, and the signals go to the main thread anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 class CoreClient:
@@ -87,7 +108,8 @@ class CoreClient:
         self._out, out_send = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=run_engine_core, name="kvserve-engine-core",
                                    args=(args, cmd_recv, out_send, os.getpid(), log_level))
-        self.process.start()
+        with _signals_ignored_by_the_child():
+            self.process.start()
         cmd_recv.close()  # (the child's ends: the pipe reports EOF only once every copy is closed)
         out_send.close()
         self.pid: int = self.process.pid

@@ -105,13 +105,16 @@ def run_engine_core(args, cmd_conn, out_conn, parent_pid: int, log_level: int = 
         logger.debug("engine core failed to start:\n%s", traceback.format_exc())
         try:
             out_conn.send(("failed", _picklable(e)))
+        except OSError:  # (BrokenPipeError: the API process is gone, nobody to tell)
+            pass
         finally:
             out_conn.close()
         _exit(1)
-    out_conn.send(("ready", CoreInfo(engine.model_config, engine.model_path, engine.max_model_len,
-                                     tuple(engine.eos_token_ids), engine.kv_spec.describe(), os.getpid())))
     code = 0
     try:
+        # (a BrokenPipeError here: the API process went away while the model loaded)
+        out_conn.send(("ready", CoreInfo(engine.model_config, engine.model_path, engine.max_model_len,
+                                         tuple(engine.eos_token_ids), engine.kv_spec.describe(), os.getpid())))
         code = _CoreLoop(engine, cmd_conn, out_conn, parent_pid).run()
     except (EOFError, OSError, BrokenPipeError):  # the API process is gone: nobody to serve
         pass
