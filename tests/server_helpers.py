@@ -163,6 +163,20 @@ class ServerThread:
             time.sleep(0.02)
 
 
+def request_counts(families) -> dict[str, float]:
+    """The replicas' request counters in metric families (a registry's ``collect()`` or
+    ``prometheus_client.parser.text_string_to_metric_families`` of ``/metrics``):
+    ``{"<replica> <finished_reason>" | "<replica> retries": value}``."""
+    out = {}
+    for family in families:
+        for smp in family.samples:
+            if smp.name == "kvserve:request_success_total":
+                out[f"{smp.labels['replica']} {smp.labels['finished_reason']}"] = smp.value
+            elif smp.name == "kvserve:request_retries_total":
+                out[f"{smp.labels['replica']} retries"] = smp.value
+    return out
+
+
 def accumulate_chat_stream(chunks, no_text: Sequence[str] = ("<tool_", "tool_call>")):
     """What an OpenAI client makes of a streamed chat reply (one choice): (content or None,
     [(id, name, arguments)], finish reasons), checking each tool-call chunk's shape on the way

@@ -293,27 +293,32 @@ def test_a_core_whose_api_process_went_away_while_loading_exits_quietly(tiny_fol
     assert "Traceback" not in err and "BrokenPipeError" not in err
 
 
+class _FakeCoreClient:
+    """Just enough of CoreClient for MPAsyncEngine: messages are fed to it by hand."""
+
+    args = EngineArgs()
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+    def is_alive(self):
+        return True
+
+    def start_io(self, on_message, on_exit):
+        pass
+
+
 def test_mp_async_engine_fails_live_requests_when_a_step_fails():
     import asyncio
 
     from kvserve.entrypoints.openai.async_engine import EngineStoppedError, MPAsyncEngine, _Track
 
-    class Client:
-        args = EngineArgs()
-        tokenizer = None
-        sent: list = []
-
-        def send(self, msg):
-            self.sent.append(msg)
-
-        def is_alive(self):
-            return True
-
-        def start_io(self, on_message, on_exit):
-            pass
-
     async def main():
-        eng = MPAsyncEngine(Client())
+        eng = MPAsyncEngine(_FakeCoreClient())
         eng.start()
         q: asyncio.Queue = asyncio.Queue()
         eng._tracks["r"] = _Track(q, 7, time.perf_counter(), 1)
@@ -338,21 +343,8 @@ def test_mp_async_engine_stops_running_when_the_core_says_its_engine_is_dead():
 
     from kvserve.entrypoints.openai.async_engine import EngineStoppedError, MPAsyncEngine, _Track
 
-    class Client:
-        args = EngineArgs()
-        tokenizer = None
-
-        def send(self, msg):
-            pass
-
-        def is_alive(self):
-            return True
-
-        def start_io(self, on_message, on_exit):
-            pass
-
     async def main():
-        eng = MPAsyncEngine(Client())
+        eng = MPAsyncEngine(_FakeCoreClient())
         eng.start()
         q: asyncio.Queue = asyncio.Queue()
         eng._tracks["r"] = _Track(q, 7, time.perf_counter(), 1)

@@ -23,7 +23,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.router import Router
-from server_helpers import ServerThread, pid_gone
+from server_helpers import ServerThread, pid_gone, request_counts
 
 pytestmark = pytest.mark.slow
 
@@ -290,15 +290,7 @@ def test_disaggregated_equals_offline_and_the_decode_replica_computes_one_prompt
 
 
 def _request_counts(server) -> dict[str, float]:
-    """The request counters: ``{"<replica> <finished_reason>" | "<replica> retries": value}``."""
-    out = {}
-    for family in server.api.metrics.registry.collect():
-        for smp in family.samples:
-            if smp.name == "kvserve:request_success_total":
-                out[f"{smp.labels['replica']} {smp.labels['finished_reason']}"] = smp.value
-            elif smp.name == "kvserve:request_retries_total":
-                out[f"{smp.labels['replica']} retries"] = smp.value
-    return out
+    return request_counts(server.api.metrics.registry.collect())
 
 
 def test_a_killed_prefill_replica_leaks_no_decode_block_and_no_request_hangs(disaggregated, reference):

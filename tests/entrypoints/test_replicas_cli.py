@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import free_port, pid_gone
+from server_helpers import free_port, pid_gone, request_counts
 
 pytestmark = pytest.mark.slow
 
@@ -48,17 +48,9 @@ def _descendants(pid: int) -> set[int]:
 
 
 def _request_counts(base: str) -> dict[str, float]:
-    """``/metrics``' request counters: ``{"<replica> <finished_reason>" | "<replica> retries": value}``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
-        for smp in family.samples:
-            if smp.name == "kvserve:request_success_total":
-                out[f"{smp.labels['replica']} {smp.labels['finished_reason']}"] = smp.value
-            elif smp.name == "kvserve:request_retries_total":
-                out[f"{smp.labels['replica']} retries"] = smp.value
-    return out
+    return request_counts(text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text))
 
 
 def _cli(*args: str, **kw) -> subprocess.Popen:
