@@ -184,6 +184,8 @@ def test_idle_server_exits_at_once_and_a_second_sigterm_forces_it(tiny_folder, t
         assert s.wait(20) == 0
         assert time.monotonic() - t0 < 10 and "Traceback" not in s.stderr, s.stderr
         assert "leaked semaphore" not in s.stderr, s.stderr  # (the loader's progress bar made one: tqdm's lock)
+        # serve's INFO logging is no --verbose: no weight-loading progress bar in a piped stderr
+        assert "tensor/s" not in s.stderr and "Loading " not in s.stderr, s.stderr
         assert pid_gone(s.core_pid, timeout=5.0)
     finally:
         s.kill()

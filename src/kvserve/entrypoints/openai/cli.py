@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -270,6 +271,13 @@ def _browser_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # (a replaced or closed stream)
+        return False
+
+
 def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict]) -> int:
     from kvserve.engine.generation_config import describe, generation_defaults
     from kvserve.engine.llm_engine import EngineArgs, LLMEngine
@@ -303,6 +311,11 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvserve.entrypoints.openai").setLevel(level)
     in_process = getattr(a, "engine_core", "process") == "in-process"
+    if not a.verbose and not _is_tty(sys.stderr):
+        # serve's kvserve loggers run at INFO by default (--log-level info), which the weight
+        # loader takes for --verbose: its progress bar belongs on a terminal, not in a log file
+        # (tqdm's own switch, inherited by the engine core process and a local Ray's replicas)
+        os.environ.setdefault("TQDM_DISABLE", "1")
     if replicated:
         from kvserve.engine.ray_serve import ReplicaDeployment, ReplicaStartError, default_app_prefix, replica_specs
         from kvserve.engine.replica_client import ReplicaPool
