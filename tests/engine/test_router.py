@@ -150,6 +150,19 @@ def test_replicas_that_do_not_fit_the_ray_cluster_are_refused_naming_the_cpus():
     check_replica_cpus(0.5, pd, (1.5, 1.5))
 
 
+def test_replica_threads_follow_replica_cpus_when_given():
+    """--replica-cpus sets the torch threads too, as its help says, also on a local Ray instance
+    (there it was always the machine's cores shared out, whatever the option said)."""
+    from kvserve.engine.ray_serve import replica_threads
+
+    assert replica_threads(None, 16, 2, local=True) == 8  # the cores shared out
+    assert replica_threads(None, 2, 3, local=True) == 1
+    assert replica_threads(None, 16, 2, local=False) == 1  # a cluster's default: 1 Ray CPU each
+    assert replica_threads(4, 16, 2, local=True) == 4  # given: followed, locally too
+    assert replica_threads(2.5, 16, 2, local=False) == 2
+    assert replica_threads(0.5, 16, 2, local=True) == 1  # at least one thread
+
+
 def test_prompts_shorter_than_a_block_go_to_the_least_loaded_replica():
     """No full block to hash: neither a match nor a tree to grow, so the load decides. (They
     went to the replica with the smallest tree: every short prompt to the same one, here ``a``,

@@ -123,11 +123,11 @@ class ReplicaDeployment:
                                        else LOCAL_OBJECT_STORE_BYTES)
         try:
             cores = available_cores()
+            self.num_threads = replica_threads(replica_cpus, cores, len(specs), self.started_ray)
             if replica_cpus is None:
                 replica_cpus = max(cores / len(specs), 0.01) if self.started_ray else 1.0
             self.replica_cpus = replica_cpus
             check_replica_cpus(replica_cpus, self.specs, _ray_cpus())
-            self.num_threads = max(1, int(replica_cpus)) if not self.started_ray else max(1, cores // len(specs))
             self._deploy(log_level, _actor_env(), disaggregated, start_timeout_s)
         except BaseException:
             self.shutdown()
@@ -224,6 +224,15 @@ def _ray_cpus() -> tuple[float, float]:
     import ray
 
     return ray.cluster_resources().get("CPU", 0.0), ray.available_resources().get("CPU", 0.0)
+
+
+def replica_threads(replica_cpus: Optional[float], cores: int, num_replicas: int, local: bool) -> int:
+    """torch threads of each replica: ``--replica-cpus`` (whole CPUs, at least 1) when given, as
+    its help says, else the local machine's ``cores`` shared out among ``num_replicas`` on a
+    local Ray instance (``local``) and 1 in a cluster (the default Ray CPUs there)."""
+    if replica_cpus is not None:
+        return max(1, int(replica_cpus))
+    return max(1, cores // num_replicas) if local else 1
 
 
 def check_replica_cpus(replica_cpus: float, specs: list[ReplicaSpec], cluster_cpus: tuple[float, float]) -> None:
