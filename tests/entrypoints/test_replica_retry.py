@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvserve.entrypoints.openai.async_engine import EngineStoppedError, MPAsyncEngine, _Track
+from kvserve.entrypoints.openai.async_engine import EngineStoppedError, MPAsyncEngine, _track
 from kvserve.entrypoints.openai.metrics import ServerMetrics
 from kvserve.entrypoints.openai.replica_engine import MAX_RETRIES, ReplicatedAsyncEngine
 from kvserve.sampling_params import SamplingParams
@@ -65,7 +65,7 @@ class FakeEngine(MPAsyncEngine):
         if not self.is_running:
             raise EngineStoppedError(self._stop_message())
         for rid, _, tag in requests:
-            self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, prompt_only=prompt_only)
+            self._tracks[rid] = _track(out_queue, tag, arrival, params, prompt_only)
         self.added += [rid for rid, _, _ in requests]
 
     async def call(self, fn, *args):
@@ -227,6 +227,46 @@ def test_a_death_mid_run_retries_only_what_showed_nothing():
         assert isinstance(err, EngineStoppedError) and "replica-1 died" in str(err)
         assert _counts(eng) == {"replica-0 retries": 2, "replica-1 length": 2, "replica-1 error": 1}
         assert eng._relays == {} and eng.router.load == {"replica-0": 0, "replica-1": 0}
+
+    asyncio.run(main())
+
+
+def _two_samples(rid: str, first_done: bool, second_done: bool):
+    """A :class:`RequestOutput` of an ``n=2`` request (finish reason ``length`` where done)."""
+    out = _output(rid, finished=first_done and second_done)
+    out.outputs = [SimpleNamespace(index=i, token_ids=[0, 1], finish_reason="length" if done else None)
+                   for i, done in enumerate((first_done, second_done))]
+    return out
+
+
+@pytest.mark.parametrize("retried", [True, False])
+def test_a_sample_finished_on_a_replica_that_died_counts_once(retried):
+    """A non-streamed ``n=2`` request whose first sample finished on replica-0 before it died
+    shows the client nothing from there: sent again, it counts its 2 samples where it is
+    answered (they were 1 ``length`` on replica-0 too); with no replica left both samples are
+    errors of replica-0 (they were 1 ``length`` + 1 ``error`` for a request answered 503)."""
+    async def main():
+        fakes = [FakeEngine("replica-0")] + ([FakeEngine("replica-1")] if retried else [])
+        eng = _engine(*fakes)
+        q = asyncio.Queue()
+        await eng.add_requests([("r", [1, 2, 3, 4, 5], 0)], SamplingParams(max_tokens=4, n=2), q, streaming=False)
+        fakes[0]._dispatch([_two_samples("r", True, False)])
+        assert _counts(eng) == {}  # (the request has not ended)
+        fakes[0].die()
+        await _settle()
+        if retried:
+            assert fakes[1].added == ["r"] and _counts(eng) == {"replica-0 retries": 1}
+            fakes[1]._dispatch([_two_samples("r", True, False)])
+            fakes[1]._dispatch([_two_samples("r", True, True)])
+            assert _counts(eng) == {"replica-0 retries": 1, "replica-1 length": 2}
+            def e2e(name):
+                return eng.metrics.registry.get_sample_value("kvserve:e2e_request_latency_seconds_count",
+                                                             {"model_name": "m", "replica": name})
+            assert e2e("replica-1") == 2 and e2e("replica-0") == 0
+        else:
+            assert _counts(eng) == {"replica-0 error": 2}
+        await _settle()
+        assert eng._relays == {} and eng.router.load == {n: 0 for n in eng.router.load}
 
     asyncio.run(main())
 

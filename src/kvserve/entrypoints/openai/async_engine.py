@@ -120,6 +120,23 @@ class _Track:
     sample_first: dict = field(default_factory=dict)
     sample_last: dict = field(default_factory=dict)
     sample_tokens: dict = field(default_factory=dict)
+    defer_finishes: bool = False  # count the samples' ends when the request ends (see _track)
+    pending: list = field(default_factory=list)  # (reason, e2e s, TPOT s or None) not counted yet
+
+    @property
+    def uncounted(self) -> int:
+        """Samples not counted in ``request_success_total`` yet (an abort or error counts them)."""
+        return self.num_samples - len(self.finished_indices) + len(self.pending)
+
+
+def _track(out_queue, tag, arrival: float, params, prompt_only: bool) -> _Track:
+    """A new request's track. A request of the replicas' front end that it may send again to
+    another replica (``out_queue`` counts the failures and is not streamed: see
+    :mod:`~kvserve.entrypoints.openai.replica_engine`) has its samples' ends counted when the
+    whole request ends: one that finished on a replica that died before the others did is
+    counted where the request is answered, once."""
+    return _Track(out_queue, tag, arrival, params.n, beam=params.use_beam_search, prompt_only=prompt_only,
+                  defer_finishes=getattr(out_queue, "counts_failures", False) and not out_queue.streaming)
 
 
 def _reason(t: _Track, reason: Optional[str]) -> Optional[str]:
@@ -365,9 +382,8 @@ class AsyncEngine:
             self.engine.abort_request(rid)
             track = self._tracks.pop(rid, None)
             if track is not None and self.metrics is not None and self.record_requests:
-                unfinished = track.num_samples - len(track.finished_indices)
-                if unfinished > 0:
-                    self.metrics.finished("abort", unfinished)
+                if track.uncounted > 0:
+                    self.metrics.finished("abort", track.uncounted)
         elif kind == "call":
             _, fn, fut = cmd
             try:
@@ -395,8 +411,7 @@ class AsyncEngine:
             self._resolve(fut, error=e)
             return
         for rid, _, tag in items:
-            self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, beam=params.use_beam_search,
-                                       prompt_only=prompt_only)
+            self._tracks[rid] = _track(out_queue, tag, arrival, params, prompt_only)
         self._resolve(fut)
 
     def _resolve(self, fut: asyncio.Future, value: Any = None, error: Optional[BaseException] = None) -> None:
@@ -486,10 +501,17 @@ class AsyncEngine:
                     t.sample_last[i] = now
                 if o.finish_reason is not None and i not in t.finished_indices:
                     t.finished_indices.add(i)
-                    m.finished(_reason(t, o.finish_reason))
-                    m.e2e.observe(now - t.arrival)
+                    tpot = None
                     if t.sample_tokens.get(i, 0) >= 2:
-                        m.tpot.observe((now - t.sample_first[i]) / (t.sample_tokens[i] - 1))
+                        tpot = (now - t.sample_first[i]) / (t.sample_tokens[i] - 1)
+                    t.pending.append((_reason(t, o.finish_reason), now - t.arrival, tpot))
+            if t.pending and (out.finished or not t.defer_finishes):
+                for reason, e2e, tpot in t.pending:
+                    m.finished(reason)
+                    m.e2e.observe(e2e)
+                    if tpot is not None:
+                        m.tpot.observe(tpot)
+                t.pending.clear()
         if out.finished:  # the dashboard's ring: one entry per request
             longest = max((len(o.token_ids) for o in out.outputs), default=0)
             tpot = None
@@ -562,7 +584,7 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - the engine is already broken
                 logger.exception("abort of %s failed", rid)
             if self.metrics is not None and self.record_requests:
-                self.metrics.finished("error", track.num_samples - len(track.finished_indices))
+                self.metrics.finished("error", track.uncounted)
             batch.append((track.queue, (track.tag, EngineStoppedError(f"the engine failed: {error}"))))
         self._tracks.clear()
         if batch:
@@ -702,9 +724,8 @@ class MPAsyncEngine(AsyncEngine):
         self.output_processor.abort_request(request_id)
         track = self._tracks.pop(request_id, None)
         if track is not None and self.metrics is not None and self.record_requests:
-            unfinished = track.num_samples - len(track.finished_indices)
-            if unfinished > 0:
-                self.metrics.finished("abort", unfinished)
+            if track.uncounted > 0:
+                self.metrics.finished("abort", track.uncounted)
 
     async def call(self, fn: str, *args) -> Any:
         """Run the public :class:`~kvserve.engine.core.EngineCore` method ``fn`` with ``args`` in
@@ -833,8 +854,7 @@ class MPAsyncEngine(AsyncEngine):
         for (rid, _, tag), r in zip(items, reqs):
             params = r.sampling_params
             self.output_processor.add_request(rid, r.prompt_token_ids, r.prompt, params)
-            self._tracks[rid] = _Track(out_queue, tag, arrival, params.n, beam=params.use_beam_search,
-                                       prompt_only=prompt_only)
+            self._tracks[rid] = _track(out_queue, tag, arrival, params, prompt_only)
         fut.set_result(None)
 
     def _on_outputs(self, outputs: list, stats: dict) -> None:
@@ -857,7 +877,7 @@ class MPAsyncEngine(AsyncEngine):
         batch = []
         for rid, track in list(self._tracks.items()):
             err = EngineStoppedError(message)
-            err.unfinished_samples = track.num_samples - len(track.finished_indices)
+            err.unfinished_samples = track.uncounted
             if self.metrics is not None and self.record_requests and not getattr(track.queue, "counts_failures",
                                                                                   False):
                 self.metrics.finished("error", err.unfinished_samples)
