@@ -29,9 +29,10 @@ process as for one engine; each replica is an engine core in a Ray Serve replica
 * **Metrics**: a request counts once in ``request_success_total``: on the replica that
   finished it, or as an ``error`` (``abort``) of the replica it was on when it failed (was
   aborted), a prefill replica included; a request sent again after its replica died counts one
-  ``request_retries_total`` of that replica, not an error, and nothing else there of its samples
-  (a request that is not streamed counts its samples' ends when it ends, as it may still be
-  sent again until then: ``async_engine._track``) (the relay counts the failures and the
+  ``request_retries_total`` of that replica, not an error; its samples' ends (success, e2e
+  latency, TPOT) count only where it is answered (a request that is not streamed counts them
+  when it ends, as it may be sent again until then: ``async_engine._track``), while the prompt
+  tokens, TTFT and ITL the dead replica observed stay there (the relay counts the failures and the
   prefill phase's outcomes; the decode replicas' engines count the rest).
 """
 
