@@ -251,3 +251,27 @@ def test_a_rank_killed_between_steps_turns_health_503(folder, backend):
         assert r.status_code == 503
         assert pid_gone(core, 30.0)
     assert all(pid_gone(p, 30.0) for p in below)
+
+
+def test_in_process_engine_a_rank_killed_between_steps_turns_health_503(folder):
+    """``--engine-core in-process``: the engine thread looks at its ranks every second while
+    idle, as the core process does (a rank that died while no request ran left ``/health`` 200
+    until the next request's step failed)."""
+    from kvserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=str(folder), tensor_parallel_size=2, **TINY))
+    rank1 = engine.executor.procs[0]
+    with ServerThread(engine, names=["tiny"]) as s:
+        base = s.base_url
+        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and httpx.get(base + "/health").status_code == 200
+        os.kill(rank1.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health").status_code == 200:
+            assert time.monotonic() < deadline, "/health still 200 30 s after a rank died between steps"
+            time.sleep(0.1)
+        assert "rank 1" in str(s.api.async_engine.fatal_error)
+        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+    engine.core.shutdown()
+    assert pid_gone(rank1.pid, 30.0)

@@ -42,6 +42,9 @@ logger = logging.getLogger("kvserve.entrypoints.openai")
 
 #: Seconds an idle engine thread waits before refreshing the gauges while disk-tier writes are in flight.
 IDLE_STATS_S = 1.0
+#: Seconds between an idle engine thread's looks at its workers (a tensor-parallel rank that died
+#: between steps turns ``/health`` 503 within about this, as the engine core process does)
+IDLE_HEALTH_CHECK_S = 1.0
 
 
 class EngineStoppedError(RuntimeError):
@@ -269,7 +272,8 @@ class AsyncEngine:
             request it is about.
         """
         if not self.is_running:
-            raise EngineStoppedError("the engine is not running")
+            raise EngineStoppedError("the engine is not running" if self.fatal_error is None
+                                     else f"the engine is not running: {self.fatal_error}")
         limit = self.engine.args.max_waiting
         if limit and len(requests) > limit:  # could never be queued, however long the client waits
             raise ValueError(f"prompt: a batch of {len(requests)} prompts exceeds the waiting-queue limit of this "
@@ -338,7 +342,7 @@ class AsyncEngine:
             idle = self._paused or not engine.has_unfinished_requests()
             pending = getattr(engine, "kv_offload_pending", None)
             # (idle with disk-tier writes in flight: wake up to count them in the gauges)
-            wait = IDLE_STATS_S if idle and pending is not None and pending() else None
+            wait = IDLE_STATS_S if idle and pending is not None and pending() else IDLE_HEALTH_CHECK_S
             cmds = []
             try:
                 if idle:
@@ -347,6 +351,10 @@ class AsyncEngine:
                     cmds.append(self._cmds.get_nowait())
             except queue.Empty:
                 pass
+            if idle and not cmds and self.fatal_error is None and not engine.is_healthy():
+                self.fatal_error = EngineStoppedError(  # (a rank died between steps: /health 503 now)
+                    f"the engine cannot run steps any more: {engine.health_error() or 'a worker died'}")
+                logger.error("%s", self.fatal_error)
             for cmd in cmds:
                 if cmd[0] == "stop":
                     self._stop_all()
