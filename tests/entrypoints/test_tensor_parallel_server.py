@@ -230,25 +230,31 @@ def test_a_rank_killed_mid_stream_turns_health_503_before_the_stream_ends(folder
     assert all(pid_gone(p, 30.0) for p in below)  # (Ray's own processes too)
 
 
+def _kill_an_idle_rank(s: ServerThread, rank_pid: int) -> None:
+    """After a request, SIGKILL the rank ``rank_pid`` while the server is idle: ``/health`` turns
+    503 within 30 s, and a request then gets a 503 naming rank 1."""
+    base = s.base_url
+    r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and httpx.get(base + "/health").status_code == 200
+    os.kill(rank_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while httpx.get(base + "/health").status_code == 200:
+        assert time.monotonic() < deadline, "/health still 200 30 s after a rank died between steps"
+        time.sleep(0.1)
+    assert "rank 1" in str(s.api.async_engine.fatal_error)
+    r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+    assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("backend", ["mp", "ray"], indirect=True)
 def test_a_rank_killed_between_steps_turns_health_503(folder, backend):
     """An idle engine core checks its ranks every second: a rank that died while no request
     ran turns ``/health`` 503 (it stayed 200 until the next request's step failed)."""
     args = EngineArgs(model=str(folder), tensor_parallel_size=2, distributed_executor_backend=backend, **TINY)
     with ServerThread(args, names=["tiny"]) as s:
-        base = s.base_url
         core = s.api.async_engine.core_pid
         below = _descendants(core)
-        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
-        assert r.status_code == 200 and httpx.get(base + "/health").status_code == 200
-        os.kill(_rank_pid(core, backend), signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while httpx.get(base + "/health").status_code == 200:
-            assert time.monotonic() < deadline, "/health still 200 30 s after a rank died between steps"
-            time.sleep(0.1)
-        assert "rank 1" in str(s.api.async_engine.fatal_error)
-        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503
+        _kill_an_idle_rank(s, _rank_pid(core, backend))
         assert pid_gone(core, 30.0)
     assert all(pid_gone(p, 30.0) for p in below)
 
@@ -262,16 +268,6 @@ def test_in_process_engine_a_rank_killed_between_steps_turns_health_503(folder):
     engine = LLMEngine(EngineArgs(model=str(folder), tensor_parallel_size=2, **TINY))
     rank1 = engine.executor.procs[0]
     with ServerThread(engine, names=["tiny"]) as s:
-        base = s.base_url
-        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
-        assert r.status_code == 200 and httpx.get(base + "/health").status_code == 200
-        os.kill(rank1.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while httpx.get(base + "/health").status_code == 200:
-            assert time.monotonic() < deadline, "/health still 200 30 s after a rank died between steps"
-            time.sleep(0.1)
-        assert "rank 1" in str(s.api.async_engine.fatal_error)
-        r = httpx.post(base + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
-        assert r.status_code == 503 and "rank 1" in r.json()["error"]["message"]
+        _kill_an_idle_rank(s, rank1.pid)
     engine.core.shutdown()
     assert pid_gone(rank1.pid, 30.0)
