@@ -524,10 +524,32 @@ def test_prompts_as_numpy_and_torch_arrays(tiny_llm):
     ref = tiny_llm.generate([[5, 6, 7]], GOOD)[0].outputs[0].token_ids
     for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), np.int32(6), 7]):
         assert tiny_llm.generate(prompt, GOOD)[0].outputs[0].token_ids == ref
-    with pytest.raises(TypeError, match="prompts must be a string, a list of token ids, or a list of those; got int"):
+    with pytest.raises(TypeError, match=r"prompts must be a string, a list of token ids, a prompt dict .*, or a list "
+                                        r"of those; got int"):
         tiny_llm.generate(5, GOOD)
     with pytest.raises(GenerationError, match="must be 1-D integers, got 1-D float32"):
         tiny_llm.generate([np.array([5.0, 6.0], dtype=np.float32)], GOOD)
+
+
+def test_prompts_as_vllms_prompt_dicts(tiny_llm):
+    """vLLM's TextPrompt / TokensPrompt dicts, alone or in a list, give the plain forms' tokens
+    (they were a TypeError); their cache_salt reaches the engine; a dict kvserve cannot serve is
+    that prompt's error, naming the keys."""
+    ids = [5, 6, 7]
+    text = tiny_llm.tokenizer.decode(ids)
+    ref_ids = tiny_llm.generate([ids], GOOD)[0].outputs[0].token_ids
+    ref_text = tiny_llm.generate(text, GOOD)[0].outputs[0].token_ids
+    assert tiny_llm.generate({"prompt_token_ids": ids}, GOOD)[0].outputs[0].token_ids == ref_ids
+    outs = tiny_llm.generate([{"prompt": text}, {"prompt_token_ids": ids, "prompt": "a label", "cache_salt": "t1",
+                                                 "multi_modal_data": None}], GOOD)
+    assert [o.outputs[0].token_ids for o in outs] == [ref_text, ref_ids]
+    with pytest.raises(GenerationError, match="cache_salt") as ei:  # the salt is checked by the engine
+        tiny_llm.generate([{"prompt_token_ids": ids, "cache_salt": ""}, ids], GOOD)
+    assert ei.value.outputs[0] is None and ei.value.outputs[1].outputs[0].token_ids == ref_ids
+    with pytest.raises(GenerationError, match=r"unsupported key\(s\) \['multi_modal_data'\]"):
+        tiny_llm.generate({"prompt": text, "multi_modal_data": {"image": object()}}, GOOD)
+    with pytest.raises(GenerationError, match=r"must have 'prompt' \(text\) or 'prompt_token_ids'.*\['cache_salt'\]"):
+        tiny_llm.generate([{"cache_salt": "t1"}], GOOD)
 
 
 def test_a_stream_never_iterated_runs_nothing(tiny_llm):

@@ -262,6 +262,9 @@ TOOL_BAD = [
     ({"tools": [], "parallel_tool_calls": False}, "parallel_tool_calls", "only allowed when 'tools' are given"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "cannot be combined with response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools",
+     "tools[0].function.parameters must be a JSON Schema object, or null or left out for a function without "
+     "arguments; got str"),
 ]
 
 
@@ -271,6 +274,21 @@ def test_bad_tool_calls_get_400_naming_the_field(server, extra, param, words):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "now"}}])
+def test_a_function_whose_parameters_are_null_takes_no_arguments(server, tool_choice):
+    """``"parameters": null`` is a function without arguments, as when left out (vLLM's
+    ``FunctionDefinition.parameters`` is optional): it was a 400."""
+    tools = [{"type": "function", "function": {"name": "now", "description": "the time", "parameters": None}}]
+    body = {**CHAT, "max_tokens": 40, "temperature": 0, "tools": tools, "tool_choice": tool_choice}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    if tool_choice != "auto":  # generated under {"type": "object", "properties": {}}
+        assert c["finish_reason"] == "tool_calls", c
+        assert [t["function"]["name"] for t in c["message"]["tool_calls"]] == ["now"]
+        assert isinstance(json.loads(c["message"]["tool_calls"][0]["function"]["arguments"]), dict)
 
 
 # ------------------------------------------------------- streamed tool calls, tool_choice auto

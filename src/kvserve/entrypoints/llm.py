@@ -14,7 +14,35 @@ from kvserve.core.request import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.engine.tokenizer import apply_chat_template
 
-PromptType = Union[str, Sequence[int]]
+PromptType = Union[str, Sequence[int], dict]
+
+# vLLM's prompt dicts (TextPrompt, TokensPrompt): keys kvserve reads, and those it accepts only empty
+_PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+_PROMPT_DICT_UNUSED = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+
+
+def _prompt_and_salt(prompt) -> tuple[Union[str, Sequence[int]], Optional[str]]:
+    """A prompt as the engine takes it (text or token ids) and its cache salt, from a text, a
+    token-id list, or vLLM's ``TextPrompt`` ``{"prompt": text}`` / ``TokensPrompt``
+    ``{"prompt_token_ids": ids}`` dicts (optionally with ``cache_salt``; a TokensPrompt's
+    ``prompt`` text is then only a label).
+
+    Raises:
+        ValueError: a dict with neither key, an unknown key, or multimodal data.
+    """
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(k for k in prompt if k not in _PROMPT_DICT_KEYS
+                     and not (k in _PROMPT_DICT_UNUSED and not prompt[k]))
+    if unknown:
+        raise ValueError(f"prompt dict: unsupported key(s) {unknown}; kvserve reads 'prompt' (text) or "
+                         f"'prompt_token_ids' (token ids), and 'cache_salt' (text-only models: no multimodal data)")
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"], prompt.get("cache_salt")
+    if "prompt" in prompt:
+        return prompt["prompt"], prompt.get("cache_salt")
+    raise ValueError(f"prompt dict must have 'prompt' (text) or 'prompt_token_ids' (token ids), got keys "
+                     f"{sorted(prompt)}")
 
 
 class GenerationError(ValueError):
@@ -82,12 +110,12 @@ class LLM:
     def _submit(self, prompts, params, stream: bool = False) -> tuple[list[Optional[str]], dict[int, str]]:
         if isinstance(prompts, (np.ndarray, torch.Tensor)) and prompts.ndim == 1:
             prompts = [prompts]  # one prompt of token ids
-        elif isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                          and isinstance(prompts[0], numbers.Integral)):
+        elif isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                  and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         elif not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
-                            f"{type(prompts).__name__}")
+            raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict ({{'prompt': text}} or "
+                            f"{{'prompt_token_ids': ids}}), or a list of those; got {type(prompts).__name__}")
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
@@ -102,7 +130,8 @@ class LLM:
                         sp.use_beam_search or (sp.best_of is not None and sp.best_of > sp.n)):
                     raise ValueError("use_beam_search and best_of > n are not supported with stream (the best "
                                      "sequences are only known at the end)")
-                ids.append(self.engine.add_request(p, sp))
+                p, salt = _prompt_and_salt(p)
+                ids.append(self.engine.add_request(p, sp, cache_salt=salt))
             except (ValueError, TypeError, QueueFullError) as e:  # this prompt's error: the others run
                 ids.append(None)
                 errors[i] = str(e)
@@ -117,7 +146,8 @@ class LLM:
         """Generate for every prompt.
 
         Args:
-            prompts: a string, a token-id list, or a list of either.
+            prompts: a string, a token-id list, vLLM's prompt dict (``{"prompt": text}`` or
+                ``{"prompt_token_ids": ids}``, optionally with ``"cache_salt"``), or a list of those.
             sampling_params: one for all prompts, or one per prompt.
             stream: when True, return an iterator of :class:`RequestOutput` updates (each
                 carries ``outputs[i].delta_text``; a sample of an n > 1 request appears for

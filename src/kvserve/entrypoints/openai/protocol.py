@@ -306,9 +306,10 @@ def tool_call_spec(req: "ChatCompletionRequest") -> Optional[ToolCallSpec]:
         if name in names:
             raise APIError(400, f"tools[{i}].function.name {name!r} is given twice", param="tools",
                            code="invalid_value")
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object", param="tools",
-                           code="invalid_value")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):  # null: omitted (vLLM)
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object, or null or left out "
+                                f"for a function without arguments; got {type(fn['parameters']).__name__}",
+                           param="tools", code="invalid_value")
         names.append(name)
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}}
               for t in tools}
