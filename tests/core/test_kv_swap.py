@@ -290,7 +290,7 @@ def pressed_workloads(draw):
                 requests=requests)
 
 
-@settings(max_examples=15, deadline=None, derandomize=True,
+@settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(w=pressed_workloads(), host_blocks=st.sampled_from([3, 16, 64, 256]))
 def test_randomized_workloads_with_swap(folders, alone, w, host_blocks):  # noqa: F811

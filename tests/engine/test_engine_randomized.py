@@ -51,14 +51,14 @@ def workloads(draw):
     )
 
 
-@settings(max_examples=50, deadline=None, derandomize=True,
+@settings(max_examples=120, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(w=workloads())
 def test_every_request_finishes_once_with_its_solo_output(folders, alone, w):
     _check_workload(_engine(folders, w), w, alone)
 
 
-@settings(max_examples=4, deadline=None, derandomize=True,
+@settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(w=workloads())
 def test_tp2_every_request_finishes_once_with_its_solo_output(folders, alone, w):

@@ -810,7 +810,7 @@ def test_randomized_workloads_with_speculation(folder):
                     budget=draw(st.sampled_from([1, 3, 8, 64])), seqs=draw(st.sampled_from([2, 16])),
                     prefix=draw(st.booleans()), k=draw(st.integers(1, 5)), reqs=reqs)
 
-    @settings(max_examples=15, deadline=None, derandomize=True,
+    @settings(max_examples=30, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                      HealthCheck.function_scoped_fixture])
     @given(w=workloads())

@@ -230,7 +230,7 @@ def workloads(draw):
                 max_num_seqs=draw(st.sampled_from([2, 16])), requests=requests)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(w=workloads())
 def test_randomized_windowed_workloads_keep_invariants_and_solo_outputs(mistral, w):
