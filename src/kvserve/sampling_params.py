@@ -148,6 +148,8 @@ class SamplingParams:
             vLLM; its id is in ``token_ids`` either way).
         ignore_eos: keep generating past EOS.
         skip_special_tokens: leave special tokens out of the text.
+        detokenize: False returns the token ids only (the outputs' text is ""), as vLLM's
+            ``detokenize``; stop strings, which match the text, are then an error.
         spaces_between_special_tokens: accepted for vLLM compatibility; it has no effect with
             the fast (Rust) tokenizers kvserve decodes with, as in vLLM's fast detokenizer.
         truncate_prompt_tokens: keep only the last k tokens of the prompt (left truncation,
@@ -195,6 +197,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    detokenize: bool = True
     truncate_prompt_tokens: Optional[int] = None
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
@@ -249,7 +252,7 @@ class SamplingParams:
         _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _float("length_penalty", self.length_penalty)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens", "use_beam_search"):
+                     "spaces_between_special_tokens", "detokenize", "use_beam_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("allowed_token_ids", "bad_words", "stop", "stop_token_ids"):
@@ -287,6 +290,9 @@ class SamplingParams:
                 if not isinstance(s, str) or s == "":
                     raise ValueError("stop must be a list of non-empty strings")
                 require_utf8(s, "stop string")
+            if self.stop and not self.detokenize:
+                raise ValueError("stop: stop strings match the text, which detokenize=False does not make; "
+                                 "use stop_token_ids, or detokenize=True")
         if self.stop_token_ids is not None:
             for tok in self.stop_token_ids:
                 _int("stop_token_ids entry", tok, lo=0)

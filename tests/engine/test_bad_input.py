@@ -552,6 +552,27 @@ def test_prompts_as_vllms_prompt_dicts(tiny_llm):
         tiny_llm.generate([{"cache_salt": "t1"}], GOOD)
 
 
+def test_detokenize_false_returns_the_same_tokens_and_no_text(tiny_llm):
+    """vLLM's ``detokenize=False`` (it was a TypeError): the same token ids, "" for the text of
+    every sample, streamed delta and beam; stop strings, which match the text, are an error
+    naming both fields; a non-bool is an error naming the field."""
+    prompts = [[5, 6, 7], [8, 9]]
+    for params in (GOOD, SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2, ignore_eos=True),
+                   SamplingParams(max_tokens=4, use_beam_search=True, beam_width=2, ignore_eos=True)):
+        ref = tiny_llm.generate(prompts, params)
+        got = tiny_llm.generate(prompts, dataclasses.replace(params, detokenize=False))
+        assert [[o.token_ids for o in r.outputs] for r in got] == [[o.token_ids for o in r.outputs] for r in ref]
+        assert any(o.text for r in ref for o in r.outputs)  # (the tiny model's tokens make text)
+        assert all(o.text == "" for r in got for o in r.outputs)
+    deltas = [o.outputs[0].delta_text for o in tiny_llm.generate(prompts[0], dataclasses.replace(GOOD, detokenize=False),
+                                                                 stream=True)]
+    assert deltas and set(deltas) == {""}
+    with pytest.raises(ValueError, match="stop: stop strings match the text, which detokenize=False"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be a bool, got 'no'"):
+        SamplingParams(detokenize="no")
+
+
 def test_a_stream_never_iterated_runs_nothing(tiny_llm):
     streams = [tiny_llm.generate([[5, 6, 7]], GOOD, stream=True) for _ in range(3)]
     assert not tiny_llm.engine.has_unfinished_requests()

@@ -152,7 +152,9 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams):
-        self._decoder = _TextDecoder(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        # (detokenize=False: no text at all, every update an empty delta)
+        self._decoder = _TextDecoder(tokenizer, prompt_token_ids, params.skip_special_tokens) \
+            if params.detokenize else None
         self._stops: list[str] = list(params.stop or [])
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
@@ -218,7 +220,8 @@ class IncrementalDetokenizer:
         a stop string in it would be found a step late). ``num_new_tokens_kept`` is then
         the number of tokens up to and including the one whose update matched.
         """
-        if self._finished:
+        if self._finished or self._decoder is None:
+            self._finished = self._finished or finished
             return DetokenizerUpdate("")
         new_token_ids = list(new_token_ids)
         if len(new_token_ids) > 1:

@@ -229,7 +229,8 @@ class OutputProcessor:
             outs = [
                 CompletionOutput(
                     index=i,
-                    text=self.tokenizer.decode(b.token_ids, skip_special_tokens=params.skip_special_tokens),
+                    text=self.tokenizer.decode(b.token_ids, skip_special_tokens=params.skip_special_tokens)
+                    if params.detokenize else "",
                     token_ids=list(b.token_ids),
                     finish_reason="stop" if b.finished_by_eos else "length",
                     cumulative_logprob=b.cumulative_logprob,
