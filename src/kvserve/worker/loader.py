@@ -136,17 +136,21 @@ def load_model_config(path: Path) -> ModelConfig:
     raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a folder with config.json")
 
 
+def is_tty(stream) -> bool:
+    """Whether ``stream`` is a terminal (False for a replaced or closed stream)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def show_progress(progress: Optional[bool] = None) -> bool:
     """Whether to draw a progress bar: ``progress`` when given, else when stderr is a terminal
     or the ``kvserve`` logger is enabled for INFO (``--verbose``); never in a test's captured
     stderr unless asked."""
     if progress is not None:
         return progress
-    try:
-        tty = sys.stderr.isatty()
-    except (AttributeError, ValueError):  # (a replaced or closed stderr)
-        tty = False
-    return tty or logging.getLogger("kvserve").isEnabledFor(logging.INFO)
+    return is_tty(sys.stderr) or logging.getLogger("kvserve").isEnabledFor(logging.INFO)
 
 
 def _progress_bar(items, total: int, desc: str, progress: Optional[bool]):
@@ -160,7 +164,7 @@ def _progress_bar(items, total: int, desc: str, progress: Optional[bool]):
     if not hasattr(tqdm, "_lock"):  # a thread lock: tqdm's default also makes a multiprocessing
         tqdm.set_lock(threading.RLock())  # semaphore, reported leaked when the engine core is stopped
     return tqdm(items, total=total, desc=desc, unit="tensor", file=sys.stderr, dynamic_ncols=True,
-                mininterval=0.1 if sys.stderr.isatty() else 2.0)
+                mininterval=0.1 if is_tty(sys.stderr) else 2.0)
 
 
 def load_weights(path: Path, progress: Optional[bool] = None,

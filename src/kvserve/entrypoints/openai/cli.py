@@ -271,17 +271,11 @@ def _browser_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _is_tty(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # (a replaced or closed stream)
-        return False
-
-
 def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict]) -> int:
     from kvserve.engine.generation_config import describe, generation_defaults
     from kvserve.engine.llm_engine import EngineArgs, LLMEngine
     from kvserve.engine.tokenizer import load_chat_template
+    from kvserve.worker.loader import is_tty
 
     # before loading the model, which can take a while
     a.model = serve_model(a)
@@ -311,7 +305,7 @@ def run_server(a: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespac
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvserve.entrypoints.openai").setLevel(level)
     in_process = getattr(a, "engine_core", "process") == "in-process"
-    if not a.verbose and not _is_tty(sys.stderr):
+    if not a.verbose and not is_tty(sys.stderr):
         # serve's kvserve loggers run at INFO by default (--log-level info), which the weight
         # loader takes for --verbose: its progress bar belongs on a terminal, not in a log file
         # (tqdm's own switch, inherited by the engine core process and a local Ray's replicas)
