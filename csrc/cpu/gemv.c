@@ -345,3 +345,95 @@ TGT_AMX int kv_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed
     }
     return failed ? -1 : 0;
 }
+
+/* ---- Batched-decode GEMM with AVX512_BF16 on the packed layout (CPUs without AMX) ---------
+ * The weight packed by kv_amx_pack is, for each block of 16 output columns, a contiguous run
+ * of K/2 64-byte vectors, one per pair of k: [16 columns][2 k] bf16, exactly the B operand of
+ * VDPBF16PS. A register tile of BP_MR input rows x BP_NV column blocks (24 float32
+ * accumulators) walks that run once: per k pair, BP_NV vector loads and BP_MR 32-bit
+ * broadcasts of x feed BP_MR * BP_NV dot products. Each thread owns a range of column blocks
+ * and, for each group of BP_NV of them, runs every row tile over it, so a group's weights come
+ * from DRAM once and from L2 for the other row tiles. Every output is one float32 sum over k
+ * pairs in order, whatever the tiling or M (so a row's result does not depend on the batch it
+ * is in); bias added in float32, one rounding to bf16 (RNE). Needs N % 16 == 0, K % 2 == 0
+ * (the packing needs K % 32 == 0). Same arguments as kv_amx_linear. */
+#ifndef BP_MR
+#define BP_MR 4
+#endif
+#ifndef BP_NV
+#define BP_NV 6
+#endif
+
+INLINE TGT_BF16 void bf16p_tile(const int mr, const int nv, const uint16_t* x, int64_t ldx, const uint16_t* b,
+                                int64_t bstride, int64_t K2, int64_t col0, const uint16_t* bias, uint16_t* y,
+                                int64_t ldy) {
+    __m512 acc[BP_MR][BP_NV];
+    _Pragma("GCC unroll 8") for (int i = 0; i < mr; i++)
+        _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) acc[i][v] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < K2; kk++) {
+        __m512bh bv[BP_NV];
+        _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++)
+            bv[v] = (__m512bh)_mm512_loadu_si512(b + v * bstride + kk * 32);
+        _Pragma("GCC unroll 8") for (int i = 0; i < mr; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * ldx + 2 * kk, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, bv[v]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int v = 0; v < nv; v++) {
+        __m512 bvf = _mm512_setzero_ps();
+        if (bias)
+            bvf = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + col0 + v * 16))), 16));
+        _Pragma("GCC unroll 8") for (int i = 0; i < mr; i++)
+            _mm256_storeu_si256((__m256i*)(y + i * ldy + col0 + v * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][v], bvf)));
+    }
+}
+
+#define BP_TILE(MR, NV) bf16p_tile(MR, NV, xm, ldx, bp, bstride, K2, col0, bias, ym, ldy)
+#define BP_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define BP_ROWS(NV)                                       \
+    switch (mr) {                                         \
+        case 1: BP_TILE(1, NV); break;                    \
+        case 2: BP_TILE(BP_MIN(2, BP_MR), NV); break;     \
+        case 3: BP_TILE(BP_MIN(3, BP_MR), NV); break;     \
+        case 4: BP_TILE(BP_MIN(4, BP_MR), NV); break;     \
+        case 5: BP_TILE(BP_MIN(5, BP_MR), NV); break;     \
+        case 6: BP_TILE(BP_MIN(6, BP_MR), NV); break;     \
+        case 7: BP_TILE(BP_MIN(7, BP_MR), NV); break;     \
+        default: BP_TILE(BP_MR, NV); break;               \
+    }
+
+TGT_BF16 int kv_bf16p_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
+                             int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t NB = N / 16, K2 = K / 2, bstride = 16 * K;
+    if (M <= 0) return 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t nb0 = NB * tid / nth, nb1 = NB * (tid + 1) / nth;
+        for (int64_t nb = nb0; nb < nb1; nb += BP_NV) {
+            const int nv = nb1 - nb < BP_NV ? (int)(nb1 - nb) : BP_NV;
+            const uint16_t* bp = packed + nb * bstride;
+            const int64_t col0 = nb * 16;
+            for (int64_t m0 = 0; m0 < M; m0 += BP_MR) {
+                const int mr = M - m0 < BP_MR ? (int)(M - m0) : BP_MR;
+                const uint16_t* xm = x + m0 * ldx;
+                uint16_t* ym = y + m0 * ldy;
+                switch (nv) {
+                    case 1: BP_ROWS(1); break;
+                    case 2: BP_ROWS(BP_MIN(2, BP_NV)); break;
+                    case 3: BP_ROWS(BP_MIN(3, BP_NV)); break;
+                    case 4: BP_ROWS(BP_MIN(4, BP_NV)); break;
+                    case 5: BP_ROWS(BP_MIN(5, BP_NV)); break;
+                    case 6: BP_ROWS(BP_MIN(6, BP_NV)); break;
+                    case 7: BP_ROWS(BP_MIN(7, BP_NV)); break;
+                    default: BP_ROWS(BP_NV); break;
+                }
+            }
+        }
+    }
+    return 0;
+}

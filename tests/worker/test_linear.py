@@ -20,12 +20,12 @@ HAS_AMX = KERNELS is not None and KERNELS.has_amx
 SHAPES = [(1, 576, 960), (1, 1536, 576), (3, 64, 5), (8, 33, 7), (5, 1, 3), (2, 100, 1), (1, 576, 192),
           (L.GEMV_MAX_M_BF16, 80, 12), (L.GEMV_MAX_M_F32 + 1, 80, 12), (40, 96, 33),
           (L.GEMV_MAX_M_BF16_NO_AMX, 80, 12), (L.GEMV_MAX_M_BF16_NO_AMX + 1, 576, 96),
-          # AMX-eligible (N % 16 == 0, K % 32 == 0): one partial tile of rows, full tiles,
+          # tile-eligible (N % 16 == 0, K % 32 == 0): one partial tile of rows, full tiles,
           # the largest M it takes, and the first M past it
-          (L.GEMV_MAX_M_BF16 + 1, 576, 960), (16, 64, 32), (21, 1536, 576), (L.AMX_MAX_M_BF16, 96, 48),
-          (L.AMX_MAX_M_BF16 + 1, 64, 16),
-          # AMX with an odd number of 16-column blocks per thread (one thread: 3 blocks; two
-          # threads: 2 and 3), for 1-2 row tiles (pairs of column blocks) and 3 (one at a time)
+          (L.GEMV_MAX_M_BF16 + 1, 576, 960), (16, 64, 32), (21, 1536, 576), (L.TILE_MAX_M_BF16, 96, 48),
+          (L.TILE_MAX_M_BF16 + 1, 64, 16),
+          # an odd number of 16-column blocks per thread (one thread: 3 blocks; two threads: 2
+          # and 3), for 1-2 AMX row tiles (pairs of column blocks) and 3 (one at a time)
           (7, 64, 48), (30, 512, 80), (40, 512, 80)]
 
 
@@ -63,42 +63,70 @@ def test_resolved_backend():
     assert Linear(w.bfloat16()).backend == want
     assert Linear(w.bfloat16(), backend="gemv").backend == ("gemv" if HAS_BF16 else "eager")
     assert Linear(w.double()).backend == "eager"  # no kernel for float64: plain F.linear
-    if HAS_BF16:  # bf16 gemv up to 4 tokens where AMX takes 5-64, up to 16 where oneDNN would
+    if HAS_BF16:  # bf16 gemv up to 4 tokens where AMX takes 5-64, 1 where the AVX512-BF16 tiles take the rest
         assert Linear(w.bfloat16())._gemv_max_m == (L.GEMV_MAX_M_BF16 if HAS_AMX else L.GEMV_MAX_M_BF16_NO_AMX)
     assert Linear(w).quantization is None  # int8 only on request
 
 
-@pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16")
+@pytest.mark.skipif(not HAS_BF16, reason="needs a CPU with AVX512-BF16")
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_path_runs_for_batched_decode_and_matches_f_linear(bias, monkeypatch):
-    x, w, b = _data(L.AMX_MAX_M_BF16 + 1, 576, 960, torch.bfloat16, bias, seed=3)
+def test_tile_path_runs_for_batched_decode_and_matches_f_linear(bias, monkeypatch):
+    x, w, b = _data(L.TILE_MAX_M_BF16 + 1, 576, 960, torch.bfloat16, bias, seed=3)
+    x = torch.cat([x, x, x])  # 195 rows: past the AMX limit, and prefill-sized
     layer = Linear(w, b)
-    assert layer.backend == "+".join(["gemv", "amx"] + (["onednn"] if HAS_ONEDNN else []))
+    # AMX: tiles up to TILE_MAX_M_BF16 tokens, oneDNN above (its own copy of the weight);
+    # AVX512-BF16 alone: tiles for every M above gemv's, and no oneDNN copy
+    onednn = HAS_ONEDNN and HAS_AMX
+    assert layer.backend == "+".join(["gemv", KERNELS.tile_kernel] + (["onednn"] if onednn else []))
+    assert KERNELS.tile_kernel == ("amx" if HAS_AMX else "avx512bf16")
+    assert (layer._packed is not None) == onednn
+    g = layer._gemv_max_m
+    assert g == (L.GEMV_MAX_M_BF16 if HAS_AMX else L.GEMV_MAX_M_BF16_NO_AMX)
     calls = []
-    real = L.amx_linear
-    monkeypatch.setattr(L, "amx_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for M in (1, L.GEMV_MAX_M_BF16 + 1, 17, L.AMX_MAX_M_BF16, L.AMX_MAX_M_BF16 + 1):
+    real = L.tile_linear
+    monkeypatch.setattr(L, "tile_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    Ms = (1, g, g + 1, 17, L.TILE_MAX_M_BF16, L.TILE_MAX_M_BF16 + 1, 195)
+    for M in Ms:
         ref = F.linear(x[:M].float(), w.float(), None if b is None else b.float())
         y = layer(x[:M])
         # float32 accumulation and one rounding: within one bf16 ulp of the exact product
         torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-3)
         torch.testing.assert_close(y, F.linear(x[:M], w, b), rtol=1.6e-2, atol=1e-2)
-    assert calls == [L.GEMV_MAX_M_BF16 + 1, 17, L.AMX_MAX_M_BF16]
+    assert calls == [M for M in Ms if g < M <= (L.TILE_MAX_M_BF16 if HAS_AMX else 1 << 62)]
 
 
-@pytest.mark.skipif(not HAS_AMX, reason="needs a CPU with AMX-BF16")
+def _bf16p_linear(x, packed, N, b):
+    """The AVX512-BF16 tile kernel itself (``kv_bf16p_linear``), also on a CPU where
+    :func:`~kvserve.worker.layers.linear.tile_linear` runs AMX."""
+    M, K = x.shape
+    y = x.new_empty((M, N))
+    assert KERNELS.bf16p_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(),
+                                y.data_ptr(), N, M, N, K, torch.get_num_threads()) == 0
+    return y
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("kernel", ["tile_linear", "bf16p"])
 @pytest.mark.parametrize("N", [80, 960])
-def test_amx_rows_do_not_depend_on_the_blocking(N):
-    # 1-2 row tiles run on pairs of column blocks, 3-4 on one block at a time (and 5+ in
-    # groups of 4): every output element sums the same products in the same order either way
-    x, w, b = _data(L.AMX_MAX_M_BF16, 512, N, torch.bfloat16, True, seed=5)
-    packed = L.amx_pack(w)
-    full = L.amx_linear(x, packed, N, b)
-    for M in (1, 5, 16, 17, 31, 32, 33, 48, 49):
-        assert torch.equal(L.amx_linear(x[:M], packed, N, b), full[:M]), M
-    assert L.amx_linear(x[:0], packed, N, b).shape == (0, N)  # no rows (a prefill chunk that samples nothing)
+def test_tile_rows_do_not_depend_on_the_blocking(kernel, N):
+    # AMX: 1-2 row tiles run on pairs of column blocks, 3-4 on one block at a time (and 5+ in
+    # groups of 4); AVX512-BF16: register tiles of 1-4 rows x 1-6 column blocks (N = 80: 5
+    # blocks, split 2 + 3 between two threads). Every output element sums the same products in
+    # the same order either way, so a row's values do not depend on M or on the other rows.
+    fn = L.tile_linear if kernel == "tile_linear" else _bf16p_linear
+    x, w, b = _data(L.TILE_MAX_M_BF16, 512, N, torch.bfloat16, True, seed=5)
+    packed = L.tile_pack(w)
+    full = fn(x, packed, N, b)
+    exact = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(full.float(), exact, rtol=8e-3, atol=1e-3)
+    for M in (1, 2, 3, 5, 6, 7, 16, 17, 31, 32, 33, 48, 49):
+        assert torch.equal(fn(x[:M], packed, N, b), full[:M]), M
+        assert torch.equal(fn(x[M:], packed, N, b), full[M:]), M  # the same rows at other tile offsets
+    assert fn(x[:0], packed, N, b).shape == (0, N)  # no rows (a prefill chunk that samples nothing)
     tall = torch.cat([x, x[:21]])  # 85 rows: a group of 4 row tiles, then 2
-    assert torch.equal(L.amx_linear(tall, packed, N, b), torch.cat([full, full[:21]]))
+    assert torch.equal(fn(tall, packed, N, b), torch.cat([full, full[:21]]))
+    strided = torch.cat([x, x], dim=1)[:, :512]  # rows 1024 elements apart (ldx != K)
+    assert torch.equal(fn(strided, packed, N, b), full)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -111,11 +139,11 @@ def test_zero_rows(dtype, backend):
     assert layer(x[:0].view(0, 1, 576)).shape == (0, 1, 960)
 
 
-def test_amx_pack_rejects_unsupported_weights():
+def test_tile_pack_rejects_unsupported_weights():
     with pytest.raises(ValueError, match="N % 16 == 0 and K % 32 == 0"):
-        L.amx_pack(torch.randn(24, 64).bfloat16())
+        L.tile_pack(torch.randn(24, 64).bfloat16())
     with pytest.raises(ValueError, match="float32"):
-        L.amx_pack(torch.randn(32, 64))
+        L.tile_pack(torch.randn(32, 64))
 
 
 def test_falls_back_off_cpu():

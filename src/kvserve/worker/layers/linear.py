@@ -4,7 +4,7 @@ A Llama-style model spends nearly all of its FLOPs and bytes in ``y = x @ W^T + 
 kernel computes that best depends on how many tokens ``M`` share one pass over ``W``
 (measured on a 2-core AVX-512/AMX Xeon, 2 threads; ``tests/worker/test_linear.py`` checks the numerics):
 
-* **Decode (M <= 4 in bf16, M <= 8 in float32)**: every weight is read for only a few tokens,
+* **Decode (M <= 4 in bf16 with AMX, 1 without; M <= 8 in float32)**: every weight is read for only a few tokens,
   so the limit is memory bandwidth (~30 GB/s here). Eager ``F.linear`` in bf16 reaches only
   ~9-14 GB/s on these shapes (oneDNN's bf16 GEMV path plus ~30 us of fixed cost per call).
   :func:`gemv` is a small C kernel (``csrc/cpu/gemv.c``, built at install): 4 weight rows per
@@ -12,9 +12,14 @@ kernel computes that best depends on how many tokens ``M`` share one pass over `
   ``VDPBF16PS`` (bf16) or FMA (float32), OpenMP over rows. It streams bf16 weights at ~22-28
   GB/s: about 2x eager bf16 for a whole decode step's linears; in float32 it is on par with MKL
   at M = 1 and 1.3-2x faster at M = 2-8.
-* **Batched decode (5-64 tokens, bf16, CPUs with AMX-BF16)**: :func:`amx_linear`, a C kernel
+* **Batched decode (5-64 tokens, bf16, CPUs with AMX-BF16)**: :func:`tile_linear`, a C kernel
   on AMX tiles (``TDPBF16PS``) over a weight packed once into tile layout, streams the weights
-  1.1-1.9x faster than oneDNN at these sizes (see ``AMX_MAX_M_BF16``).
+  1.1-1.9x faster than oneDNN at these sizes (see ``TILE_MAX_M_BF16``).
+* **Everything above one token (bf16, CPUs with AVX512-BF16 but no AMX, e.g. AMD Zen 4)**: the
+  same packed layout read as ``VDPBF16PS`` operands by register tiles of 4 rows x 96 columns
+  (``kv_bf16p_linear``): 1.2-1.5x oneDNN's speed at 4-64 tokens on a 2-core EPYC, 1.1-1.2x at
+  128-2048 alone and on par inside a prefill step (see ``TILE_MAX_M_BF16_NO_AMX``); oneDNN is
+  then not used and keeps no copy of the weight.
 * **Prefill / batched decode (larger M)** is compute-bound: bf16 goes to oneDNN with the
   weight reordered once at load time (``torch.ops.mkldnn._reorder_linear_weight`` +
   ``_linear_pointwise``, the same prepacking inductor does with ``freezing=True``), 1.3-1.7x
@@ -68,18 +73,28 @@ from kvserve.worker.layers.quant import (INT4_GROUP_SIZES, GGUFWeight, PackedWei
 #: above it the AMX kernel runs (measured crossover: gemv faster at M <= 4 on every model shape,
 #: oneDNN faster on the large ones from M = 8).
 GEMV_MAX_M_BF16 = 4
-#: The same on CPUs with AVX512_BF16 but no AMX, where oneDNN's GEMM runs above it. Measured
-#: 2026-12-03 (2-core AMD EPYC, SmolLM2's four linear shapes x 30 layers, 212 MB of bf16
-#: weights, so from DRAM; gemv reading its rows as one sequential stream): gemv 2.06x faster
-#: than oneDNN at 4 tokens, 1.36x at 8, 1.14x at 16, 0.97x at 24, 0.82x at 32.
-GEMV_MAX_M_BF16_NO_AMX = 16
+#: The same on CPUs with AVX512_BF16 but no AMX, where the AVX512-BF16 tile kernel
+#: (:func:`tile_linear`) runs above it. Measured 2026-12-04 (2-core AMD EPYC, SmolLM2's linears
+#: x 30 layers plus the LM head, 269 MB of bf16 weights, so from DRAM; ms per decode step's
+#: linears, gemv / tile kernel / oneDNN): 11.5 / 9.1 / 18.0 at 1 token, 11.5 / 9.1 / 16.6 at 2,
+#: 17.8 / 7.8 / 11.7 at 4, 22.2 / 9.7 / 15.5 at 8, 31.8 / 14.1 / 18.3 at 16; in the whole C
+#: decode step gemv's one-region team path (``DecodeStep.team``) still edges it at 1 token
+#: (8.2-8.5 against 8.7-9.4 ms a step) and the tile kernel wins from 2 (16 sequences: 37 -> 19 ms).
+GEMV_MAX_M_BF16_NO_AMX = 1
 #: Same for float32 (gemv faster than MKL up to M = 8 on every model shape, mixed at 16).
 GEMV_MAX_M_F32 = 8
-#: Largest number of tokens sent to the AMX kernel (:func:`amx_linear`) when the CPU has
-#: AMX-BF16. Measured with DRAM-resident weights (SmolLM2 shapes): 1.3-1.9x oneDNN's speed at
-#: 5-32 tokens, 1.1-1.3x at 48-64, on par at 96, slower from 128; SmolLM2 decode steps of
-#: 16-64 sequences took 1.4-1.8x less time with it.
-AMX_MAX_M_BF16 = 64
+#: Largest number of tokens sent to the tile kernel (:func:`tile_linear`) when the CPU has
+#: AMX-BF16 (the AMX kernel; oneDNN above it). Measured with DRAM-resident weights (SmolLM2
+#: shapes): 1.3-1.9x oneDNN's speed at 5-32 tokens, 1.1-1.3x at 48-64, on par at 96, slower from
+#: 128; SmolLM2 decode steps of 16-64 sequences took 1.4-1.8x less time with it.
+TILE_MAX_M_BF16 = 64
+#: Without AMX the AVX512-BF16 tile kernel takes every M above the gemv limit, prefill included,
+#: and no oneDNN copy of the weight is made (``backend="onednn"`` still asks for one). Measured
+#: 2026-12-04 (2-core AMD EPYC, SmolLM2's linears x 30 layers plus the LM head, from DRAM;
+#: tile kernel / oneDNN, GFLOP/s): 138 / 92 at 4 tokens, 305 / 236 at 16, 340 / 287 at 32,
+#: 387 / 318 at 64, 409 / 375 at 128, 412 / 372 at 512, 412 / 351 at 2048 (this machine's bf16
+#: matmul peak as ``kvserve.roofline`` measures it: ~410).
+TILE_MAX_M_BF16_NO_AMX = 1 << 62
 #: Same for weight-only int8 (above it the weight is dequantized per call and GEMM runs).
 GEMV_MAX_M_INT8 = 16
 #: Largest M sent to the int8-activation kernel on GGUF-quantized weights (``gguf_int8``,
@@ -127,12 +142,18 @@ class _Kernels:
         self.amx_pack.argtypes = [vp, i64, i64, vp]
         self.amx_pack.restype = None
         self.amx_linear = lib.kv_amx_linear
-        self.amx_linear.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i64, c_int]
-        self.amx_linear.restype = c_int
+        self.bf16p_linear = lib.kv_bf16p_linear
+        for fn in (self.amx_linear, self.bf16p_linear):
+            fn.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i64, c_int]
+            fn.restype = c_int
         self.has_f32 = {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags
         self.has_bf16 = self.has_f32 and "avx512_bf16" in flags
         self.has_amx = (self.has_bf16 and {"amx_tile", "amx_bf16", "avx512dq"} <= flags
                         and bool(lib.kv_amx_init()))
+        #: the kernel :func:`tile_linear` runs on a weight packed by :func:`tile_pack`: AMX
+        #: tiles where the CPU has them, else AVX512-BF16 dot products (same layout, same arguments)
+        self.tile_kernel = "amx" if self.has_amx else "avx512bf16"
+        self.tile_linear = self.amx_linear if self.has_amx else self.bf16p_linear
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,30 +225,38 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     return y
 
 
-def amx_supported(weight: torch.Tensor) -> bool:
-    """Whether :func:`amx_linear` can run ``weight``: bf16 CPU weight ``[N, K]`` with
-    ``N % 16 == 0`` and ``K % 32 == 0``, on a CPU with AMX-BF16 (and the kernels built)."""
+def tiles_supported(weight: torch.Tensor) -> bool:
+    """Whether :func:`tile_linear` can run ``weight``: bf16 CPU weight ``[N, K]`` with
+    ``N % 16 == 0`` and ``K % 32 == 0``, on a CPU with AVX512-BF16 (AMX-BF16 or not; the
+    kernels built)."""
     k = cpu_kernels()
-    return (k is not None and k.has_amx and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.is_cpu
+    return (k is not None and k.has_bf16 and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.is_cpu
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and weight.shape[0] > 0)
 
 
-def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    """Pack ``weight [N, K]`` (bf16, see :func:`amx_supported`) into AMX B tiles for
-    :func:`amx_linear`: a flat bf16 tensor of ``N·K`` elements laid out
-    ``[N/16][K/32][16 k-pairs][16 columns][2]`` (a second copy of the weight)."""
-    if not amx_supported(weight):
-        raise ValueError(f"amx_pack needs a bf16 CPU weight [N, K] with N % 16 == 0 and K % 32 == 0 on a CPU "
-                         f"with AMX-BF16, got {tuple(weight.shape)} {weight.dtype}")
+def tile_pack(weight: torch.Tensor) -> torch.Tensor:
+    """Pack ``weight [N, K]`` (bf16, see :func:`tiles_supported`) for :func:`tile_linear`: a
+    flat bf16 tensor of ``N·K`` elements laid out ``[N/16][K/32][16 k-pairs][16 columns][2]``,
+    AMX's B tiles and, read as one run of ``K/2`` vectors per 16 columns, the B operand of
+    ``VDPBF16PS`` (a second copy of the weight).
+
+    Raises:
+        ValueError: a weight :func:`tiles_supported` rejects (naming its shape and dtype).
+    """
+    if not tiles_supported(weight):
+        raise ValueError(f"tile_pack needs a bf16 CPU weight [N, K] with N % 16 == 0 and K % 32 == 0 on a CPU "
+                         f"with AVX512-BF16, got {tuple(weight.shape)} {weight.dtype}")
     w = weight.contiguous()
     out = torch.empty(w.numel(), dtype=torch.bfloat16)
     cpu_kernels().amx_pack(w.data_ptr(), w.shape[0], w.shape[1], out.data_ptr())
     return out
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` on AMX tiles with a weight packed by :func:`amx_pack`; for batched decode.
+def tile_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` with a weight packed by :func:`tile_pack`, for batched decode: on AMX tiles
+    (``kv_amx_linear``) where the CPU has AMX-BF16, else on AVX512-BF16 register tiles of 4
+    rows x 96 columns (``kv_bf16p_linear``, ``csrc/cpu/gemv.c``).
 
     Args:
         x: ``[M, K]`` bf16 with unit last stride.
@@ -236,17 +265,18 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
         bias: optional ``[N]`` bf16 contiguous.
 
     Returns:
-        ``[M, N]`` bf16: float32 accumulation, bias added in float32, one rounding (RNE).
+        ``[M, N]`` bf16: float32 accumulation, bias added in float32, one rounding (RNE); each
+        row's values do not depend on the other rows or on ``M``.
 
     Raises:
-        MemoryError: if a work buffer cannot be allocated.
+        MemoryError: if a work buffer cannot be allocated (AMX).
     """
     M, K = x.shape
     y = x.new_empty((M, out_features))
     nt = torch.get_num_threads() if out_features * K >= _PARALLEL_MIN_ELEMENTS else 1
-    if cpu_kernels().amx_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), _ptr(bias), y.data_ptr(),
-                                out_features, M, out_features, K, nt):
-        raise MemoryError("amx_linear: could not allocate work buffers")
+    if cpu_kernels().tile_linear(x.data_ptr(), x.stride(0), packed.data_ptr(), _ptr(bias), y.data_ptr(),
+                                 out_features, M, out_features, K, nt):
+        raise MemoryError("tile_linear: could not allocate work buffers")
     return y
 
 
@@ -399,8 +429,8 @@ class Linear(nn.Module):
         backend: where the fast paths apply (CPU, float32/bfloat16, no autograd):
 
             * ``"auto"`` (default): gemv kernel for ``M <= GEMV_MAX_M_*`` tokens; in bf16 on
-              CPUs with AMX-BF16 the AMX kernel up to ``AMX_MAX_M_BF16`` tokens (a packed copy
-              of the weight); above that oneDNN prepacked for bf16 (another packed copy) and
+              CPUs with AVX512-BF16 the tile kernel (:func:`tile_linear`: AMX or AVX512-BF16)
+              up to ``TILE_MAX_M_BF16`` tokens (a packed copy of the weight); above that oneDNN prepacked for bf16 (another packed copy) and
               ``F.linear`` for float32.
             * ``"gemv"``: gemv for small M, ``F.linear`` above (no extra memory).
             * ``"onednn"``: oneDNN prepacked for every M.
@@ -429,7 +459,8 @@ class Linear(nn.Module):
         self.requested_backend = backend
         self.out_features = self.in_features = 0
         self.weight = self.bias = None
-        self._packed = self._amx = None
+        self._packed = self._tiles = None
+        self._tile_max_m = 0
         self.qpacked = None  # quant.PackedWeight of a GGUF-quantized weight
         self._gemv_max_m = 0
         self.backend = "eager"
@@ -469,7 +500,8 @@ class Linear(nn.Module):
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
         self._packed: Optional[torch.Tensor] = None  # oneDNN layout; not a buffer (opaque tensor)
-        self._amx: Optional[torch.Tensor] = None  # AMX tile layout (amx_pack)
+        self._tiles: Optional[torch.Tensor] = None  # tile layout (tile_pack)
+        self._tile_max_m = 0  # the tile kernel runs up to this many tokens
         if quantization == "int8":
             q, scale = quantize_int8(weight)
             self.weight = None
@@ -482,12 +514,15 @@ class Linear(nn.Module):
             return
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self._gemv_max_m = self._gemv_limit(backend, weight)
+        k = cpu_kernels()
+        if backend == "auto" and tiles_supported(self.weight):
+            self._tiles = tile_pack(self.weight)
+            self._tile_max_m = TILE_MAX_M_BF16 if k.has_amx else TILE_MAX_M_BF16_NO_AMX
         if backend in ("auto", "onednn") and weight.is_cpu and onednn_available() and (
-                weight.dtype == torch.bfloat16 or (backend == "onednn" and weight.dtype == torch.float32)):
+                weight.dtype == torch.bfloat16 or (backend == "onednn" and weight.dtype == torch.float32)) \
+                and self._tile_max_m < TILE_MAX_M_BF16_NO_AMX:
             self._packed = onednn_pack(self.weight)
-        if backend == "auto" and amx_supported(self.weight):
-            self._amx = amx_pack(self.weight)
-        parts = ((["gemv"] if self._gemv_max_m else []) + (["amx"] if self._amx is not None else [])
+        parts = ((["gemv"] if self._gemv_max_m else []) + ([cpu_kernels().tile_kernel] if self._tiles is not None else [])
                  + (["onednn"] if self._packed is not None else []))
         self.backend = "+".join(parts) or "eager"
 
@@ -507,7 +542,8 @@ class Linear(nn.Module):
         self.out_features, self.in_features = n, k
         self.qpacked = p
         self.weight = None
-        self._packed = self._amx = None
+        self._packed = self._tiles = None
+        self._tile_max_m = 0
         self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
         self.bias_f32 = None if bias is None else bias.float().contiguous()
         self.int8_activations = self.quantization == "gguf_int8"
@@ -523,7 +559,7 @@ class Linear(nn.Module):
 
     @property
     def weight_nbytes(self) -> int:
-        """Bytes of the weight as held (packed copies for oneDNN/AMX not counted)."""
+        """Bytes of the weight as held (packed copies for oneDNN and the tile kernels not counted)."""
         if self.qpacked is not None:
             return self.qpacked.nbytes
         if self.quantization == "int8":
@@ -553,7 +589,7 @@ class Linear(nn.Module):
             return self._forward_gguf(x)
         if self.quantization == "int8":
             return self._forward_int8(x)
-        if (self._gemv_max_m or self._packed is not None or self._amx is not None) and x.is_cpu and x.dtype == self.weight.dtype \
+        if (self._gemv_max_m or self._packed is not None or self._tiles is not None) and x.is_cpu and x.dtype == self.weight.dtype \
                 and not x.requires_grad:
             x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # reshape/view cost ~1.5 us each
             M = x2.shape[0]
@@ -564,10 +600,10 @@ class Linear(nn.Module):
                     y = torch.ops.kvserve.cpu_gemv(x2, self.weight, self.bias)
                 else:
                     y = gemv(x2, self.weight, self.bias)
-            elif self._amx is not None and 0 < M <= AMX_MAX_M_BF16 and not torch.compiler.is_compiling():
+            elif self._tiles is not None and 0 < M <= self._tile_max_m and not torch.compiler.is_compiling():
                 if x2.stride(-1) != 1:
                     x2 = x2.contiguous()
-                y = amx_linear(x2, self._amx, self.out_features, self.bias)
+                y = tile_linear(x2, self._tiles, self.out_features, self.bias)
             elif self._packed is not None and M > 0 and x.dtype == self._packed.dtype \
                     and not torch.compiler.is_compiling():
                 y = onednn_linear(x2, self._packed, self.bias)

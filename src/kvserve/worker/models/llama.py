@@ -347,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
     def _get_decode_step(self, kv_caches, num_tokens: int) -> Optional[cpu_ops.DecodeStep]:
         """The one-call C decode step, when it computes exactly what the modules would: fused CPU
         ops and C attention, and every linear layer on the gemv kernel (or, above its limit, the
-        AMX kernel) for ``num_tokens`` rows."""
+        tile kernel: AMX or AVX512-BF16) for ``num_tokens`` rows."""
         if not self.fused_cpu_ops or not isinstance(self.attn_backend, CPUPagedAttentionBackend) or self.tp_size > 1:
             return None  # (the C step has no collectives: tensor parallelism runs the modules)
         if isinstance(kv_caches[0][0], LowBitPool):
@@ -357,19 +357,25 @@ class LlamaForCausalLM(nn.Module):
             lins = [self.lm_head] + [m for layer in self.layers for m in (
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             k = cpu_kernels()
-            gemv_max = min(lin._gemv_max_m for lin in lins)
             head = self.lm_head
             float_head = (head.qpacked is None and not head.is_quantized and head.weight is not None
                           and head.weight.is_cpu and k is not None)  # (e.g. int4: linears quantized, head not)
+            q_max = min(lin._gemv_max_m for lin in lins[1:])
+            if float_head and head._gemv_max_m and all(lin.qpacked is not None for lin in lins[1:]):
+                # The quantized step runs a float head on the gemv kernel (a dense descriptor) for
+                # every batch it takes; the head's module path then does too, so that both give
+                # the same logits, rather than the head's own small gemv limit capping the step.
+                head._gemv_max_m = max(head._gemv_max_m, q_max)
+            gemv_max = min(lin._gemv_max_m for lin in lins)
             if all(lin.qpacked is not None for lin in lins[1:]) and (head.qpacked is not None or float_head) \
                     and gemv_max:
                 self._decode_step = self._gguf_decode_step(lins, kv_caches, gemv_max)
                 return self._decode_step if num_tokens <= gemv_max else None
             if k is None or gemv_max == 0 or any(lin.is_quantized for lin in lins):
                 return None
-            # Above the gemv limit the linears run on AMX (when every one of them has it), as
-            # Linear.forward would for up to AMX_MAX_M_BF16 tokens.
-            use_amx = all(lin._amx is not None for lin in lins)
+            # Above the gemv limit the linears run on the tile kernel (when every one of them
+            # has its packed weight), as Linear.forward would for up to TILE_MAX_M_BF16 tokens.
+            use_tiles = all(lin._tiles is not None for lin in lins)
             gemv = k.bf16 if self.dtype == torch.bfloat16 else k.f32
             layers = []
             for layer, (kc, vc) in zip(self.layers, kv_caches):
@@ -380,12 +386,13 @@ class LlamaForCausalLM(nn.Module):
                     q_norm=None if a.q_norm is None else a.q_norm.weight,
                     k_norm=None if a.k_norm is None else a.k_norm.weight,
                     gu_w=m.gate_up_proj.weight, down_w=m.down_proj.weight, k_cache=kc, v_cache=vc,
-                    qkv_p=a.qkv_proj._amx, o_p=a.o_proj._amx, gu_p=m.gate_up_proj._amx, down_p=m.down_proj._amx))
+                    qkv_p=a.qkv_proj._tiles, o_p=a.o_proj._tiles, gu_p=m.gate_up_proj._tiles,
+                    down_p=m.down_proj._tiles))
             self._decode_step = cpu_ops.DecodeStep(
                 layers, self.norm.weight, self.lm_head.weight, self.rotary_emb.cos_table, self.rotary_emb.sin_table,
                 gemv, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps,
-                max_tokens=linear.AMX_MAX_M_BF16 if use_amx else gemv_max, gemv_max_tokens=gemv_max,
-                amx=k.amx_linear if use_amx else None, lm_head_packed=self.lm_head._amx,
+                max_tokens=linear.TILE_MAX_M_BF16 if use_tiles else gemv_max, gemv_max_tokens=gemv_max,
+                amx=k.tile_linear if use_tiles else None, lm_head_packed=self.lm_head._tiles,
                 window=self.cfg.uniform_window)
         step = self._decode_step
         return step if step is not None and num_tokens <= step.max_tokens else None
