@@ -2635,10 +2635,11 @@ typedef int (*amx_fn)(const void*, int64_t, const void*, const void*, void*, int
 typedef struct {
     const void *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *ln2, *gu_w, *down_w;
     void *k_cache, *v_cache;
-    const void *qkv_p, *o_p, *gu_p, *down_p; /* AMX-packed weights (NULL: none) */
+    const void *qkv_p, *o_p, *gu_p, *down_p; /* weights packed for the tile kernel (NULL: none) */
 } kv_layer_t;
 
-/* The linear layer's choice for M rows: gemv up to gemv_max, else the AMX kernel. */
+/* The linear layer's choice for M rows: gemv up to gemv_max, else the tile kernel `amx` (AMX, or
+ * AVX512-BF16 without it: kv_amx_linear / kv_bf16p_linear of gemv.c, same arguments). */
 #define KV_LINEAR(X, LDX, W, WP, B, Y, LDY, N, K)                                         \
     do {                                                                                  \
         if (M <= gemv_max || !(WP)) gemv(X, LDX, W, B, Y, LDY, M, N, K, nthreads);        \

@@ -35,7 +35,7 @@ default decode path (:class:`DecodeStep`, 11.8 tok/s in the same runs) makes no 
 (Registering with the lower-level ``torch.library.Library.impl`` instead of ``custom_op`` costs
 4-15 us per call: less, still too much for the eager path.)
 :class:`DecodeStep` stays a plain ctypes call: it hands C a struct of raw layer pointers and the
-gemv/AMX kernels as C function pointers, which have no op-schema type, and it is one call per
+gemv and tile kernels as C function pointers, which have no op-schema type, and it is one call per
 decode step, so there is no per-op overhead to hide and nothing for a graph to fuse.
 """
 
@@ -847,7 +847,7 @@ class DecodeStep:
 
     For a few tokens the per-op overhead of eager PyTorch (5-20 us per op, ~15 ops per layer)
     costs more than the matmuls; this runs the same kernels the model's modules run for such
-    batches (gemv or AMX linears, fused RMSNorm/RoPE/SiLU, KV write, paged decode attention)
+    batches (gemv or tile linears, fused RMSNorm/RoPE/SiLU, KV write, paged decode attention)
     from C, so the logits are bit-identical to the module path.
 
     Args:
@@ -856,15 +856,17 @@ class DecodeStep:
             ``gu_w`` ``[2·I, E]``, ``down_w`` ``[E, I]``, ``q_norm``/``k_norm`` ``[hd]`` (or None),
             ``k_cache``/``v_cache`` ``[num_blocks, block_size, KVH, hd]``; and, when ``amx`` is
             given, ``qkv_p``, ``o_p``, ``gu_p``, ``down_p``: the weights packed by
-            ``kvserve.worker.layers.linear.amx_pack``.
+            ``kvserve.worker.layers.linear.tile_pack``.
         final_norm: ``[E]``; lm_head: ``[V, E]``; cos, sin: RoPE tables ``[max_positions, hd]``.
         gemv: the ctypes gemv function for the dtype (``kvserve.worker.layers.linear``), used for up to
             ``gemv_max_tokens`` tokens.
         num_heads, num_kv_heads, head_dim, eps: the model's attention shape and RMSNorm epsilon.
         max_tokens: largest batch (tokens) this step accepts.
         gemv_max_tokens: the gemv limit (defaults to ``max_tokens``); above it the linears run on
-            ``amx`` (the ctypes ``kv_amx_linear``) with the packed weights.
-        amx: optional AMX linear function; lm_head_packed: the packed LM head for it.
+            ``amx`` with the packed weights.
+        amx: optional tile linear function on packed weights (``_Kernels.tile_linear``: the
+            ctypes ``kv_amx_linear``, or ``kv_bf16p_linear`` on CPUs without AMX); lm_head_packed:
+            the packed LM head for it.
         window: every layer's sliding window in tokens (Mistral), or None: attention as in
             :func:`paged_attention_decode` with that ``window``.
         shapes: ``(dtype, vocab_size, intermediate_size)`` when the weights are not plain
