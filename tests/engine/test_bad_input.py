@@ -788,3 +788,26 @@ def test_cli_takes_options_only_by_their_full_names(argv, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
     assert e.value.code == 2 and "unrecognized arguments: " + argv[-2] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([{"role": "narrator", "content": "hi"}], ["messages[0].role", "'user'", "'narrator'"]),
+    ([{"role": "user", "content": "hi"}, "hello"], ["messages[1] must be an object"]),
+    ([{"role": "user"}], ["messages[0] has no content"]),
+    ([[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "x"}]],
+     ["conversation 1:", "messages[0].role", "'robot'"]),
+])
+def test_chat_rejects_what_the_server_rejects(tiny_llm, messages, words):
+    # LLM.chat checks conversations as the OpenAI server does (its 400s), before any request runs
+    with pytest.raises(ValueError) as e:
+        tiny_llm.chat(messages, GOOD)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert tiny_llm.engine.has_unfinished_requests() is False
+
+
+def test_chat_content_parts_and_developer_role_render_as_the_server_does(llm_fp32):
+    plain = llm_fp32.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}], GOOD)
+    parts = llm_fp32.chat([{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                           {"role": "user", "content": [{"type": "text", "text": "hi "},
+                                                        {"type": "text", "text": "there"}]}], GOOD)
+    assert parts.prompt_token_ids == plain.prompt_token_ids and parts.outputs[0].token_ids == plain.outputs[0].token_ids

@@ -245,9 +245,25 @@ class LLM:
         Returns:
             For one conversation its :class:`RequestOutput`; for a list, one per conversation,
             in order (or the stream of updates).
+
+        Raises:
+            ValueError: a conversation the OpenAI server would answer with a 400 (the same
+                check, :func:`kvserve.entrypoints.openai.protocol.chat_messages`): empty, a message
+                that is not a dict, a role not in ``system``, ``developer``, ``user``,
+                ``assistant``, ``tool``, a message without content; naming the conversation (when
+                several) and the message. Content given as a list of text parts is joined, as the
+                server does, and ``developer`` is rendered as ``system``.
         """
+        from kvserve.entrypoints.openai.protocol import APIError, chat_messages
+
         many = bool(messages) and isinstance(messages[0], (list, tuple))
         convs = messages if many else [messages]
-        ids = [apply_chat_template(self.tokenizer, m, add_generation_prompt=True) for m in convs]
+        checked = []
+        for i, conv in enumerate(convs):
+            try:
+                checked.append(chat_messages(list(conv) if isinstance(conv, (list, tuple)) else conv))
+            except APIError as e:
+                raise ValueError(f"LLM.chat: {f'conversation {i}: ' if many else ''}{e.message}") from None
+        ids = [apply_chat_template(self.tokenizer, m, add_generation_prompt=True) for m in checked]
         res = self.generate(ids, sampling_params, stream=stream)
         return res if stream or many else res[0]
