@@ -567,6 +567,14 @@ def test_detokenize_false_returns_the_same_tokens_and_no_text(tiny_llm):
     deltas = [o.outputs[0].delta_text for o in tiny_llm.generate(prompts[0], dataclasses.replace(GOOD, detokenize=False),
                                                                  stream=True)]
     assert deltas and set(deltas) == {""}
+    # logprobs: the same numbers, and no decoded token strings (vLLM leaves decoded_token None)
+    lp = dataclasses.replace(GOOD, logprobs=2, prompt_logprobs=1)
+    ref, got = (tiny_llm.generate([prompts[0]], q)[0] for q in (lp, dataclasses.replace(lp, detokenize=False)))
+    for a, b in ((ref.outputs[0].logprobs, got.outputs[0].logprobs), (ref.prompt_logprobs[1:], got.prompt_logprobs[1:])):
+        assert [{t: (x.logprob, x.rank) for t, x in pos.items()} for pos in a] == \
+            [{t: (x.logprob, x.rank) for t, x in pos.items()} for pos in b]
+        assert any(x.decoded_token for pos in a for x in pos.values())
+        assert all(x.decoded_token is None for pos in b for x in pos.values())
     with pytest.raises(ValueError, match="stop: stop strings match the text, which detokenize=False"):
         SamplingParams(stop=["x"], detokenize=False)
     with pytest.raises(ValueError, match="detokenize must be a bool, got 'no'"):

@@ -38,6 +38,11 @@ from kvserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def _no_text(token_id: int) -> None:
+    """The ``decoded_token`` of a request with ``detokenize=False``."""
+    return None
+
+
 class _Sample:
     """The front end's state of one sample: its kept tokens, text and finish."""
 
@@ -164,8 +169,8 @@ class OutputProcessor:
         """Take in ``out``'s deltas; returns the indices of the samples a stop string ended."""
         if out.new_prompt_logprobs and state.prompt_logprobs is not None:
             state.prompt_token_logprobs.extend(out.new_prompt_logprobs)
-            state.prompt_logprobs.extend(None if e is None else logprob_dict(e, self.strings.token_str)
-                                         for e in out.new_prompt_logprobs)
+            strs = self._token_str(state.params)
+            state.prompt_logprobs.extend(None if e is None else logprob_dict(e, strs) for e in out.new_prompt_logprobs)
         if out.beams is not None:
             state.beams = out.beams
         stopped = []
@@ -180,6 +185,10 @@ class OutputProcessor:
                 if s.finish_reason is None:
                     s.finish_reason = "abort"
         return stopped
+
+    def _token_str(self, p: SamplingParams):
+        """``token_id -> Logprob.decoded_token``: the token's text, or None with ``detokenize=False`` (vLLM)."""
+        return self.strings.token_str if p.detokenize else _no_text
 
     def _append(self, s: _Sample, d: SampleDelta, p: SamplingParams) -> bool:
         """Detokenize ``d``'s tokens into ``s``, cut at a stop string; True when a stop string
@@ -208,7 +217,8 @@ class OutputProcessor:
         s.cumulative_logprob += sum(d.new_logprobs[:k])
         if s.logprobs is not None and d.new_token_logprobs is not None:
             s.token_logprobs += d.new_token_logprobs[:k]
-            s.logprobs += [logprob_dict(e, self.strings.token_str) for e in d.new_token_logprobs[:k]]
+            strs = self._token_str(p)
+            s.logprobs += [logprob_dict(e, strs) for e in d.new_token_logprobs[:k]]
         s.delta += delta
         if finish is not None:
             s.finish_reason, s.stop_reason = finish, reason
