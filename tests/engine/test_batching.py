@@ -92,6 +92,37 @@ def test_bf16_chunked_prefill_of_a_long_prompt(llm_fp32):
         assert o.token_ids[:2] == r.token_ids[:2]
 
 
+def _tile_kernel_cpu() -> bool:
+    from kvserve.worker.layers.linear import cpu_kernels
+
+    k = cpu_kernels()
+    return k is not None and k.has_bf16 and not k.has_amx
+
+
+@pytest.mark.skipif(not _tile_kernel_cpu(), reason="needs a CPU with AVX512-BF16 and no AMX (the tile kernel at every M)")
+def test_bf16_outputs_do_not_depend_on_the_other_requests_of_the_batch(smollm2_path):
+    # On such a CPU every bf16 linear of 2 or more rows runs on the AVX512-BF16 tile kernel,
+    # whose output rows do not depend on the other rows, and attention, norms, RoPE and the
+    # sampler work per sequence: 16 prompts run in pairs, in fours and all together give the
+    # same tokens and bit-identical logprobs (bf16 rounds differently from fp32, so this holds
+    # only because no kernel mixes rows). One request alone is not covered: its single-token
+    # steps run on the gemv kernel, which sums in another order.
+    llm = LLM(dtype="bfloat16", max_model_len=1024, quantization="none", enable_prefix_caching=False)
+    prompts = _prompts(llm)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+
+    def run(group):
+        outs = []
+        for i in range(0, len(prompts), group):
+            outs += [(o.token_ids, [t.logprob for t in o.outputs[0].token_logprobs])
+                     for o in llm.generate(prompts[i:i + group], params)]
+        return outs
+
+    together = run(16)
+    assert run(2) == together
+    assert run(4) == together
+
+
 # ------------------------------------------------------------------ the same at TP = 2
 
 @pytest.fixture(scope="module")
