@@ -101,12 +101,14 @@ def _tile_kernel_cpu() -> bool:
 
 @pytest.mark.skipif(not _tile_kernel_cpu(), reason="needs a CPU with AVX512-BF16 and no AMX (the tile kernel at every M)")
 def test_bf16_outputs_do_not_depend_on_the_other_requests_of_the_batch(smollm2_path):
-    # On such a CPU every bf16 linear of 2 or more rows runs on the AVX512-BF16 tile kernel,
-    # whose output rows do not depend on the other rows, and attention, norms, RoPE and the
-    # sampler work per sequence: 16 prompts run in pairs, in fours and all together give the
-    # same tokens and bit-identical logprobs (bf16 rounds differently from fp32, so this holds
-    # only because no kernel mixes rows). One request alone is not covered: its single-token
-    # steps run on the gemv kernel, which sums in another order.
+    # On such a CPU every bf16 linear runs on the AVX512-BF16 tile kernel whatever its number of
+    # rows, and a row's result does not depend on the other rows; attention, norms, RoPE and the
+    # sampler work per sequence: 16 prompts run alone, in pairs, in fours and all together give
+    # the same tokens and bit-identical logprobs (bf16 rounds far more coarsely than fp32, so
+    # this holds only because no kernel mixes rows or changes its summation order with them).
+    # (Where a long prompt's prefill is cut into chunks is another matter: attention over the
+    # cached keys of earlier chunks sums in other blocks, so max_num_batched_tokens changes the
+    # last bits of a chunked prompt's logprobs.)
     llm = LLM(dtype="bfloat16", max_model_len=1024, quantization="none", enable_prefix_caching=False)
     prompts = _prompts(llm)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
@@ -119,6 +121,7 @@ def test_bf16_outputs_do_not_depend_on_the_other_requests_of_the_batch(smollm2_p
         return outs
 
     together = run(16)
+    assert run(1) == together
     assert run(2) == together
     assert run(4) == together
 

@@ -63,7 +63,7 @@ def test_resolved_backend():
     assert Linear(w.bfloat16()).backend == want
     assert Linear(w.bfloat16(), backend="gemv").backend == ("gemv" if HAS_BF16 else "eager")
     assert Linear(w.double()).backend == "eager"  # no kernel for float64: plain F.linear
-    if HAS_BF16:  # bf16 gemv up to 4 tokens where AMX takes 5-64, 1 where the AVX512-BF16 tiles take the rest
+    if HAS_BF16:  # (8 x 16: no tile kernel) bf16 gemv up to 4 tokens with AMX, 2 without, oneDNN above
         assert Linear(w.bfloat16())._gemv_max_m == (L.GEMV_MAX_M_BF16 if HAS_AMX else L.GEMV_MAX_M_BF16_NO_AMX)
     assert Linear(w).quantization is None  # int8 only on request
 
@@ -76,12 +76,14 @@ def test_tile_path_runs_for_batched_decode_and_matches_f_linear(bias, monkeypatc
     layer = Linear(w, b)
     # AMX: tiles up to TILE_MAX_M_BF16 tokens, oneDNN above (its own copy of the weight);
     # AVX512-BF16 alone: tiles for every M above gemv's, and no oneDNN copy
+    # AVX512-BF16 alone: tiles for every M, gemv for none, and no oneDNN copy
     onednn = HAS_ONEDNN and HAS_AMX
-    assert layer.backend == "+".join(["gemv", KERNELS.tile_kernel] + (["onednn"] if onednn else []))
+    assert layer.backend == "+".join((["gemv"] if HAS_AMX else []) + [KERNELS.tile_kernel]
+                                     + (["onednn"] if onednn else []))
     assert KERNELS.tile_kernel == ("amx" if HAS_AMX else "avx512bf16")
     assert (layer._packed is not None) == onednn
     g = layer._gemv_max_m
-    assert g == (L.GEMV_MAX_M_BF16 if HAS_AMX else L.GEMV_MAX_M_BF16_NO_AMX)
+    assert g == (L.GEMV_MAX_M_BF16 if HAS_AMX else 0)
     calls = []
     real = L.tile_linear
     monkeypatch.setattr(L, "tile_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))

@@ -4,7 +4,7 @@ A Llama-style model spends nearly all of its FLOPs and bytes in ``y = x @ W^T + 
 kernel computes that best depends on how many tokens ``M`` share one pass over ``W``
 (measured on a 2-core AVX-512/AMX Xeon, 2 threads; ``tests/worker/test_linear.py`` checks the numerics):
 
-* **Decode (M <= 4 in bf16 with AMX, 1 without; M <= 8 in float32)**: every weight is read for only a few tokens,
+* **Decode (M <= 4 in bf16 with AMX; M <= 8 in float32)**: every weight is read for only a few tokens,
   so the limit is memory bandwidth (~30 GB/s here). Eager ``F.linear`` in bf16 reaches only
   ~9-14 GB/s on these shapes (oneDNN's bf16 GEMV path plus ~30 us of fixed cost per call).
   :func:`gemv` is a small C kernel (``csrc/cpu/gemv.c``, built at install): 4 weight rows per
@@ -15,11 +15,12 @@ kernel computes that best depends on how many tokens ``M`` share one pass over `
 * **Batched decode (5-64 tokens, bf16, CPUs with AMX-BF16)**: :func:`tile_linear`, a C kernel
   on AMX tiles (``TDPBF16PS``) over a weight packed once into tile layout, streams the weights
   1.1-1.9x faster than oneDNN at these sizes (see ``TILE_MAX_M_BF16``).
-* **Everything above one token (bf16, CPUs with AVX512-BF16 but no AMX, e.g. AMD Zen 4)**: the
-  same packed layout read as ``VDPBF16PS`` operands by register tiles of 4 rows x 96 columns
-  (``kv_bf16p_linear``): 1.2-1.5x oneDNN's speed at 4-64 tokens on a 2-core EPYC, 1.1-1.2x at
-  128-2048 alone and on par inside a prefill step (see ``TILE_MAX_M_BF16_NO_AMX``); oneDNN is
-  then not used and keeps no copy of the weight.
+* **Every M (bf16, CPUs with AVX512-BF16 but no AMX, e.g. AMD Zen 4)**: the same packed layout
+  read as ``VDPBF16PS`` operands by register tiles of 4 rows x 96 columns (``kv_bf16p_linear``):
+  faster than gemv from one token, 1.2-1.5x oneDNN's speed at 4-64 tokens on a 2-core EPYC,
+  1.1-1.2x at 128-2048 alone and on par inside a prefill step (see ``TILE_MAX_M_BF16_NO_AMX``);
+  gemv and oneDNN then serve only the weights it cannot take, and oneDNN keeps no copy of the
+  others.
 * **Prefill / batched decode (larger M)** is compute-bound: bf16 goes to oneDNN with the
   weight reordered once at load time (``torch.ops.mkldnn._reorder_linear_weight`` +
   ``_linear_pointwise``, the same prepacking inductor does with ``freezing=True``), 1.3-1.7x
@@ -73,14 +74,13 @@ from kvserve.worker.layers.quant import (INT4_GROUP_SIZES, GGUFWeight, PackedWei
 #: above it the AMX kernel runs (measured crossover: gemv faster at M <= 4 on every model shape,
 #: oneDNN faster on the large ones from M = 8).
 GEMV_MAX_M_BF16 = 4
-#: The same on CPUs with AVX512_BF16 but no AMX, where the AVX512-BF16 tile kernel
-#: (:func:`tile_linear`) runs above it. Measured 2026-12-04 (2-core AMD EPYC, SmolLM2's linears
-#: x 30 layers plus the LM head, 269 MB of bf16 weights, so from DRAM; ms per decode step's
-#: linears, gemv / tile kernel / oneDNN): 11.5 / 9.1 / 18.0 at 1 token, 11.5 / 9.1 / 16.6 at 2,
-#: 17.8 / 7.8 / 11.7 at 4, 22.2 / 9.7 / 15.5 at 8, 31.8 / 14.1 / 18.3 at 16; in the whole C
-#: decode step gemv's one-region team path (``DecodeStep.team``) still edges it at 1 token
-#: (8.2-8.5 against 8.7-9.4 ms a step) and the tile kernel wins from 2 (16 sequences: 37 -> 19 ms).
-GEMV_MAX_M_BF16_NO_AMX = 1
+#: The same on CPUs with AVX512_BF16 but no AMX, for the weights the tile kernel cannot take
+#: (``N % 16`` or ``K % 32`` not 0; the others run on it from one token, see
+#: ``TILE_MAX_M_BF16_NO_AMX``), with oneDNN above it. Measured 2026-12-04 (2-core AMD EPYC,
+#: SmolLM2's linears x 30 layers plus the LM head, 269 MB of bf16 weights, so from DRAM; ms per
+#: decode step's linears, gemv / oneDNN): 11.5 / 18.0 at 1 token, 11.5 / 16.6 at 2, 17.8 / 11.7
+#: at 4, 31.8 / 18.3 at 16 (on 2026-12-03, on what may have been another host: gemv ahead up to 16).
+GEMV_MAX_M_BF16_NO_AMX = 2
 #: Same for float32 (gemv faster than MKL up to M = 8 on every model shape, mixed at 16).
 GEMV_MAX_M_F32 = 8
 #: Largest number of tokens sent to the tile kernel (:func:`tile_linear`) when the CPU has
@@ -88,12 +88,16 @@ GEMV_MAX_M_F32 = 8
 #: shapes): 1.3-1.9x oneDNN's speed at 5-32 tokens, 1.1-1.3x at 48-64, on par at 96, slower from
 #: 128; SmolLM2 decode steps of 16-64 sequences took 1.4-1.8x less time with it.
 TILE_MAX_M_BF16 = 64
-#: Without AMX the AVX512-BF16 tile kernel takes every M above the gemv limit, prefill included,
+#: Without AMX the AVX512-BF16 tile kernel takes every M, from one token to prefill (no gemv),
 #: and no oneDNN copy of the weight is made (``backend="onednn"`` still asks for one). Measured
-#: 2026-12-04 (2-core AMD EPYC, SmolLM2's linears x 30 layers plus the LM head, from DRAM;
-#: tile kernel / oneDNN, GFLOP/s): 138 / 92 at 4 tokens, 305 / 236 at 16, 340 / 287 at 32,
-#: 387 / 318 at 64, 409 / 375 at 128, 412 / 372 at 512, 412 / 351 at 2048 (this machine's bf16
-#: matmul peak as ``kvserve.roofline`` measures it: ~410).
+#: 2026-12-04 (2-core AMD EPYC, SmolLM2's linears x 30 layers plus the LM head, from DRAM; tile
+#: kernel / oneDNN / gemv, ms per step's linears): 9.1 / 18.0 / 11.5 at 1 token, 7.8 / 11.7 / 17.8
+#: at 4, 9.7 / 15.5 / 22.2 at 8, 14.1 / 18.3 / 31.8 at 16; GFLOP/s tile kernel / oneDNN: 340 /
+#: 287 at 32 tokens, 387 / 318 at 64, 409 / 375 at 128, 412 / 372 at 512, 412 / 351 at 2048 (this
+#: machine's bf16 matmul peak as ``kvserve.roofline`` measures it: ~410-430). In the C decode
+#: step one stream decoded at 122.8-141.6 tok/s on it against 115.0-120.4 on gemv's one-region
+#: team path (interleaved runs). As every row's result then comes from the same kernel whatever
+#: the batch, a request's bf16 outputs do not depend on the requests batched with it.
 TILE_MAX_M_BF16_NO_AMX = 1 << 62
 #: Same for weight-only int8 (above it the weight is dequantized per call and GEMM runs).
 GEMV_MAX_M_INT8 = 16
@@ -518,6 +522,8 @@ class Linear(nn.Module):
         if backend == "auto" and tiles_supported(self.weight):
             self._tiles = tile_pack(self.weight)
             self._tile_max_m = TILE_MAX_M_BF16 if k.has_amx else TILE_MAX_M_BF16_NO_AMX
+            if not k.has_amx:
+                self._gemv_max_m = 0  # the tile kernel from one token on (see TILE_MAX_M_BF16_NO_AMX)
         if backend in ("auto", "onednn") and weight.is_cpu and onednn_available() and (
                 weight.dtype == torch.bfloat16 or (backend == "onednn" and weight.dtype == torch.float32)) \
                 and self._tile_max_m < TILE_MAX_M_BF16_NO_AMX:

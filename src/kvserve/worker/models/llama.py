@@ -361,21 +361,26 @@ class LlamaForCausalLM(nn.Module):
             float_head = (head.qpacked is None and not head.is_quantized and head.weight is not None
                           and head.weight.is_cpu and k is not None)  # (e.g. int4: linears quantized, head not)
             q_max = min(lin._gemv_max_m for lin in lins[1:])
-            if float_head and head._gemv_max_m and all(lin.qpacked is not None for lin in lins[1:]):
+            if float_head and all(lin.qpacked is not None for lin in lins[1:]) \
+                    and linear.Linear._gemv_limit(head.requested_backend, head.weight):
                 # The quantized step runs a float head on the gemv kernel (a dense descriptor) for
                 # every batch it takes; the head's module path then does too, so that both give
-                # the same logits, rather than the head's own small gemv limit capping the step.
+                # the same logits, rather than the head's own gemv limit (small, or 0 where the
+                # tile kernel takes it) capping the step.
                 head._gemv_max_m = max(head._gemv_max_m, q_max)
             gemv_max = min(lin._gemv_max_m for lin in lins)
             if all(lin.qpacked is not None for lin in lins[1:]) and (head.qpacked is not None or float_head) \
                     and gemv_max:
                 self._decode_step = self._gguf_decode_step(lins, kv_caches, gemv_max)
                 return self._decode_step if num_tokens <= gemv_max else None
-            if k is None or gemv_max == 0 or any(lin.is_quantized for lin in lins):
+            if k is None or any(lin.is_quantized for lin in lins):
                 return None
-            # Above the gemv limit the linears run on the tile kernel (when every one of them
-            # has its packed weight), as Linear.forward would for up to TILE_MAX_M_BF16 tokens.
+            # Above the gemv limit (0 on CPUs without AMX: from one token) the linears run on the
+            # tile kernel (when every one of them has its packed weight), as Linear.forward would
+            # for up to TILE_MAX_M_BF16 tokens.
             use_tiles = all(lin._tiles is not None for lin in lins)
+            if gemv_max == 0 and not use_tiles:
+                return None
             gemv = k.bf16 if self.dtype == torch.bfloat16 else k.f32
             layers = []
             for layer, (kc, vc) in zip(self.layers, kv_caches):
