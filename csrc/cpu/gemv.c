@@ -346,7 +346,7 @@ TGT_AMX int kv_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed
     return failed ? -1 : 0;
 }
 
-/* ---- Batched-decode GEMM with AVX512_BF16 on the packed layout (CPUs without AMX) ---------
+/* ---- GEMM with AVX512_BF16 on the packed layout (CPUs without AMX: every M, 1 to prefill) --
  * The weight packed by kv_amx_pack is, for each block of 16 output columns, a contiguous run
  * of K/2 64-byte vectors, one per pair of k: [16 columns][2 k] bf16, exactly the B operand of
  * VDPBF16PS. A register tile of BP_MR input rows x BP_NV column blocks (24 float32
