@@ -528,7 +528,7 @@ class Linear(nn.Module):
                 weight.dtype == torch.bfloat16 or (backend == "onednn" and weight.dtype == torch.float32)) \
                 and self._tile_max_m < TILE_MAX_M_BF16_NO_AMX:
             self._packed = onednn_pack(self.weight)
-        parts = ((["gemv"] if self._gemv_max_m else []) + ([cpu_kernels().tile_kernel] if self._tiles is not None else [])
+        parts = ((["gemv"] if self._gemv_max_m else []) + ([k.tile_kernel] if self._tiles is not None else [])
                  + (["onednn"] if self._packed is not None else []))
         self.backend = "+".join(parts) or "eager"
 

@@ -360,17 +360,15 @@ class LlamaForCausalLM(nn.Module):
             head = self.lm_head
             float_head = (head.qpacked is None and not head.is_quantized and head.weight is not None
                           and head.weight.is_cpu and k is not None)  # (e.g. int4: linears quantized, head not)
-            q_max = min(lin._gemv_max_m for lin in lins[1:])
-            if float_head and all(lin.qpacked is not None for lin in lins[1:]) \
-                    and linear.Linear._gemv_limit(head.requested_backend, head.weight):
+            quantized = all(lin.qpacked is not None for lin in lins[1:])
+            if float_head and quantized and linear.Linear._gemv_limit(head.requested_backend, head.weight):
                 # The quantized step runs a float head on the gemv kernel (a dense descriptor) for
                 # every batch it takes; the head's module path then does too, so that both give
                 # the same logits, rather than the head's own gemv limit (small, or 0 where the
                 # tile kernel takes it) capping the step.
-                head._gemv_max_m = max(head._gemv_max_m, q_max)
+                head._gemv_max_m = max(head._gemv_max_m, min(lin._gemv_max_m for lin in lins[1:]))
             gemv_max = min(lin._gemv_max_m for lin in lins)
-            if all(lin.qpacked is not None for lin in lins[1:]) and (head.qpacked is not None or float_head) \
-                    and gemv_max:
+            if quantized and (head.qpacked is not None or float_head) and gemv_max:
                 self._decode_step = self._gguf_decode_step(lins, kv_caches, gemv_max)
                 return self._decode_step if num_tokens <= gemv_max else None
             if k is None or any(lin.is_quantized for lin in lins):
