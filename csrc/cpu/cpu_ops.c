@@ -526,6 +526,7 @@ void kv_reshape_and_cache(const void* k, int64_t ldk, const void* v, int64_t ldv
 /* Software prefetch of rows [j0, j1) (clipped to L) of one KV head through the block table:
  * `bytes` from element `off` of each token row (rs elements per token). */
 #define KV_PFD 48 /* keys ahead */
+
 INLINE void prefetch_rows(const void* cache, int64_t esize, const int64_t* bt, int64_t j0, int64_t j1, int64_t L,
                           int64_t bs, int64_t rs, int64_t off, int64_t bytes) {
     if (j1 > L) j1 = L;
@@ -553,9 +554,12 @@ INLINE TGT __m512 hsum16(const __m512* v) {
 }
 
 /* Softmax numerators in place over G rows of L scores (sc[h * L + j]), exact max-shifted
- * float32; inv_sum[h] = 1 / sum of row h. With `ms` (not NULL) ms[h] = row h's maximum and
- * ms[G + h] its sum of numerators (a split's part for merge_splits). */
-INLINE TGT void softmax_rows(float* sc, int64_t G, int64_t L, float* inv_sum, float* ms) {
+ * float32; inv_sum[h] = 1 / sum of row h (of the float32 numerators). With `ms` (not NULL)
+ * ms[h] = row h's maximum and ms[G + h] its sum of numerators (a split's part for
+ * merge_splits). bf16_out: the numerators are stored rounded to bf16 (nearest even, ps_to_bf16x16),
+ * row h's over the first half of its own floats (element j's 2 bytes land on float j / 2,
+ * already read), for the VDPBF16PS P @ V. */
+INLINE TGT void softmax_rows(float* sc, int64_t G, int64_t L, float* inv_sum, float* ms, const int bf16_out) {
     for (int64_t h = 0; h < G; h++) {
         float* s = sc + h * L;
         __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -565,7 +569,8 @@ INLINE TGT void softmax_rows(float* sc, int64_t G, int64_t L, float* inv_sum, fl
         for (int64_t j = 0; j < L; j += 16) {
             __mmask16 m = tail_mask(L - j);
             __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmax)));
-            _mm512_mask_storeu_ps(s + j, m, e);
+            if (bf16_out) _mm256_mask_storeu_epi16((uint16_t*)s + j, m, ps_to_bf16x16(e));
+            else _mm512_mask_storeu_ps(s + j, m, e);
             sum = _mm512_add_ps(sum, e);
         }
         const float total = _mm512_reduce_add_ps(sum);
@@ -616,7 +621,7 @@ INLINE TGT void attn_core(const int64_t G, const int64_t NV, const void* q, cons
         j0 += n;
     }
     float inv_sum[64];
-    softmax_rows(sc, G, Lw, inv_sum, part ? part + G * hd : NULL);
+    softmax_rows(sc, G, Lw, inv_sum, part ? part + G * hd : NULL, 0);
     /* pass 2: P @ V, accumulators in registers when G * NV is a small constant */
     __m512 acc[G][NV];
     for (int64_t h = 0; h < G; h++)
@@ -673,6 +678,44 @@ INLINE void prefetch_block(const uint16_t* cache, const int64_t* bt, int64_t j, 
     for (int64_t b = 0; b < n * rs * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
+/* Scores of 16 consecutive keys (rows kb, kb + rs, ...) for HN query heads (qh, qh + hd, ...),
+ * times `scale`, stored to dst[h * Lw + 0..15]. Keys outer, heads inner: each K row is loaded
+ * once for the group, and the 16 per-key partial-sum vectors of a head are folded as they come
+ * (two keys: unpacklo/hi + add; then shuffle_ps, then shuffle_f32x4 twice), the same tree and
+ * order as hsum16, so the sums are bit for bit those of a hsum16 over the 16 vectors. With
+ * heads outer (the previous loop) the 16 vectors of a head were live at once, K was reloaded per
+ * head and GCC spilled: 2-core Zen 4, 3 heads of 64 dims, cache-resident: the Q·K pass took
+ * about half of the kernel. */
+INLINE TGT_DP void qk16_dp(const int HN, const int64_t NW, const uint16_t* qh, int64_t hd, const uint16_t* kb,
+                           int64_t rs, float* dst, int64_t Lw, __m512 vscale) {
+    __m512bh qv[HN][NW];
+    for (int h = 0; h < HN; h++)
+        for (int64_t w = 0; w < NW; w++) qv[h][w] = (__m512bh)_mm512_loadu_si512(qh + h * hd + w * 32);
+    __m512 t0[HN], u0[HN], w0[HN];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        const uint16_t* k0 = kb + (2 * i) * rs;
+        const uint16_t* k1 = k0 + rs;
+#pragma GCC unroll 8
+        for (int h = 0; h < HN; h++) {
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h][0], (__m512bh)_mm512_loadu_si512(k0));
+            __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h][0], (__m512bh)_mm512_loadu_si512(k1));
+            for (int64_t w = 1; w < NW; w++) {
+                a = _mm512_dpbf16_ps(a, qv[h][w], (__m512bh)_mm512_loadu_si512(k0 + w * 32));
+                b = _mm512_dpbf16_ps(b, qv[h][w], (__m512bh)_mm512_loadu_si512(k1 + w * 32));
+            }
+            const __m512 t = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+            if (!(i & 1)) { t0[h] = t; continue; }
+            const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0[h], t, 0x44), _mm512_shuffle_ps(t0[h], t, 0xee));
+            if (!(i & 2)) { u0[h] = u; continue; }
+            const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u0[h], u, 0x88), _mm512_shuffle_f32x4(u0[h], u, 0xdd));
+            if (!(i & 4)) { w0[h] = w; continue; }
+            const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(w0[h], w, 0x88), _mm512_shuffle_f32x4(w0[h], w, 0xdd));
+            _mm512_storeu_ps(dst + h * Lw, _mm512_mul_ps(r, vscale));
+        }
+    }
+}
+
 INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_t* q, const uint16_t* kc,
                                 const uint16_t* vc, const int64_t* bt, int64_t J, int64_t L, uint16_t* out,
                                 int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc, float* part) {
@@ -687,41 +730,31 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
         if (L - j0 < n) n = L - j0;
         const uint16_t* kb = kc + (blk * bs + o0) * rs + g * hd;
         if (g == 0) prefetch_block(kc, bt, j0 + KV_PFD, L, bs, rs, 16);
-        for (int64_t h = 0; h < G; h++) {
-            /* a whole chunk (the common case) with a constant trip count, so that the 16 partial
-             * sums stay in registers: with a variable one they were stored to the stack and
-             * reloaded, the hottest instructions of the kernel (perf, 2-core Zen 4) */
-            __m512 P[16];
-            if (n == 16) {
-#pragma GCC unroll 16
-                for (int jj = 0; jj < 16; jj++) {
-                    P[jj] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[h][0], (__m512bh)_mm512_loadu_si512(kb + jj * rs));
-                    for (int64_t w = 1; w < NW; w++)
-                        P[jj] = _mm512_dpbf16_ps(P[jj], qv[h][w], (__m512bh)_mm512_loadu_si512(kb + jj * rs + w * 32));
-                }
-            } else {
+        if (n == 16) {
+            /* heads in groups whose query vectors, K rows and pending sums fit the 32 registers */
+            const int64_t HG = NW <= 2 ? 3 : NW <= 4 ? 2 : 1;
+            for (int64_t h0 = 0; h0 < G; h0 += HG) {
+                const int64_t hn = G - h0 < HG ? G - h0 : HG;
+                const uint16_t* qh = q + (g * G + h0) * hd;
+                float* dst = sc + h0 * Lw + (j0 - J);
+                if (hn == 3) qk16_dp(3, NW, qh, hd, kb, rs, dst, Lw, vscale);
+                else if (hn == 2) qk16_dp(2, NW, qh, hd, kb, rs, dst, Lw, vscale);
+                else qk16_dp(1, NW, qh, hd, kb, rs, dst, Lw, vscale);
+            }
+        } else { /* the partial chunk of a block or of the context: a head at a time */
+            for (int64_t h = 0; h < G; h++) {
+                __m512 P[16];
                 for (int jj = 0; jj < 16; jj++) P[jj] = _mm512_setzero_ps();
                 for (int64_t jj = 0; jj < n; jj++)
                     for (int64_t w = 0; w < NW; w++)
                         P[jj] = _mm512_dpbf16_ps(P[jj], qv[h][w], (__m512bh)_mm512_loadu_si512(kb + jj * rs + w * 32));
+                _mm512_mask_storeu_ps(sc + h * Lw + (j0 - J), tail_mask(n), _mm512_mul_ps(hsum16(P), vscale));
             }
-            _mm512_mask_storeu_ps(sc + h * Lw + (j0 - J), tail_mask(n), _mm512_mul_ps(hsum16(P), vscale));
         }
         j0 += n;
     }
     float inv_sum[64];
-    softmax_rows(sc, G, Lw, inv_sum, part ? part + G * hd : NULL);
-    /* the probabilities rounded to bf16 (nearest even), each row in place over its own first half
-     * (element j's 2 bytes land on float j / 2, already read) */
-    for (int64_t h = 0; h < G; h++) {
-        const float* s = sc + h * Lw;
-        uint16_t* pb = (uint16_t*)(sc + h * Lw);
-        for (int64_t j = 0; j < Lw; j += 16) {
-            const __mmask16 m = tail_mask(Lw - j);
-            const __m512 v = _mm512_maskz_loadu_ps(m, s + j);
-            _mm256_mask_storeu_epi16(pb + j, m, (__m256i)_mm512_cvtneps_pbh(v));
-        }
-    }
+    softmax_rows(sc, G, Lw, inv_sum, part ? part + G * hd : NULL, 1); /* probabilities in bf16 */
     /* P @ V over pairs of keys: lane i of lo/hi holds dim 32w + 8(i/4) + i%4 (+ 4 for hi) */
     __m512 lo[G][NW], hi[G][NW];
     for (int64_t h = 0; h < G; h++)
@@ -730,20 +763,37 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
         const int64_t blk = bt[j0 / bs], o0 = j0 % bs, n = (L - j0) < bs - o0 ? (L - j0) : bs - o0;
         const uint16_t* vb = vc + (blk * bs + o0) * rs + g * hd;
         if (g == 0) prefetch_block(vc, bt, j0 + KV_PFD, L, bs, rs, n);
-        for (int64_t o = 0; o < n; o += 2) {
-            const int two = o + 1 < n;
+        /* whole pairs; the pair's probabilities broadcast straight from memory as a float
+         * (VBROADCASTSS: a load; a broadcast from a general register competes with VDPBF16PS) */
+        for (int64_t o = 0; o + 1 < n; o += 2) {
             __m512i a[8], b[8]; /* (fixed size: a VLA here was a stack allocation per pair of keys) */
             for (int64_t w = 0; w < NW; w++) {
-                __m512i v0 = _mm512_loadu_si512(vb + o * rs + w * 32);
-                __m512i v1 = two ? _mm512_loadu_si512(vb + (o + 1) * rs + w * 32) : _mm512_setzero_si512();
+                const __m512i v0 = _mm512_loadu_si512(vb + o * rs + w * 32);
+                const __m512i v1 = _mm512_loadu_si512(vb + (o + 1) * rs + w * 32);
                 a[w] = _mm512_unpacklo_epi16(v0, v1);
                 b[w] = _mm512_unpackhi_epi16(v0, v1);
             }
             for (int64_t h = 0; h < G; h++) {
-                const uint16_t* s = (const uint16_t*)(sc + h * Lw) + (j0 - J) + o;
-                uint32_t pp = s[0];
-                if (two) memcpy(&pp, s, 4);
-                const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp);
+                float pp;
+                memcpy(&pp, (const uint16_t*)(sc + h * Lw) + (j0 - J) + o, 4);
+                const __m512bh pv = (__m512bh)_mm512_castps_si512(_mm512_set1_ps(pp));
+                for (int64_t w = 0; w < NW; w++) {
+                    lo[h][w] = _mm512_dpbf16_ps(lo[h][w], (__m512bh)a[w], pv);
+                    hi[h][w] = _mm512_dpbf16_ps(hi[h][w], (__m512bh)b[w], pv);
+                }
+            }
+        }
+        if (n & 1) { /* the last key of an odd run, paired with zeros (the word after its
+                      * probability may be the next block's or not a probability at all) */
+            const int64_t o = n - 1;
+            __m512i a[8], b[8];
+            for (int64_t w = 0; w < NW; w++) {
+                const __m512i v0 = _mm512_loadu_si512(vb + o * rs + w * 32);
+                a[w] = _mm512_unpacklo_epi16(v0, _mm512_setzero_si512());
+                b[w] = _mm512_unpackhi_epi16(v0, _mm512_setzero_si512());
+            }
+            for (int64_t h = 0; h < G; h++) {
+                const __m512bh pv = (__m512bh)_mm512_set1_epi32(((const uint16_t*)(sc + h * Lw))[(j0 - J) + o]);
                 for (int64_t w = 0; w < NW; w++) {
                     lo[h][w] = _mm512_dpbf16_ps(lo[h][w], (__m512bh)a[w], pv);
                     hi[h][w] = _mm512_dpbf16_ps(hi[h][w], (__m512bh)b[w], pv);
