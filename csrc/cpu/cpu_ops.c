@@ -716,109 +716,144 @@ INLINE TGT_DP void qk16_dp(const int HN, const int64_t NW, const uint16_t* qh, i
     }
 }
 
+/* KV heads g0 .. g0 + ng - 1 of one sequence (G query heads each) over keys [J, L): ng = 1 is a
+ * work item of one KV head; ng = KVH reads each token row once for all heads (decode_item's
+ * `rows` items). sc: ng * G rows of L - J scores; acc (ng > 1 only): ng * G * hd floats, the
+ * P·V accumulators of the KV heads between blocks; part: as attn_core, the part of KV head
+ * g0 + i at part + i * (G * hd + 2 * G). The item reading KV head 0 prefetches the rows ahead
+ * (prefetch_block, every KV head of a token). */
 INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_t* q, const uint16_t* kc,
                                 const uint16_t* vc, const int64_t* bt, int64_t J, int64_t L, uint16_t* out,
-                                int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale, float* sc, float* part) {
-    const int64_t rs = KVH * hd, Lw = L - J;
-    __m512bh qv[G][NW];
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t w = 0; w < NW; w++) qv[h][w] = (__m512bh)_mm512_loadu_si512(q + (g * G + h) * hd + w * 32);
+                                int64_t KVH, int64_t g0, int64_t ng, int64_t hd, int64_t bs, float scale, float* sc,
+                                float* acc, float* part) {
+    const int64_t rs = KVH * hd, Lw = L - J, ps = G * hd + 2 * G;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j0 = J; j0 < L;) {
         const int64_t blk = bt[j0 / bs], o0 = j0 % bs;
         int64_t n = bs - o0 < 16 ? bs - o0 : 16;
         if (L - j0 < n) n = L - j0;
-        const uint16_t* kb = kc + (blk * bs + o0) * rs + g * hd;
-        if (g == 0) prefetch_block(kc, bt, j0 + KV_PFD, L, bs, rs, 16);
-        if (n == 16) {
-            /* heads in groups whose query vectors, K rows and pending sums fit the 32 registers */
-            const int64_t HG = NW <= 2 ? 3 : NW <= 4 ? 2 : 1;
-            for (int64_t h0 = 0; h0 < G; h0 += HG) {
-                const int64_t hn = G - h0 < HG ? G - h0 : HG;
-                const uint16_t* qh = q + (g * G + h0) * hd;
-                float* dst = sc + h0 * Lw + (j0 - J);
-                if (hn == 3) qk16_dp(3, NW, qh, hd, kb, rs, dst, Lw, vscale);
-                else if (hn == 2) qk16_dp(2, NW, qh, hd, kb, rs, dst, Lw, vscale);
-                else qk16_dp(1, NW, qh, hd, kb, rs, dst, Lw, vscale);
-            }
-        } else { /* the partial chunk of a block or of the context: a head at a time */
-            for (int64_t h = 0; h < G; h++) {
-                __m512 P[16];
-                for (int jj = 0; jj < 16; jj++) P[jj] = _mm512_setzero_ps();
-                for (int64_t jj = 0; jj < n; jj++)
-                    for (int64_t w = 0; w < NW; w++)
-                        P[jj] = _mm512_dpbf16_ps(P[jj], qv[h][w], (__m512bh)_mm512_loadu_si512(kb + jj * rs + w * 32));
-                _mm512_mask_storeu_ps(sc + h * Lw + (j0 - J), tail_mask(n), _mm512_mul_ps(hsum16(P), vscale));
+        if (g0 == 0) prefetch_block(kc, bt, j0 + KV_PFD, L, bs, rs, 16);
+        for (int64_t i = 0; i < ng; i++) {
+            const int64_t g = g0 + i;
+            const uint16_t* kb = kc + (blk * bs + o0) * rs + g * hd;
+            float* sg = sc + i * G * Lw + (j0 - J);
+            if (n == 16) {
+                /* heads in groups whose query vectors, K rows and pending sums fit the 32 registers */
+                const int64_t HG = NW <= 2 ? 3 : NW <= 4 ? 2 : 1;
+                for (int64_t h0 = 0; h0 < G; h0 += HG) {
+                    const int64_t hn = G - h0 < HG ? G - h0 : HG;
+                    const uint16_t* qh = q + (g * G + h0) * hd;
+                    if (hn == 3) qk16_dp(3, NW, qh, hd, kb, rs, sg + h0 * Lw, Lw, vscale);
+                    else if (hn == 2) qk16_dp(2, NW, qh, hd, kb, rs, sg + h0 * Lw, Lw, vscale);
+                    else qk16_dp(1, NW, qh, hd, kb, rs, sg + h0 * Lw, Lw, vscale);
+                }
+            } else { /* the partial chunk of a block or of the context: a head at a time */
+                for (int64_t h = 0; h < G; h++) {
+                    __m512 P[16];
+                    for (int jj = 0; jj < 16; jj++) P[jj] = _mm512_setzero_ps();
+                    for (int64_t w = 0; w < NW; w++) {
+                        const __m512bh qw = (__m512bh)_mm512_loadu_si512(q + (g * G + h) * hd + w * 32);
+                        for (int64_t jj = 0; jj < n; jj++)
+                            P[jj] = _mm512_dpbf16_ps(P[jj], qw, (__m512bh)_mm512_loadu_si512(kb + jj * rs + w * 32));
+                    }
+                    _mm512_mask_storeu_ps(sg + h * Lw, tail_mask(n), _mm512_mul_ps(hsum16(P), vscale));
+                }
             }
         }
         j0 += n;
     }
-    float inv_sum[64];
-    softmax_rows(sc, G, Lw, inv_sum, part ? part + G * hd : NULL, 1); /* probabilities in bf16 */
-    /* P @ V over pairs of keys: lane i of lo/hi holds dim 32w + 8(i/4) + i%4 (+ 4 for hi) */
+    float inv_sum[ng * G];
+    for (int64_t i = 0; i < ng; i++) /* probabilities in bf16 */
+        softmax_rows(sc + i * G * Lw, G, Lw, inv_sum + i * G, part ? part + i * ps + G * hd : NULL, 1);
+    /* P @ V over pairs of keys: lane i of lo/hi holds dim 32w + 8(i/4) + i%4 (+ 4 for hi). One
+     * KV head keeps its accumulators in registers throughout; several take turns at every block,
+     * swapping their accumulators through acc, so that the rows stream from memory evenly (the
+     * swaps cost ~20% where the context is cache-resident; windows of 2-8 blocks were no faster
+     * from DRAM). The keys pair up within each block's run either way: the same bits. */
     __m512 lo[G][NW], hi[G][NW];
     for (int64_t h = 0; h < G; h++)
         for (int64_t w = 0; w < NW; w++) lo[h][w] = hi[h][w] = _mm512_setzero_ps();
+    if (ng > 1) memset(acc, 0, sizeof(float) * (size_t)(ng * G * hd));
     for (int64_t j0 = J; j0 < L;) { /* the rest of j0's block, then whole blocks */
         const int64_t blk = bt[j0 / bs], o0 = j0 % bs, n = (L - j0) < bs - o0 ? (L - j0) : bs - o0;
-        const uint16_t* vb = vc + (blk * bs + o0) * rs + g * hd;
-        if (g == 0) prefetch_block(vc, bt, j0 + KV_PFD, L, bs, rs, n);
-        /* whole pairs; the pair's probabilities broadcast straight from memory as a float
-         * (VBROADCASTSS: a load; a broadcast from a general register competes with VDPBF16PS) */
-        for (int64_t o = 0; o + 1 < n; o += 2) {
-            __m512i a[8], b[8]; /* (fixed size: a VLA here was a stack allocation per pair of keys) */
-            for (int64_t w = 0; w < NW; w++) {
-                const __m512i v0 = _mm512_loadu_si512(vb + o * rs + w * 32);
-                const __m512i v1 = _mm512_loadu_si512(vb + (o + 1) * rs + w * 32);
-                a[w] = _mm512_unpacklo_epi16(v0, v1);
-                b[w] = _mm512_unpackhi_epi16(v0, v1);
-            }
-            for (int64_t h = 0; h < G; h++) {
-                float pp;
-                memcpy(&pp, (const uint16_t*)(sc + h * Lw) + (j0 - J) + o, 4);
-                const __m512bh pv = (__m512bh)_mm512_castps_si512(_mm512_set1_ps(pp));
+        if (g0 == 0) prefetch_block(vc, bt, j0 + KV_PFD, L, bs, rs, n);
+        for (int64_t i = 0; i < ng; i++) {
+            const uint16_t* vb = vc + (blk * bs + o0) * rs + (g0 + i) * hd;
+            const uint16_t* pr = (const uint16_t*)(sc + i * G * Lw) + (j0 - J); /* head h's: pr + 2 h Lw */
+            float* ai = acc + i * G * hd;
+            if (ng > 1)
+                for (int64_t h = 0; h < G; h++)
+                    for (int64_t w = 0; w < NW; w++) {
+                        lo[h][w] = _mm512_loadu_ps(ai + h * hd + w * 32);
+                        hi[h][w] = _mm512_loadu_ps(ai + h * hd + w * 32 + 16);
+                    }
+            /* whole pairs; the pair's probabilities broadcast straight from memory as a float
+             * (VBROADCASTSS: a load; a broadcast from a general register competes with VDPBF16PS) */
+            for (int64_t o = 0; o + 1 < n; o += 2) {
+                __m512i a[8], b[8]; /* (fixed size: a VLA here was a stack allocation per pair of keys) */
                 for (int64_t w = 0; w < NW; w++) {
-                    lo[h][w] = _mm512_dpbf16_ps(lo[h][w], (__m512bh)a[w], pv);
-                    hi[h][w] = _mm512_dpbf16_ps(hi[h][w], (__m512bh)b[w], pv);
+                    const __m512i v0 = _mm512_loadu_si512(vb + o * rs + w * 32);
+                    const __m512i v1 = _mm512_loadu_si512(vb + (o + 1) * rs + w * 32);
+                    a[w] = _mm512_unpacklo_epi16(v0, v1);
+                    b[w] = _mm512_unpackhi_epi16(v0, v1);
+                }
+                for (int64_t h = 0; h < G; h++) {
+                    float pp;
+                    memcpy(&pp, pr + 2 * h * Lw + o, 4);
+                    const __m512bh pv = (__m512bh)_mm512_castps_si512(_mm512_set1_ps(pp));
+                    for (int64_t w = 0; w < NW; w++) {
+                        lo[h][w] = _mm512_dpbf16_ps(lo[h][w], (__m512bh)a[w], pv);
+                        hi[h][w] = _mm512_dpbf16_ps(hi[h][w], (__m512bh)b[w], pv);
+                    }
                 }
             }
-        }
-        if (n & 1) { /* the last key of an odd run, paired with zeros (the word after its
-                      * probability may be the next block's or not a probability at all) */
-            const int64_t o = n - 1;
-            __m512i a[8], b[8];
-            for (int64_t w = 0; w < NW; w++) {
-                const __m512i v0 = _mm512_loadu_si512(vb + o * rs + w * 32);
-                a[w] = _mm512_unpacklo_epi16(v0, _mm512_setzero_si512());
-                b[w] = _mm512_unpackhi_epi16(v0, _mm512_setzero_si512());
-            }
-            for (int64_t h = 0; h < G; h++) {
-                const __m512bh pv = (__m512bh)_mm512_set1_epi32(((const uint16_t*)(sc + h * Lw))[(j0 - J) + o]);
+            if (n & 1) { /* the last key of an odd run, paired with zeros (the word after its
+                          * probability may be the next block's or not a probability at all) */
+                const int64_t o = n - 1;
+                __m512i a[8], b[8];
                 for (int64_t w = 0; w < NW; w++) {
-                    lo[h][w] = _mm512_dpbf16_ps(lo[h][w], (__m512bh)a[w], pv);
-                    hi[h][w] = _mm512_dpbf16_ps(hi[h][w], (__m512bh)b[w], pv);
+                    const __m512i v0 = _mm512_loadu_si512(vb + o * rs + w * 32);
+                    a[w] = _mm512_unpacklo_epi16(v0, _mm512_setzero_si512());
+                    b[w] = _mm512_unpackhi_epi16(v0, _mm512_setzero_si512());
+                }
+                for (int64_t h = 0; h < G; h++) {
+                    const __m512bh pv = (__m512bh)_mm512_set1_epi32(pr[2 * h * Lw + o]);
+                    for (int64_t w = 0; w < NW; w++) {
+                        lo[h][w] = _mm512_dpbf16_ps(lo[h][w], (__m512bh)a[w], pv);
+                        hi[h][w] = _mm512_dpbf16_ps(hi[h][w], (__m512bh)b[w], pv);
+                    }
                 }
             }
+            if (ng > 1)
+                for (int64_t h = 0; h < G; h++)
+                    for (int64_t w = 0; w < NW; w++) {
+                        _mm512_storeu_ps(ai + h * hd + w * 32, lo[h][w]);
+                        _mm512_storeu_ps(ai + h * hd + w * 32 + 16, hi[h][w]);
+                    }
         }
         j0 += n;
     }
     const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int64_t h = 0; h < G; h++) {
-        const __m512 is = _mm512_set1_ps(inv_sum[h]);
-        uint16_t* oh = out + (g * G + h) * hd;
-        for (int64_t w = 0; w < NW; w++) {
-            const __m512 o0 = _mm512_mul_ps(_mm512_permutex2var_ps(lo[h][w], i0, hi[h][w]), is);
-            const __m512 o1 = _mm512_mul_ps(_mm512_permutex2var_ps(lo[h][w], i1, hi[h][w]), is);
-            if (part) {
-                _mm512_storeu_ps(part + h * hd + w * 32, o0);
-                _mm512_storeu_ps(part + h * hd + w * 32 + 16, o1);
-            } else {
-                _mm256_storeu_si256((__m256i*)(oh + w * 32), ps_to_bf16x16(o0));
-                _mm256_storeu_si256((__m256i*)(oh + w * 32 + 16), ps_to_bf16x16(o1));
+    for (int64_t i = 0; i < ng; i++)
+        for (int64_t h = 0; h < G; h++) {
+            const __m512 is = _mm512_set1_ps(inv_sum[i * G + h]);
+            uint16_t* oh = out + ((g0 + i) * G + h) * hd;
+            float* ph = part ? part + i * ps + h * hd : NULL;
+            for (int64_t w = 0; w < NW; w++) {
+                const __m512 l = ng > 1 ? _mm512_loadu_ps(acc + (i * G + h) * hd + w * 32) : lo[h][w];
+                const __m512 u = ng > 1 ? _mm512_loadu_ps(acc + (i * G + h) * hd + w * 32 + 16) : hi[h][w];
+                const __m512 o0 = _mm512_mul_ps(_mm512_permutex2var_ps(l, i0, u), is);
+                const __m512 o1 = _mm512_mul_ps(_mm512_permutex2var_ps(l, i1, u), is);
+                if (ph) {
+                    _mm512_storeu_ps(ph + w * 32, o0);
+                    _mm512_storeu_ps(ph + w * 32 + 16, o1);
+                } else {
+                    _mm256_storeu_si256((__m256i*)(oh + w * 32), ps_to_bf16x16(o0));
+                    _mm256_storeu_si256((__m256i*)(oh + w * 32 + 16), ps_to_bf16x16(o1));
+                }
             }
         }
-    }
 }
 
 /* Set once at load time from Python: 1 when the CPU has AVX512_BF16. */
@@ -827,16 +862,19 @@ void kv_set_bf16_dot(int on) { kv_bf16_dot = on; }
 
 static __attribute__((noinline)) TGT_DP void attn_one_dp(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                                                          const int64_t* bt, int64_t J, int64_t L, uint16_t* out, int64_t G,
-                                                         int64_t KVH, int64_t g, int64_t hd, int64_t bs, float scale,
-                                                         float* sc, float* part) {
+                                                         int64_t KVH, int64_t g0, int64_t ng, int64_t hd, int64_t bs,
+                                                         float scale, float* sc, float* acc, float* part) {
     const int64_t nw = hd / 32;
-#define KV_DP_CASE(GC, NC) \
-    if (G == GC && nw == NC) { attn_core_dp(GC, NC, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, part); return; }
+#define KV_DP_CASE(GC, NC)                                                                                         \
+    if (G == GC && nw == NC) {                                                                                     \
+        attn_core_dp(GC, NC, q, kc, vc, bt, J, L, out, KVH, g0, ng, hd, bs, scale, sc, acc, part);                 \
+        return;                                                                                                    \
+    }
     KV_DP_CASE(1, 2) KV_DP_CASE(2, 2) KV_DP_CASE(3, 2) KV_DP_CASE(4, 2) KV_DP_CASE(5, 2) KV_DP_CASE(6, 2)
     KV_DP_CASE(8, 2) KV_DP_CASE(1, 4) KV_DP_CASE(2, 4) KV_DP_CASE(3, 4) KV_DP_CASE(4, 4) KV_DP_CASE(1, 8)
     KV_DP_CASE(2, 8)
 #undef KV_DP_CASE
-    attn_core_dp(G, nw, q, kc, vc, bt, J, L, out, KVH, g, hd, bs, scale, sc, part);
+    attn_core_dp(G, nw, q, kc, vc, bt, J, L, out, KVH, g0, ng, hd, bs, scale, sc, acc, part);
 }
 
 /* Keys [J, L) of the sequence (block table bt): J > 0 skips the first J keys (a sliding window
@@ -848,7 +886,7 @@ INLINE TGT void attn_one(const void* q, const void* kc, const void* vc, const in
     const int64_t nv = (hd + 15) / 16;
     if (bf && kv_bf16_dot && hd % 32 == 0) {
         attn_one_dp((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, bt, J, L, (uint16_t*)out, G, KVH, g,
-                    hd, bs, scale, sc, part);
+                    1, hd, bs, scale, sc, NULL, part);
         return;
     }
 #define KV_ATTN_CASE(GC, NC) \
@@ -2536,21 +2574,39 @@ typedef struct {
     int bf, fmt, bits;
     int pf_rows; /* the first KV head's item prefetches the pair's rows (decode_item): set where a
                   * thread runs a pair's items one after the other (decode_attention_run) */
+    int rows;    /* 1: item i is pair i with all its KV heads, each token row read once (decode_rows) */
 } decode_attn_t;
 
+/* Whether the items of a decode attention over P (sequence, split) pairs on nthreads threads are
+ * whole pairs (all KV heads in one pass over the token rows, attn_core_dp with ng = KVH) rather
+ * than (pair, KV head): bf16 caches on the VDPBF16PS kernel, with enough pairs that whole-pair
+ * items still balance (KV_ROWS_PAIRS a thread). With an item per KV head, the item of KV head 0
+ * pulls the rows from DRAM while the others find them in L2 (or, in the decode step's team,
+ * on the other core), so memory is busy a third of the time with SmolLM2's 3 KV heads; whole
+ * pairs read their rows evenly through the pass. */
+#define KV_ROWS_PAIRS 4
+static inline int decode_rows(int bf, int fmt, int64_t KVH, int64_t hd, int64_t P, int nthreads) {
+    return bf && fmt == 0 && kv_bf16_dot && hd % 32 == 0 && KVH > 1 && P >= (int64_t)KV_ROWS_PAIRS * nthreads;
+}
+
+/* Query heads a thread's decode_scratch_t must hold scores for. */
+static inline int64_t decode_scratch_heads(const decode_attn_t* a) { return a->rows ? a->G * a->KVH : a->G; }
+
 /* Item i = (pair i / KVH, KV head i % KVH), the pair a (sequence d, split s) of a->plan: its G
- * query heads over the split's keys, on the calling thread with its buffers `s`. An item's
+ * query heads over the split's keys, on the calling thread with its buffers `s`; with a->rows,
+ * item i = pair i, all its KV heads (the same results: decode_rows). An item's
  * output does not depend on which thread runs it or on the other items. Pools other than the
  * model dtype's are dequantized, the split's keys only, into the thread's buffer first. */
 INLINE TGT void decode_item(const decode_attn_t* a, int64_t i, const decode_scratch_t* s) {
     const decode_plan_t* pl = a->plan;
     const int64_t KVH = a->KVH, G = a->G, hd = a->hd, bs = a->bs, nv = (hd + 15) / 16, es = a->bf ? 2 : 4;
-    const int64_t p = i / KVH, g = i % KVH, maxLp = (a->maxL + 15) & ~(int64_t)15;
+    const int64_t nh = a->rows ? KVH : 1; /* KV heads of the item: g .. g + nh - 1 */
+    const int64_t p = i / (KVH / nh), g = a->rows ? 0 : i % KVH, maxLp = (a->maxL + 15) & ~(int64_t)15;
     const int64_t split = pl->pair_d != NULL, d = split ? pl->pair_d[p] : p, k = split ? pl->pair_s[p] : 0;
     const int64_t S = split ? pl->nsplit[d] : 1;
     float* sc = s->sc;
-    float* qf = sc + G * a->maxL;
-    float* kt = qf + G * nv * 16;
+    float* qf = sc + decode_scratch_heads(a) * a->maxL; /* (the P·V accumulators of a rows item) */
+    float* kt = qf + decode_scratch_heads(a) * nv * 16;
     const int64_t zero_bt = 0;
     /* the walk starts at the window's first block b0; keys [J, L) of it on are attended; split k
      * of S takes the blocks [k * per, (k + 1) * per) of them */
@@ -2579,6 +2635,10 @@ INLINE TGT void decode_item(const decode_attn_t* a, int64_t i, const decode_scra
         else
             attn_one(at(a->q, d * a->ldq + g * G * hd, 0), kd, vd, &zero_bt, J, L, out, G, 1, 0, hd, Lp, a->scale, sc,
                      qf, kt, 0, part);
+    } else if (a->rows) {
+        if (a->pf_rows) prefetch_kv_l2(a->k_cache, a->v_cache, bt, L, bs, KVH * hd * 2, 0, KVH * hd * 2);
+        attn_one_dp(at(a->q, d * a->ldq, 1), a->k_cache, a->v_cache, bt, J, L, atw(a->out, d * a->ldo, 1), G, KVH, 0,
+                    KVH, hd, bs, a->scale, sc, qf, part);
     } else if (a->bf) {
         /* the item of the first KV head pulls the pair's whole rows into L2, four blocks side by
          * side, for its own loop (which prefetches KV_PFD keys ahead as well) and the other KV
@@ -2594,8 +2654,10 @@ INLINE TGT void decode_item(const decode_attn_t* a, int64_t i, const decode_scra
         attn_one(at(a->q, d * a->ldq, 0), a->k_cache, a->v_cache, bt, J, L, atw(a->out, d * a->ldo, 0), G, KVH, g, hd,
                  bs, a->scale, sc, qf, kt, 0, part);
     /* the last split of (d, g) to finish merges them (acquire-release: it sees the others' parts) */
-    if (part && __atomic_sub_fetch(pl->pending + d * KVH + g, 1, __ATOMIC_ACQ_REL) == 0)
-        merge_splits(pl->part + ((p - k) * KVH + g) * (G * hd + 2 * G), KVH * (G * hd + 2 * G), S, G, hd, out, a->bf);
+    for (int64_t gg = g; part && gg < g + nh; gg++)
+        if (__atomic_sub_fetch(pl->pending + d * KVH + gg, 1, __ATOMIC_ACQ_REL) == 0)
+            merge_splits(pl->part + ((p - k) * KVH + gg) * (G * hd + 2 * G), KVH * (G * hd + 2 * G), S, G, hd,
+                         atw(out, (gg - g) * G * hd, a->bf), a->bf);
 }
 
 /* The items of `a` on nthreads threads (static shares). Returns 0, or -1 when a buffer could not
@@ -2609,17 +2671,19 @@ TGT static int decode_attention_run(decode_attn_t* a, int64_t D, int nthreads) {
     decode_plan_reset(&plan, D, a->KVH);
     a->plan = &plan;
     a->pf_rows = 1; /* (static shares: a thread runs a pair's KV heads one after the other) */
+    a->rows = decode_rows(a->bf, a->fmt, a->KVH, a->hd, plan.P, nthreads);
+    const int64_t items = a->rows ? plan.P : plan.P * a->KVH;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         decode_scratch_t s;
-        const int ok = decode_scratch_alloc(&s, a->G, a->hd, a->maxL, a->bf, a->fmt);
+        const int ok = decode_scratch_alloc(&s, decode_scratch_heads(a), a->hd, a->maxL, a->bf, a->fmt);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < plan.P * a->KVH; i++)
+        for (int64_t i = 0; i < items; i++)
             if (ok) decode_item(a, i, &s);
         decode_scratch_free(&s);
     }
@@ -2818,7 +2882,9 @@ TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv
     decode_plan_t plan;                 /* the attention items' splits, the same in every layer */
     const int plan_failed = team_attn ? decode_plan_init(&plan, M, ctx, window, bs, KVH, G, hd) : 0;
     if (!team_attn) plan = (decode_plan_t){.P = M};
-    if (!g || !A || plan_failed || (team_attn && !decode_scratch_alloc(&s0, G, hd, maxL, bf, kv_fmt))) {
+    const int rows = team_attn && decode_rows(bf, kv_fmt, KVH, hd, plan.P, nthreads);
+    const int64_t Gs = rows ? G * KVH : G; /* query heads of an item's scores (decode_scratch_heads) */
+    if (!g || !A || plan_failed || (team_attn && !decode_scratch_alloc(&s0, Gs, hd, maxL, bf, kv_fmt))) {
         free(g);
         free(A);
         decode_scratch_free(&s0);
@@ -2832,8 +2898,9 @@ TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv
         A[l] = (decode_attn_t){.q = qkv, .k_cache = L->k_cache, .v_cache = L->v_cache, .block_tables = bt, .ctx = ctx,
                                .out = attn, .ldq = NQKV, .bt_stride = bt_stride, .ldo = H * hd, .KVH = KVH, .G = G,
                                .hd = hd, .bs = bs, .window = window, .maxL = maxL, .scale = scale, .bf = bf,
-                               .fmt = kv_fmt, .plan = &plan};
-        g[5 * l + 1] = (team_gemv_t){.N = plan.P * KVH, .chunk = 1, .nchunks = plan.P * KVH, .attn = A + l};
+                               .fmt = kv_fmt, .plan = &plan, .rows = rows};
+        const int64_t items = rows ? plan.P : plan.P * KVH;
+        g[5 * l + 1] = (team_gemv_t){.N = items, .chunk = 1, .nchunks = items, .attn = A + l};
         team_gemv_set(g + 5 * l + 2, attn, H * hd, L->o_w, NULL, delta, E, E, H * hd, nthreads, per_thread);
         team_gemv_set(g + 5 * l + 3, x, E, L->gu_w, NULL, gu, 2 * I, 2 * I, E, nthreads, per_thread);
         team_gemv_set(g + 5 * l + 4, act, I, L->down_w, NULL, delta, E, E, I, nthreads, per_thread);
@@ -2844,7 +2911,7 @@ TGT static int decode_step_team(const kv_layer_t* layers, int64_t n_layers, gemv
 #pragma omp parallel num_threads(nthreads)
     if (omp_get_thread_num() != 0) {
         decode_scratch_t s = {NULL, NULL};
-        if (team_attn && !decode_scratch_alloc(&s, G, hd, maxL, bf, kv_fmt)) decode_scratch_free(&s); /* (takes no attention item) */
+        if (team_attn && !decode_scratch_alloc(&s, Gs, hd, maxL, bf, kv_fmt)) decode_scratch_free(&s); /* (takes no attention item) */
         int64_t seen = -1;
         for (int spins = 0;;) {
             const int64_t p = __atomic_load_n(&published, __ATOMIC_ACQUIRE);

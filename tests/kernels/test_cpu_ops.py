@@ -873,21 +873,26 @@ def test_paged_attention_decode_split_along_the_keys_matches_sdpa(dtype, kv_dtyp
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["model-dtype", "int8"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_decode_output_depends_on_the_sequence_alone(dtype, kv_dtype):
+@pytest.mark.parametrize("H,KVH,hd,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (12, 4, 64, 5), (16, 2, 256, 16)])
+@pytest.mark.parametrize("window", [None, 333])
+def test_split_decode_output_depends_on_the_sequence_alone(dtype, kv_dtype, H, KVH, hd, bs, window):
     """How a context is split depends on its own length: each sequence's output is bit for bit the
-    same alone, in a batch of shorter and longer ones, and on one thread or two."""
-    H, KVH, hd, bs = 9, 3, 64, 16
-    ctx = [40, 700, 1500, 2100]
-    kc, vc, bt, q, _ = _split_case(dtype, kv_dtype, H, KVH, hd, bs, ctx, seed=7)
+    same alone, in a batch of shorter and longer ones, and on one thread or two. (With bf16 pools
+    on the VDPBF16PS kernel a batch of at least 4 (sequence, split) pairs a thread runs whole
+    pairs as items, every KV head in one pass over the token rows, and one sequence alone runs an
+    item per KV head: the same sums in the same order. Block size 5 leaves odd runs of keys.)"""
+    ctx = [40, 700, 1500, 2100, 3, 17, 333, 334]
+    kc, vc, bt, q, _ = _split_case(dtype, kv_dtype, H, KVH, hd, bs, ctx, seed=7 + H + bs)
     prev = torch.get_num_threads()
     try:
         outs = []
         for threads in (2, 1):
             torch.set_num_threads(threads)
-            outs.append(K.paged_attention_decode(q, kc, vc, bt, torch.tensor(ctx), hd**-0.5))
+            outs.append(K.paged_attention_decode(q, kc, vc, bt, torch.tensor(ctx), hd**-0.5, window=window))
+            assert not outs[-1].isnan().any()
             for d in range(len(ctx)):
                 alone = K.paged_attention_decode(q[d : d + 1], kc, vc, bt[d : d + 1].contiguous(),
-                                                 torch.tensor(ctx[d : d + 1]), hd**-0.5)
+                                                 torch.tensor(ctx[d : d + 1]), hd**-0.5, window=window)
                 assert torch.equal(alone[0], outs[-1][d]), (threads, d)
         assert torch.equal(outs[0], outs[1])
     finally:

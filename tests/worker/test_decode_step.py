@@ -65,20 +65,21 @@ def test_profile_rejects_a_buffer_of_the_wrong_kind(tiny_model_dir):
     assert step.profile is None
 
 
-def _replay(llm, prompt_len: int = 40, prompts=None):
-    """The decode step and the arguments of its last call, captured from a short generation
-    (of ``prompts``, default one prompt of ``prompt_len`` tokens)."""
+def _replay(llm, prompt_len: int = 40, prompts=None, max_tokens: int = 3):
+    """The decode step and the arguments of its last call with the most sequences, captured from
+    a short generation (of ``prompts``, default one prompt of ``prompt_len`` tokens)."""
     cap = {}
     orig = cpu_ops.DecodeStep.__call__
 
     def spy(self, *a):
-        cap["call"] = (self, tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in a))
+        if "call" not in cap or a[0].shape[0] >= cap["call"][1][0].shape[0]:
+            cap["call"] = (self, tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in a))
         return orig(self, *a)
 
     cpu_ops.DecodeStep.__call__ = spy
     try:
         llm.generate(prompts or [list(range(3, 3 + prompt_len))],
-                     SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+                     SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     finally:
         cpu_ops.DecodeStep.__call__ = orig
     return cap["call"]
@@ -119,20 +120,23 @@ def test_team_path_is_bit_identical_to_the_per_operation_path(tiny_model_dir, ar
 
 @pytest.mark.parametrize("arch", ["llama_long", "mistral_window"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_team_attention_over_several_sequences_is_bit_identical(tiny_model_dir, arch, kv_cache_dtype, dtype):
+@pytest.mark.parametrize("dtype,more", [("float32", False), ("bfloat16", False), ("bfloat16", True)],
+                         ids=["float32", "bfloat16", "bfloat16-10-seqs"])  # (a float32 step takes fewer rows)
+def test_team_attention_over_several_sequences_is_bit_identical(tiny_model_dir, arch, kv_cache_dtype, dtype, more):
     """Where attention runs the vector kernel, the team's threads share its (sequence, split, KV
     head) items: sequences of 7, 45 and 90 tokens, and on ``llama_long`` one of 700 (attended in
     two splits of its keys; a 16-token window on ``mistral_window``, 8-bit rows with ``int8``),
-    give the per-operation path's logits bit for bit."""
+    give the per-operation path's logits bit for bit. With 7 more sequences a bf16 cache's items
+    are whole (sequence, split) pairs, all KV heads in one pass (at least 4 pairs a thread)."""
     if not cpu_ops.available():
         pytest.skip("needs the CPU kernels")
     folder, _ = tiny_model_dir(arch)
     long = arch == "llama_long"
-    llm = LLM(model=str(folder), dtype=dtype, num_blocks=256, block_size=4, device="cpu", enable_prefix_caching=False,
-              kv_cache_dtype=kv_cache_dtype, max_model_len=1024 if long else None)
-    prompts = [list(range(3, 3 + n)) for n in (7, 45, 90)] + ([[3 + i % 300 for i in range(700)]] if long else [])
-    step, args = _replay(llm, prompts=prompts)
+    llm = LLM(model=str(folder), dtype=dtype, num_blocks=512 if more else 256, block_size=4, device="cpu",
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype, max_model_len=1024 if long else None)
+    lens = (7, 45, 90) + ((3, 12, 33, 60, 5, 21, 64) if more else ())
+    prompts = [list(range(3, 3 + n)) for n in lens] + ([[3 + i % 300 for i in range(700)]] if long else [])
+    step, args = _replay(llm, prompts=prompts, max_tokens=40 if more else 3)
     assert args[0].shape[0] == len(prompts)  # a decode token of each in the call
     a, b = _team_vs_pieces(step, args)
     assert torch.isfinite(a.float()).all()

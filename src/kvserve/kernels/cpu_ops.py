@@ -570,7 +570,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     a sequence attending to more than 512 keys is split along its keys into work items of
     whole blocks whose partial softmax results are merged (flash-decoding, Dao et al. 2023);
     the split depends on the sequence's own length only, so its output does not depend on the
-    batch or the thread count.
+    batch or the thread count. With bf16 caches on AVX512-BF16 and at least 4 (sequence, split)
+    pairs a thread, a work item is a whole pair, every KV head in one pass over its token rows
+    (memory streams through the whole pass instead of the first KV head's item; same sums in the
+    same order as an item per KV head).
 
     Raises:
         ValueError: for head_dim > 256, a GQA group > 64 or heads not divisible by KV heads.
