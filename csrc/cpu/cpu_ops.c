@@ -788,7 +788,7 @@ INLINE TGT_DP void attn_core_dp(const int64_t G, const int64_t NW, const uint16_
                         hi[h][w] = _mm512_loadu_ps(ai + h * hd + w * 32 + 16);
                     }
             /* whole pairs; the pair's probabilities broadcast straight from memory as a float
-             * (VBROADCASTSS: a load; a broadcast from a general register competes with VDPBF16PS) */
+             * (VBROADCASTSS: a load; VPBROADCASTD from a register competes with VDPBF16PS on Zen 4) */
             for (int64_t o = 0; o + 1 < n; o += 2) {
                 __m512i a[8], b[8]; /* (fixed size: a VLA here was a stack allocation per pair of keys) */
                 for (int64_t w = 0; w < NW; w++) {
