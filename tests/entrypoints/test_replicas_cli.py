@@ -216,15 +216,21 @@ def test_a_killed_replica_is_replaced_and_its_requests_retried_or_ended(tiny_mod
         for t in threads[4:]:
             t.start()
         routed.wait(60)
+        t_routed = time.monotonic()
         for t in threads[:4]:
             t.start()
         deadline = time.monotonic() + 10  # until the 8 requests are in flight, 4 on each replica
+        seen: list = []  # (the in-flight counts polled, for a failure's message)
         while time.monotonic() < deadline:
             in_flight = [v["in_flight"] for v in httpx.get(base + "/health", timeout=5).json()["replicas"].values()]
+            if not seen or seen[-1][1] != in_flight:
+                seen.append((round(time.monotonic() - t_routed, 2), in_flight))
             if in_flight == [4, 4]:
                 break
             time.sleep(0.02)
         os.kill(victim, signal.SIGKILL)
+        # (a stream of 4,000 tokens took ~9 s here: killed later, replica-0's could be over)
+        why = f"killed {time.monotonic() - t_routed:.1f} s after the streams were routed; in flight: {seen}"
         for t in threads:
             t.join(150)
             assert not t.is_alive()  # no request hangs
@@ -242,7 +248,8 @@ def test_a_killed_replica_is_replaced_and_its_requests_retried_or_ended(tiny_mod
                 finished += 1
                 assert last["choices"][0]["finish_reason"] == "length"
         # (2 of the streams were replica-0's; one may have finished before the kill)
-        assert 1 <= ended_with_error <= 2 and ended_with_error + finished == 4, streams
+        assert 1 <= ended_with_error <= 2 and ended_with_error + finished == 4, \
+            (why, {i: (len(ev), ev[-2][-160:]) for i, ev in streams.items()})
         # each request counts once: where it finished, or as an error of replica-0 (the streams it
         # lost); one sent again counts a retry of replica-0, not an error (it was: "error" +1 for
         # each, and "length" +1 where it then finished)
