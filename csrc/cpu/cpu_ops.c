@@ -526,7 +526,6 @@ void kv_reshape_and_cache(const void* k, int64_t ldk, const void* v, int64_t ldv
 /* Software prefetch of rows [j0, j1) (clipped to L) of one KV head through the block table:
  * `bytes` from element `off` of each token row (rs elements per token). */
 #define KV_PFD 48 /* keys ahead */
-
 INLINE void prefetch_rows(const void* cache, int64_t esize, const int64_t* bt, int64_t j0, int64_t j1, int64_t L,
                           int64_t bs, int64_t rs, int64_t off, int64_t bytes) {
     if (j1 > L) j1 = L;
@@ -2601,7 +2600,7 @@ INLINE TGT void decode_item(const decode_attn_t* a, int64_t i, const decode_scra
     const decode_plan_t* pl = a->plan;
     const int64_t KVH = a->KVH, G = a->G, hd = a->hd, bs = a->bs, nv = (hd + 15) / 16, es = a->bf ? 2 : 4;
     const int64_t nh = a->rows ? KVH : 1; /* KV heads of the item: g .. g + nh - 1 */
-    const int64_t p = i / (KVH / nh), g = a->rows ? 0 : i % KVH, maxLp = (a->maxL + 15) & ~(int64_t)15;
+    const int64_t p = a->rows ? i : i / KVH, g = a->rows ? 0 : i % KVH, maxLp = (a->maxL + 15) & ~(int64_t)15;
     const int64_t split = pl->pair_d != NULL, d = split ? pl->pair_d[p] : p, k = split ? pl->pair_s[p] : 0;
     const int64_t S = split ? pl->nsplit[d] : 1;
     float* sc = s->sc;
